@@ -1,0 +1,20 @@
+"""Exact-answer reward for the built-in arithmetic task."""
+from __future__ import annotations
+
+import re
+
+from grpo.rewards.registry import register
+
+_INT = re.compile(r"-?\d+")
+
+
+def last_integer(text: str) -> int | None:
+    """The last integer written in ``text`` (``"so 3 + 4 = 7."`` -> 7), or None."""
+    found = _INT.findall(text.replace(",", ""))
+    return int(found[-1]) if found else None
+
+
+@register("arithmetic")
+def arithmetic(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
+    """1.0 when the last integer in the completion equals the row's ``answer``, else 0.0."""
+    return [float(last_integer(c) == int(a)) for c, a in zip(completions, answer)]

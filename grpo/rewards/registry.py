@@ -1,0 +1,100 @@
+"""The reward registry: built-in rewards by name, any importable function by dotted path.
+
+A reward function takes the whole batch and returns one score per completion (TRL's signature)::
+
+    fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+
+`columns` holds every dataset column (``answer``, ``tests``, ...) as a list aligned with
+``completions``, plus any keyword arguments given in the config. ``None`` means "no score for this
+sample" and is excluded from that function's statistics and from the weighted sum.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Callable
+
+RewardFn = Callable[..., list]
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make ``fn`` available as ``reward.functions.<key>.fn=<name>``."""
+
+    def deco(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"reward {name!r} is registered twice")
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def available() -> list[str]:
+    """Names of the built-in rewards."""
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def _load_builtins() -> None:
+    import grpo.rewards  # noqa: F401  (importing the package registers every built-in module)
+
+
+class RewardSpecError(ValueError):
+    """A reward `fn` that cannot be resolved; the message is one line meant for the user."""
+
+
+def resolve(spec: str) -> RewardFn:
+    """Turn a config's ``fn`` string into a batch reward function.
+
+    ``spec`` is a built-in name (``arithmetic``) or ``package.module:function``
+    (``package.module.function`` is accepted too). Functions with verl's per-sample signature
+    ``compute_score(data_source, solution_str, ground_truth, extra_info)`` are adapted to the
+    batch signature automatically (see :mod:`grpo.rewards.adapters`).
+    """
+    _load_builtins()
+    if spec in _REGISTRY:
+        return _REGISTRY[spec]
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+    elif "." in spec:
+        module_name, _, attr = spec.rpartition(".")
+    else:
+        raise RewardSpecError(
+            f"unknown reward {spec!r}; built-ins are {', '.join(available())}, "
+            "or give an importable 'package.module:function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or the module itself failing on import
+        raise RewardSpecError(f"cannot import module {module_name!r} for reward {spec!r}: {e}") from None
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise RewardSpecError(f"module {module_name!r} has no function {attr!r} (reward {spec!r})")
+    return adapt(fn, spec)
+
+
+def adapt(fn: Callable, spec: str) -> RewardFn:
+    """Accept TRL-style batch functions as they are and wrap verl-style per-sample ones."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn
+    names = list(params)
+    if names[:2] in (["data_source", "solution_str"],) or "solution_str" in names:
+        from grpo.rewards.adapters import from_verl
+
+        return from_verl(fn)
+    has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    positional = [
+        p for p in params.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    if not (("completions" in names and has_var_kw) or len(positional) >= 2):
+        raise RewardSpecError(
+            f"reward {spec!r} has signature {inspect.signature(fn)}; expected "
+            "fn(prompts, completions, **columns) -> list[float | None] or verl's "
+            "compute_score(data_source, solution_str, ground_truth, extra_info)"
+        )
+    return fn
