@@ -1,0 +1,59 @@
+"""Group-relative advantages: A_i = (r_i - mean(group)) / (std + eps), one value per completion.
+
+Pure functions on 1-D tensors. ``group_sizes`` may be ragged (after filtering or resampling).
+A group whose rewards are all equal gets advantages of exactly 0, never NaN.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def group_ids(group_sizes: list[int], device=None) -> torch.Tensor:
+    """[0,0,0,1,1,...]: the group index of every completion."""
+    sizes = torch.as_tensor(group_sizes, device=device)
+    return torch.repeat_interleave(torch.arange(len(group_sizes), device=device), sizes)
+
+
+def group_stats(rewards: torch.Tensor, group_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-completion group mean and unbiased group std (0 for groups of one)."""
+    gid = group_ids(group_sizes, rewards.device)
+    n = torch.as_tensor(group_sizes, device=rewards.device, dtype=rewards.dtype)
+    sums = torch.zeros(len(group_sizes), dtype=rewards.dtype, device=rewards.device).index_add_(0, gid, rewards)
+    mean = sums / n
+    dev2 = torch.zeros_like(sums).index_add_(0, gid, (rewards - mean[gid]) ** 2)
+    std = torch.where(n > 1, (dev2 / (n - 1).clamp(min=1)).sqrt(), torch.zeros_like(n))
+    return mean[gid], std[gid]
+
+
+def compute_advantages(rewards: torch.Tensor, group_sizes: list[int], scale: str = "group",
+                       eps: float = 1e-4) -> torch.Tensor:
+    """Advantages for ``rewards`` laid out group after group.
+
+    scale: ``group`` divides by each group's std (GRPO), ``batch`` by the std of all rewards,
+    ``none`` only centres (Dr. GRPO).
+    """
+    if rewards.numel() != sum(group_sizes):
+        raise ValueError(f"{rewards.numel()} rewards for groups of total size {sum(group_sizes)}")
+    rewards = rewards.float()
+    mean, std = group_stats(rewards, group_sizes)
+    centred = rewards - mean
+    if scale == "none":
+        return centred
+    if scale == "batch":
+        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
+        std = std.expand_as(rewards)
+    elif scale != "group":
+        raise ValueError(f"scale must be group, batch or none, got {scale!r}")
+    adv = centred / (std + eps)
+    # exactly zero where there is no spread (also guards eps = 0)
+    return torch.where(std > 0, adv, torch.zeros_like(adv))
+
+
+def zero_std_groups(rewards: torch.Tensor, group_sizes: list[int]) -> list[bool]:
+    """True for every group whose rewards are all equal (no learning signal)."""
+    out, start = [], 0
+    for g in group_sizes:
+        r = rewards[start:start + g]
+        out.append(bool((r == r[0]).all()))
+        start += g
+    return out

@@ -1,0 +1,267 @@
+"""Shared-prefix attention for the packed GRPO layout (see docs/prefix-engine.md).
+
+One micro-batch is packed into a single row without padding::
+
+    [P_1; R_11; ...; R_1G; P_2; R_21; ...]
+
+with position ids restarting at len(P_b) for every completion. The attention function registered here
+(name ``grpo_prefix``) computes, per layer,
+
+* prompt self-attention once per group (causal, scaled_dot_product_attention), and
+* completion attention of every R_i over [prompt K/V of its group; its own K/V] as one joint softmax:
+  the scores against the prompt are one matmul of all G completions' queries against the *single* prompt
+  K/V (no copy per completion), the scores against its own tokens are a causal block per completion.
+
+It is exact: the same softmax over the same keys as the per-sequence forward, only grouped differently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "grpo_prefix"
+LAYOUT_KWARG = "grpo_prefix_layout"
+
+
+@dataclass
+class PrefixLayout:
+    """Index tensors describing one packed micro-batch (all on the model's device)."""
+
+    n_tokens: int  # T, length of the packed row
+    n_groups: int  # B
+    max_prompt: int  # Pmax
+    max_group: int  # Gmax
+    max_completion: int  # Smax
+    max_seq_len: int  # longest P + S_i (what a sliding window would have to cover)
+    prompt_idx: torch.Tensor  # (B*Pmax,) flat token index of each prompt slot (0 for padding)
+    prompt_valid: torch.Tensor | None  # (B, Pmax) bool, None when every prompt has length Pmax
+    comp_idx: torch.Tensor  # (B*Gmax*Smax,) flat token index of each completion slot (0 for padding)
+    src: torch.Tensor  # (T,) slot of every token in cat([prompt slots, completion slots])
+    position_ids: torch.Tensor  # (1, T)
+    input_ids: torch.Tensor  # (1, T)
+    pred_idx: torch.Tensor  # (M,) token whose hidden state predicts each completion token, (group, completion, k)
+    targets: torch.Tensor  # (M,) the completion tokens, same order
+    calls: int = 0  # attention calls seen in forward (to verify every layer went through us)
+
+
+def build_layout(prompts: list[list[int]], completions: list[list[list[int]]], device) -> PrefixLayout:
+    """Pack groups (prompt, completions) into one row and build the index tensors."""
+    B = len(prompts)
+    Pmax = max(len(p) for p in prompts)
+    Gmax = max(max(len(c), 1) for c in completions)
+    Smax = max([1] + [len(r) for c in completions for r in c])
+    ids: list[int] = []
+    pos: list[int] = []
+    prompt_idx = [0] * (B * Pmax)
+    comp_idx = [0] * (B * Gmax * Smax)
+    src: list[int] = []
+    pred: list[int] = []
+    targets: list[int] = []
+    n_prompt_slots = B * Pmax
+    for b, (p, comps) in enumerate(zip(prompts, completions)):
+        P = len(p)
+        for j in range(P):
+            prompt_idx[b * Pmax + j] = len(ids)
+            src.append(b * Pmax + j)
+            ids.append(p[j])
+            pos.append(j)
+        for i, r in enumerate(comps):
+            base = (b * Gmax + i) * Smax
+            for k, tok in enumerate(r):
+                pred.append(len(ids) - 1 if k else prompt_idx[b * Pmax + P - 1])
+                targets.append(tok)
+                comp_idx[base + k] = len(ids)
+                src.append(n_prompt_slots + base + k)
+                ids.append(tok)
+                pos.append(P + k)
+    lens = [len(p) for p in prompts]
+    prompt_valid = None
+    if min(lens) != Pmax:
+        prompt_valid = torch.arange(Pmax)[None, :] < torch.tensor(lens)[:, None]
+        prompt_valid = prompt_valid.to(device)
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    return PrefixLayout(
+        n_tokens=len(ids),
+        n_groups=B,
+        max_prompt=Pmax,
+        max_group=Gmax,
+        max_completion=Smax,
+        max_seq_len=max(len(p) + max([0] + [len(r) for r in c]) for p, c in zip(prompts, completions)),
+        prompt_idx=t(prompt_idx),
+        prompt_valid=prompt_valid,
+        comp_idx=t(comp_idx),
+        src=t(src),
+        position_ids=t(pos)[None, :],
+        input_ids=t(ids)[None, :],
+        pred_idx=t(pred),
+        targets=t(targets),
+    )
+
+
+def prefix_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention function with the signature of transformers' AttentionInterface.
+
+    query: (1, H, T, D); key/value: (1, Hkv, T, D), rotary already applied. Returns ((1, T, H, D), None).
+    """
+    layout: PrefixLayout | None = kwargs.get(LAYOUT_KWARG)
+    if layout is None:
+        raise RuntimeError(
+            f"attention implementation {ATTN_NAME!r} was called without a packed layout; it is only meant to be "
+            "active inside grpo.prefix_engine.token_logprobs"
+        )
+    if kwargs.get("softcap") is not None:
+        raise RuntimeError("shared-prefix attention does not implement attention logit soft-capping")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < layout.max_seq_len:
+        raise RuntimeError("shared-prefix attention does not implement an active sliding window")
+    layout.calls += 1
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if not module.training:
+        dropout = 0.0
+
+    _, H, T, D = query.shape
+    Hkv, Dv = key.shape[1], value.shape[-1]
+    rep = H // Hkv
+    B, Pmax, Gmax, Smax = layout.n_groups, layout.max_prompt, layout.max_group, layout.max_completion
+    q, k, v = query[0], key[0], value[0]  # (H, T, D)
+
+    # ---- prompt self-attention, once per group ----
+    qp = q.index_select(1, layout.prompt_idx).view(H, B, Pmax, D).transpose(0, 1)
+    kp = k.index_select(1, layout.prompt_idx).view(Hkv, B, Pmax, D).transpose(0, 1)  # (B, Hkv, Pmax, D)
+    vp = v.index_select(1, layout.prompt_idx).view(Hkv, B, Pmax, Dv).transpose(0, 1)
+    kpr = kp if rep == 1 else kp.repeat_interleave(rep, dim=1)
+    vpr = vp if rep == 1 else vp.repeat_interleave(rep, dim=1)
+    if layout.prompt_valid is None:
+        out_p = F.scaled_dot_product_attention(qp, kpr, vpr, dropout_p=dropout, is_causal=True, scale=scaling)
+    else:
+        causal = torch.ones(Pmax, Pmax, dtype=torch.bool, device=q.device).tril()
+        mask = (causal[None] & layout.prompt_valid[:, None, :])[:, None]  # (B, 1, Pmax, Pmax)
+        out_p = F.scaled_dot_product_attention(qp, kpr, vpr, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    out_p = out_p.transpose(1, 2).reshape(B * Pmax, H * Dv)
+
+    # ---- completion attention over [prompt K/V of the group; own K/V], one joint softmax ----
+    qc = q.index_select(1, layout.comp_idx).view(Hkv, rep, B, Gmax, Smax, D)
+    kc = k.index_select(1, layout.comp_idx).view(Hkv, B, Gmax, Smax, D).permute(1, 2, 0, 3, 4)
+    vc = v.index_select(1, layout.comp_idx).view(Hkv, B, Gmax, Smax, Dv).permute(1, 2, 0, 3, 4)
+    # scores against the prompt: (B, Hkv, rep*Gmax*Smax, Pmax), all completions of a group in one matmul
+    q_vs_p = qc.permute(2, 0, 1, 3, 4, 5).reshape(B, Hkv, rep * Gmax * Smax, D)
+    s_p = torch.matmul(q_vs_p, kp.transpose(-1, -2)).float().mul_(scaling)
+    s_p = s_p.view(B, Hkv, rep, Gmax, Smax, Pmax)
+    if layout.prompt_valid is not None:
+        s_p = s_p.masked_fill(~layout.prompt_valid[:, None, None, None, None, :], float("-inf"))
+    # scores against its own tokens: (B, Gmax, Hkv, rep*Smax, Smax), causal
+    q_vs_c = qc.permute(2, 3, 0, 1, 4, 5).reshape(B, Gmax, Hkv, rep * Smax, D)
+    s_c = torch.matmul(q_vs_c, kc.transpose(-1, -2)).float().mul_(scaling)
+    s_c = s_c.view(B, Gmax, Hkv, rep, Smax, Smax)
+    causal_c = torch.ones(Smax, Smax, dtype=torch.bool, device=q.device).tril()
+    s_c = s_c.masked_fill(~causal_c, float("-inf"))
+    s_c = s_c.permute(0, 2, 3, 1, 4, 5)  # (B, Hkv, rep, Gmax, Smax, Smax), a view
+    m = torch.maximum(s_p.amax(-1), s_c.amax(-1)).detach().unsqueeze(-1)  # finite: P >= 1
+    e_p = torch.exp(s_p - m)
+    e_c = torch.exp(s_c - m)
+    denom = (e_p.sum(-1) + e_c.sum(-1)).unsqueeze(-1)
+    a_p = (e_p / denom).to(value.dtype)
+    a_c = (e_c / denom).to(value.dtype)
+    if dropout > 0.0:
+        a_p = F.dropout(a_p, p=dropout, training=True)
+        a_c = F.dropout(a_c, p=dropout, training=True)
+    o_p = torch.matmul(a_p.view(B, Hkv, rep * Gmax * Smax, Pmax), vp).view(B, Hkv, rep, Gmax, Smax, Dv)
+    a_c = a_c.permute(0, 3, 1, 2, 4, 5).reshape(B, Gmax, Hkv, rep * Smax, Smax)
+    o_c = torch.matmul(a_c, vc).view(B, Gmax, Hkv, rep, Smax, Dv)
+    out_c = o_p.permute(0, 3, 4, 1, 2, 5) + o_c.permute(0, 1, 4, 2, 3, 5)  # (B, Gmax, Smax, Hkv, rep, Dv)
+    out_c = out_c.reshape(B * Gmax * Smax, H * Dv)
+
+    out = torch.cat([out_p, out_c.to(out_p.dtype)], dim=0).index_select(0, layout.src)
+    return out.view(1, T, H, Dv), None
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register ``grpo_prefix`` in transformers' AttentionInterface (idempotent)."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTN_NAME, prefix_attention_forward)
+        _registered = True
+
+
+def _configs(model) -> list:
+    seen: dict[int, object] = {}
+    stack = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
+    while stack:
+        cfg = stack.pop()
+        if id(cfg) in seen:
+            continue
+        seen[id(cfg)] = cfg
+        for key in getattr(cfg, "sub_configs", {}) or {}:
+            sub = getattr(cfg, key, None)
+            if sub is not None and hasattr(sub, "_attn_implementation"):
+                stack.append(sub)
+    return list(seen.values())
+
+
+def _set_impl(configs, values) -> None:
+    for cfg, val in zip(configs, values):
+        if "_attn_implementation_internal" in vars(cfg):
+            cfg._attn_implementation_internal = val  # no recursion into sub-configs
+        else:
+            cfg._attn_implementation = val
+
+
+def _with_impl(fn, configs):
+    """Run ``fn`` with ``grpo_prefix`` active: used for the recompute of gradient checkpointing, which happens
+    in backward, after ``prefix_attention`` has restored the configs."""
+
+    def run(*args, **kwargs):
+        saved = [c._attn_implementation for c in configs]
+        _set_impl(configs, [ATTN_NAME] * len(configs))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _set_impl(configs, saved)
+
+    return run
+
+
+def checkpointing_is_wrappable(model) -> bool:
+    """True unless some module checkpoints in a way we cannot see (then the recompute would not use us)."""
+    for m in model.modules():
+        if getattr(m, "gradient_checkpointing", False) and not callable(getattr(m, "_gradient_checkpointing_func", None)):
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def prefix_attention(model):
+    """Switch every config of ``model`` to ``grpo_prefix`` for the duration, and make gradient-checkpointing
+    recomputes switch too. Everything is restored on exit, also on exception."""
+    register()
+    configs = _configs(model)
+    saved = [c._attn_implementation for c in configs]
+    wrapped = []
+    try:
+        for m in model.modules():
+            func = getattr(m, "_gradient_checkpointing_func", None)
+            if getattr(m, "gradient_checkpointing", False) and callable(func):
+                had_own = "_gradient_checkpointing_func" in vars(m)
+                wrapped.append((m, func, had_own))
+                m._gradient_checkpointing_func = (
+                    lambda fn, *a, _f=func, **kw: _f(_with_impl(fn, configs), *a, **kw)
+                )
+        _set_impl(configs, [ATTN_NAME] * len(configs))
+        yield
+    finally:
+        _set_impl(configs, saved)
+        for m, func, had_own in wrapped:
+            if had_own:
+                m._gradient_checkpointing_func = func
+            else:
+                del m._gradient_checkpointing_func

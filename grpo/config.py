@@ -1,0 +1,271 @@
+"""The typed config schema. YAML in configs/ and recipes/ mirrors these dataclasses one to one.
+
+`load(cfg)` turns Hydra's composed DictConfig into a validated `Config`; every mistake becomes a
+`ConfigError` whose message is one line naming the key and what is allowed.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A config mistake; str(error) is the one line shown to the user."""
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 16                      # rank
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    merge_on_save: bool = True       # final/ holds a merged model (True) or the adapter only (False)
+
+
+@dataclass
+class ModelConfig:
+    # a local HF directory, a hub id, "embedded:smollm2-135m-instruct", or "tiny:<llama|qwen2|qwen3|mistral>"
+    name_or_path: str = "embedded:smollm2-135m-instruct"
+    dtype: str = "float32"           # float32 | bfloat16 | float16
+    attn_implementation: str = "sdpa"  # sdpa | eager | flex_attention | flash_attention_2
+    gradient_checkpointing: bool = False
+    tiny: dict = field(default_factory=dict)  # config overrides for tiny:<family> models (hidden_size, ...)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin:arithmetic"  # builtin:<task>, a .jsonl/.parquet/.csv path, or a hub dataset name
+    task_kwargs: dict = field(default_factory=dict)  # for builtin tasks, e.g. {level: 2}
+    split: str = "train"             # hub/file split
+    load_kwargs: dict = field(default_factory=dict)  # extra datasets.load_dataset arguments
+    prompt_column: str = "prompt"
+    answer_column: str = "answer"
+    system_prompt: Optional[str] = None
+    prompt_template: str = "{prompt}"  # applied before the chat template; any column by name
+    chat_template: bool = True       # use the tokenizer's chat template when it has one
+    max_prompt_tokens: int = 512     # longer prompts are dropped (and counted), never truncated
+    num_train: int = 2000            # builtin tasks: how many training prompts to generate
+    num_eval: int = 100              # held-out prompts (never seen in training)
+    seed: int = 1234
+
+
+@dataclass
+class RewardConfig:
+    # name -> {fn: builtin or "package.module:function", weight: float, ...kwargs passed to fn}
+    functions: dict = field(default_factory=lambda: {"accuracy": {"fn": "arithmetic", "weight": 1.0}})
+    timeout_s: float = 0.0           # > 0: run rewards in a worker process, hard-killed after this
+    max_failed_steps: int = 3        # stop when a function fails on every sample this many steps in a row
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 8
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    batch_size: int = 8              # prompts generated together (each with G samples)
+    share_prompt: bool = True        # prefill each prompt once and fork its KV cache for the G samples
+
+
+@dataclass
+class AlgorithmConfig:
+    group_size: int = 8              # G completions per prompt
+    beta: float = 0.04               # KL coefficient; 0 = no reference model at all
+    kl_estimator: str = "k3"         # k1 | k2 | k3
+    kl_in_reward: bool = False       # subtract beta*KL(seq) from the reward instead of the loss
+    epsilon: float = 0.2             # lower clip
+    epsilon_high: Optional[float] = None  # upper clip (clip-higher, DAPO 0.28); None = epsilon
+    delta: Optional[float] = None    # cap on the ratio for negative advantages (two-sided clip)
+    loss_agg: str = "seq_mean_token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | dr_grpo
+    scale_rewards: str = "group"     # group | batch | none
+    adv_eps: float = 1e-4
+    num_iterations: int = 1          # mu: optimiser passes over each batch of rollouts
+    importance_sampling: str = "token"  # token | sequence (GSPO)
+    filter_zero_std_groups: bool = False
+    mask_truncated: bool = False     # completions cut at max_new_tokens do not contribute
+
+
+@dataclass
+class EngineConfig:
+    shared_prefix: bool = True       # encode each prompt once per group
+    max_tokens_per_micro_batch: int = 4096
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    seed: int = 0
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_betas: list = field(default_factory=lambda: [0.9, 0.99])
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"    # constant | cosine | linear
+    max_grad_norm: float = 1.0
+    output_dir: str = "outputs/run"
+    save_every: int = 0              # 0 = only at the end
+    keep_last: int = 2
+    resume: Optional[str] = None     # None | auto | <checkpoint path>
+    force_resume: bool = False       # resume even if the run-defining config changed
+    eval_every: int = 0              # 0 = evaluate only before and after training
+    eval_max_new_tokens: Optional[int] = None  # None = rollout.max_new_tokens
+    max_bad_steps: int = 3           # stop after this many non-finite steps in a row
+    device: str = "auto"             # auto | cpu | cuda
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1
+    sample_every: int = 10           # print/log sample completions every N steps (0 = never)
+    num_samples: int = 2
+    plot: bool = True                # write reward_curve.png at the end
+    wandb: dict = field(default_factory=lambda: {"mode": "disabled", "project": "grpo", "name": None})
+
+
+@dataclass
+class DistributedConfig:
+    backend: str = "none"            # none | deepspeed
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    bf16: bool = False
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
+# --------------------------------------------------------------------------------------- checking
+_CHOICES = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.attn_implementation": ("sdpa", "eager", "flex_attention", "flash_attention_2"),
+    "algorithm.kl_estimator": ("k1", "k2", "k3"),
+    "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"),
+    "algorithm.scale_rewards": ("group", "batch", "none"),
+    "algorithm.importance_sampling": ("token", "sequence"),
+    "trainer.lr_schedule": ("constant", "cosine", "linear"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "distributed.backend": ("none", "deepspeed"),
+}
+
+# key -> (predicate, what is allowed)
+_RANGES = {
+    "algorithm.group_size": (lambda v: v >= 2, "an integer >= 2 (GRPO needs a group to compare)"),
+    "algorithm.beta": (lambda v: v >= 0, ">= 0"),
+    "algorithm.epsilon": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "algorithm.epsilon_high": (lambda v: v is None or v > 0, "> 0 or null"),
+    "algorithm.delta": (lambda v: v is None or v > 1, "> 1 or null"),
+    "algorithm.num_iterations": (lambda v: v >= 1, ">= 1"),
+    "algorithm.adv_eps": (lambda v: v >= 0, ">= 0"),
+    "rollout.prompts_per_step": (lambda v: v >= 1, ">= 1"),
+    "rollout.max_new_tokens": (lambda v: v >= 1, ">= 1"),
+    "rollout.temperature": (lambda v: v > 0, "> 0 (use a small value such as 0.01 for near-greedy)"),
+    "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "rollout.top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
+    "rollout.batch_size": (lambda v: v >= 1, ">= 1"),
+    "engine.max_tokens_per_micro_batch": (lambda v: v >= 1, ">= 1"),
+    "trainer.max_steps": (lambda v: v >= 0, ">= 0"),
+    "trainer.lr": (lambda v: v > 0 and math.isfinite(v), "> 0"),
+    "trainer.weight_decay": (lambda v: v >= 0, ">= 0"),
+    "trainer.warmup_steps": (lambda v: v >= 0, ">= 0"),
+    "trainer.max_grad_norm": (lambda v: v >= 0, ">= 0 (0 = no clipping)"),
+    "trainer.save_every": (lambda v: v >= 0, ">= 0 (0 = only at the end)"),
+    "trainer.keep_last": (lambda v: v >= 1, ">= 1"),
+    "trainer.eval_every": (lambda v: v >= 0, ">= 0"),
+    "trainer.max_bad_steps": (lambda v: v >= 1, ">= 1"),
+    "data.max_prompt_tokens": (lambda v: v >= 1, ">= 1"),
+    "data.num_train": (lambda v: v >= 1, ">= 1"),
+    "data.num_eval": (lambda v: v >= 0, ">= 0"),
+    "model.lora.r": (lambda v: v >= 1, ">= 1"),
+    "distributed.zero_stage": (lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3"),
+    "reward.timeout_s": (lambda v: v >= 0, ">= 0 (0 = run in-process, no timeout)"),
+}
+
+
+def schema_keys(cls=Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (``trainer.lr``, ...)."""
+    out = []
+    for f in fields(cls):
+        key = f"{prefix}{f.name}"
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            out.extend(schema_keys(type(default), key + "."))
+        else:
+            out.append(key)
+    return out
+
+
+def suggest(key: str) -> str:
+    candidates = schema_keys() + [f.name for f in fields(Config)]
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _get(cfg: Config, key: str) -> Any:
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: Config) -> Config:
+    """Range and choice checks; raises ConfigError with one line."""
+    for key, allowed in _CHOICES.items():
+        v = _get(cfg, key)
+        if v not in allowed:
+            raise ConfigError(f"{key}={v!r} is not allowed; choose one of: {', '.join(allowed)}")
+    for key, (ok, allowed) in _RANGES.items():
+        v = _get(cfg, key)
+        if not ok(v):
+            raise ConfigError(f"{key}={v!r} is out of range; allowed: {allowed}")
+    for name, spec in cfg.reward.functions.items():
+        if not isinstance(spec, dict) or "fn" not in spec:
+            raise ConfigError(f"reward.functions.{name} needs an 'fn' (a built-in name or 'package.module:function')")
+        w = spec.get("weight", 1.0)
+        if not isinstance(w, (int, float)):
+            raise ConfigError(f"reward.functions.{name}.weight={w!r} must be a number")
+    if not cfg.reward.functions:
+        raise ConfigError("reward.functions is empty; give at least one reward function")
+    mode = (cfg.logging.wandb or {}).get("mode", "disabled")
+    if mode not in ("online", "offline", "disabled"):
+        raise ConfigError(f"logging.wandb.mode={mode!r} is not allowed; choose one of: online, offline, disabled")
+    if cfg.trainer.resume not in (None, "auto", "") and not isinstance(cfg.trainer.resume, str):
+        raise ConfigError("trainer.resume must be null, 'auto' or a checkpoint path")
+    return cfg
+
+
+def load(raw: DictConfig | dict) -> Config:
+    """Merge ``raw`` onto the schema (type and unknown-key checks), then validate values."""
+    if isinstance(raw, dict):
+        raw = OmegaConf.create(raw)
+    known = {f.name for f in fields(Config)}
+    for k in raw.keys():
+        if k not in known and k not in ("recipe", "hydra"):
+            raise ConfigError(f"unknown config key '{k}'{suggest(str(k))}")
+    raw = OmegaConf.masked_copy(raw, [k for k in raw.keys() if k in known])
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), raw))
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or ""
+        msg = str(e).splitlines()[0]
+        if "not in" in msg:
+            raise ConfigError(f"unknown config key '{key}'{suggest(key)}") from None
+        raise ConfigError(f"bad value for '{key}': {msg}") from None
+    assert isinstance(cfg, Config)
+    return validate(cfg)

@@ -1,0 +1,150 @@
+"""Prompts: built-in generators, local JSONL/Parquet/CSV files, or a `datasets` hub name.
+
+Every row becomes ``{"prompt": <text fed to the model>, "prompt_ids": [...], <columns>...}``; the
+answer column travels to the rewards as ``answer``. Prompts longer than ``data.max_prompt_tokens``
+are dropped and counted, never truncated silently.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class DataError(ValueError):
+    """A data problem; the message is one line for the user."""
+
+
+_FILE_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_rows(dcfg, n: int | None = None, seed: int | None = None) -> list[dict]:
+    """Raw rows from ``data.source`` (before templating)."""
+    src = dcfg.source
+    if src.startswith("builtin:"):
+        from grpo.tasks import get_task
+
+        try:
+            task = get_task(src.split(":", 1)[1])
+        except KeyError as e:
+            raise DataError(f"data.source={src!r}: {e.args[0]}") from None
+        return task(n or dcfg.num_train + dcfg.num_eval, dcfg.seed if seed is None else seed, **dict(dcfg.task_kwargs))
+    suffix = Path(src).suffix.lower()
+    if suffix in _FILE_TYPES or Path(src).exists():
+        path = Path(src)
+        if not path.is_file():
+            raise DataError(f"data.source={src!r}: file not found")
+        if suffix not in _FILE_TYPES:
+            raise DataError(f"data.source={src!r}: unknown file type; use .jsonl, .parquet or .csv")
+        if path.stat().st_size == 0:
+            raise DataError(f"data.source={src!r}: the file is empty")
+        return _load_dataset(_FILE_TYPES[suffix], data_files=str(path), split="train", src=src)
+    return _load_dataset(src, split=dcfg.split, src=src, **dict(dcfg.load_kwargs))
+
+
+def _load_dataset(*args, src: str, **kwargs) -> list[dict]:
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        ds = datasets.load_dataset(*args, **kwargs)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise DataError(f"data.source={src!r} could not be loaded: {first}") from None
+    return [dict(r) for r in ds]
+
+
+def format_prompt(row: dict, dcfg, tokenizer) -> str:
+    """Template the row, add the system prompt, apply the chat template when the tokenizer has one."""
+    try:
+        text = dcfg.prompt_template.format(**{**row, "prompt": row[dcfg.prompt_column]})
+    except KeyError as e:
+        raise DataError(f"data.prompt_template uses column {e.args[0]!r}, which the data does not have") from None
+    if dcfg.chat_template and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": dcfg.system_prompt}] if dcfg.system_prompt else [])
+        messages.append({"role": "user", "content": text})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return (dcfg.system_prompt + "\n\n" + text) if dcfg.system_prompt else text
+
+
+def prepare(rows: list[dict], dcfg, tokenizer) -> tuple[list[dict], int]:
+    """Template and tokenize rows; returns (kept rows, number dropped for length)."""
+    out, dropped = [], 0
+    for i, row in enumerate(rows):
+        if dcfg.prompt_column not in row or row[dcfg.prompt_column] in (None, ""):
+            raise DataError(f"data row {i} has no '{dcfg.prompt_column}' value (data.prompt_column); "
+                            f"its columns are: {', '.join(map(str, row))}")
+        text = format_prompt(row, dcfg, tokenizer)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > dcfg.max_prompt_tokens:
+            dropped += 1
+            continue
+        cols = {k: v for k, v in row.items() if k != dcfg.prompt_column}
+        if dcfg.answer_column in row and dcfg.answer_column != "answer":
+            cols["answer"] = row[dcfg.answer_column]
+        out.append({**cols, "prompt": text, "prompt_ids": ids})
+    return out, dropped
+
+
+@dataclass
+class Splits:
+    train: list[dict]
+    eval: list[dict]
+    dropped: int = 0
+
+
+def build(dcfg, tokenizer) -> Splits:
+    """Train and held-out rows. Built-in tasks draw disjoint prompts; files hold out their tail."""
+    rows = load_rows(dcfg)
+    if not rows:
+        raise DataError(f"data.source={dcfg.source!r} has no rows")
+    rows, dropped = prepare(rows, dcfg, tokenizer)
+    if not rows:
+        raise DataError(f"every prompt is longer than data.max_prompt_tokens={dcfg.max_prompt_tokens}")
+    n_eval = min(dcfg.num_eval, len(rows) // 5) if not dcfg.source.startswith("builtin:") else dcfg.num_eval
+    if dcfg.source.startswith("builtin:"):
+        # generators may repeat a problem; keep held-out prompts out of the training set
+        eval_rows = rows[:n_eval]
+        seen = {r["prompt"] for r in eval_rows}
+        train_rows = [r for r in rows[n_eval:] if r["prompt"] not in seen]
+    else:
+        train_rows, eval_rows = rows[: len(rows) - n_eval], rows[len(rows) - n_eval:]
+    if not train_rows:
+        raise DataError("no training rows left after holding out data.num_eval; lower data.num_eval")
+    return Splits(train_rows, eval_rows, dropped)
+
+
+@dataclass
+class PromptSampler:
+    """Endless shuffled passes over the training rows; its state is an int pair, saved in checkpoints."""
+
+    num_rows: int
+    seed: int
+    epoch: int = 0
+    position: int = 0
+    _order: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self):
+        self._order = self._shuffle(self.epoch)
+
+    def _shuffle(self, epoch: int) -> list[int]:
+        order = list(range(self.num_rows))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next(self, n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            if self.position >= self.num_rows:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._shuffle(self.epoch)
+            out.append(self._order[self.position])
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "num_rows": self.num_rows, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._shuffle(self.epoch)

@@ -1,0 +1,32 @@
+"""Held-out evaluation: greedy completions on prompts never seen in training, scored by every reward."""
+from __future__ import annotations
+
+import sys
+
+from grpo.rollout import generate
+
+
+def evaluate(run, cfg, label: str) -> dict:
+    """Mean reward and each function's mean on the held-out split (greedy). Empty when there is none.
+    The function named ``accuracy`` (if any) is the headline number."""
+    rows = run.splits.eval
+    if not rows:
+        return {}
+    rt = run.runtime
+    shard = rows[rt.rank::rt.world_size]
+    comps, trunc = generate(rt.model, run.tokenizer, [r["prompt_ids"] for r in shard], group_size=1,
+                            max_new_tokens=cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens,
+                            batch_size=max(cfg.rollout.batch_size * cfg.algorithm.group_size, 1), greedy=True,
+                            desc=f"eval {label}", progress=rt.is_main)
+    from grpo.experience import score_groups
+
+    saved = dict(run.failed_reward_steps)
+    _, stats = score_groups(run, shard, comps, trunc)
+    run.failed_reward_steps = saved  # evaluation does not count towards the reward-failure limit
+    out = {"reward_mean": stats["reward_mean"], "completion_len_mean": stats["completion_len_mean"]}
+    for rf in run.rewards:
+        out[rf.name] = stats[f"reward/{rf.name}"]
+    if rt.is_main:
+        head = "accuracy" if "accuracy" in out else "reward_mean"
+        print(f"[grpo] held-out {head} ({label}, {len(rows)} prompts, greedy): {out[head]:.3f}", file=sys.stderr, flush=True)
+    return out

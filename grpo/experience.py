@@ -1,0 +1,123 @@
+"""Collecting one step's experience: rollout -> rewards -> advantages -> old/ref log-probs."""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from grpo.advantages import compute_advantages, zero_std_groups
+from grpo.loss import kl_estimate
+from grpo.rewards.score import score
+from grpo.rollout import generate
+from grpo.update import Batch, nested_logprobs
+
+
+def collect(run, cfg) -> Batch:
+    rt, G = run.runtime, cfg.algorithm.group_size
+    indices = run.sampler.next(cfg.rollout.prompts_per_step)          # same order on every rank
+    per_rank = cfg.rollout.prompts_per_step // rt.world_size
+    rows = [run.splits.train[i] for i in indices[rt.rank * per_rank:(rt.rank + 1) * per_rank]]
+    prompt_ids = [r["prompt_ids"] for r in rows]
+    r = cfg.rollout
+    completion_ids, truncated = generate(rt.model, run.tokenizer, prompt_ids, group_size=G,
+                                         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                         top_k=r.top_k, batch_size=r.batch_size, progress=rt.is_main)
+    rewards, stats = score_groups(run, rows, completion_ids, truncated)
+    batch = Batch(rows, prompt_ids, completion_ids, truncated, rewards, torch.zeros_like(rewards), stats=stats)
+    a = cfg.algorithm
+    if a.beta > 0:
+        with run.reference_context():
+            batch.ref_logps = nested_logprobs(run.reference_model(), batch, cfg.engine, r.temperature)
+    if a.num_iterations > 1 or (a.beta > 0 and a.kl_in_reward):
+        batch.old_logps = nested_logprobs(rt.model, batch, cfg.engine, r.temperature)
+    if batch.ref_logps is not None:
+        current = batch.old_logps or nested_logprobs(rt.model, batch, cfg.engine, r.temperature)
+        seq_kl = torch.tensor([float(kl_estimate(lp, ref, a.kl_estimator).sum()) for gl, gr in
+                               zip(current, batch.ref_logps) for lp, ref in zip(gl, gr)])
+        tokens = sum(len(c) for g in completion_ids for c in g)
+        kl_sum, n_tok = rt.all_reduce_sum([float(seq_kl.sum()), float(tokens)])
+        stats["kl"] = kl_sum / max(n_tok, 1)
+        if a.kl_in_reward:
+            batch.rewards = rewards - a.beta * seq_kl
+        if a.num_iterations == 1:
+            batch.old_logps = None  # ratio is 1 with one pass: old = logp.detach()
+    flat_zero = zero_std_groups(batch.rewards, batch.group_sizes)
+    if a.filter_zero_std_groups:
+        batch = _drop_groups(batch, [not z for z in flat_zero])
+    batch.advantages = compute_advantages(batch.rewards, batch.group_sizes, a.scale_rewards, a.adv_eps)
+    zs, ng = rt.all_reduce_sum([float(sum(flat_zero)), float(len(flat_zero))])
+    stats["zero_std_frac"] = zs / max(ng, 1)
+    return batch
+
+
+def score_groups(run, rows, completion_ids, truncated):
+    """Decode, score with every reward function, and summarise (all-reduced across ranks)."""
+    rt, tok = run.runtime, run.tokenizer
+    G = len(completion_ids[0]) if completion_ids else 0
+    texts = [tok.decode(c, skip_special_tokens=True) for g in completion_ids for c in g]
+    prompts = [r["prompt"] for r in rows for _ in range(G)]
+    skip = {"prompt", "prompt_ids"}
+    columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k not in skip}
+    columns["completion_ids"] = [c for g in completion_ids for c in g]
+    columns["truncated"] = [t for g in truncated for t in g]
+    s = score(run.rewards, prompts, texts, columns)
+    rewards = torch.tensor(s.total, dtype=torch.float32)
+    n = len(texts)
+    lens = [len(c) for c in columns["completion_ids"]]
+    sums = [float(rewards.sum()), float((rewards ** 2).sum()), float(n), float(sum(lens)),
+            float(sum(columns["truncated"]))]
+    for rf in run.rewards:
+        vals = [v for v in s.per_fn[rf.name] if v is not None]
+        sums += [sum(vals), sum(v * v for v in vals), float(len(vals)), float(s.errors[rf.name])]
+    sums = rt.all_reduce_sum(sums)
+    total, total2, n_all, len_all, trunc_all = sums[:5]
+    stats = {"reward_mean": total / n_all, "reward_std": _std(total, total2, n_all),
+             "completion_len_mean": len_all / n_all, "truncated_frac": trunc_all / n_all}
+    for i, rf in enumerate(run.rewards):
+        v, v2, cnt, err = sums[5 + 4 * i: 9 + 4 * i]
+        stats[f"reward/{rf.name}"] = v / cnt if cnt else None
+        stats[f"reward/{rf.name}_std"] = _std(v, v2, cnt) if cnt else None
+        stats[f"reward/{rf.name}_errors"] = int(err)
+        _track_failures(run, rf.name, err, n_all)
+    run._last_texts = texts
+    return rewards, stats
+
+
+def _std(s: float, s2: float, n: float) -> float:
+    if n < 2:
+        return 0.0
+    return max((s2 - s * s / n) / (n - 1), 0.0) ** 0.5
+
+
+def _track_failures(run, name: str, errors: float, n: float) -> None:
+    from grpo.setup import SetupError
+
+    run.failed_reward_steps[name] = run.failed_reward_steps.get(name, 0) + 1 if errors >= n else 0
+    if run.failed_reward_steps[name] >= run.max_failed_reward_steps:
+        raise SetupError(f"reward function {name!r} failed on every sample for {run.failed_reward_steps[name]} "
+                         "steps in a row; fix it (its traceback is logged above) or remove it with "
+                         f"~reward.functions.{name}")
+
+
+def _drop_groups(batch: Batch, keep: list[bool]) -> Batch:
+    sizes = batch.group_sizes
+    flat_keep = [k for k, g in zip(keep, sizes) for _ in range(g)]
+    pick = lambda xs: [x for x, k in zip(xs, keep) if k]  # noqa: E731
+    idx = torch.tensor([i for i, k in enumerate(flat_keep) if k], dtype=torch.long)
+    return Batch(pick(batch.rows), pick(batch.prompt_ids), pick(batch.completion_ids), pick(batch.truncated),
+                 batch.rewards[idx], batch.advantages[idx],
+                 pick(batch.old_logps) if batch.old_logps is not None else None,
+                 pick(batch.ref_logps) if batch.ref_logps is not None else None,
+                 {**batch.stats, "dropped_groups": int(sum(not k for k in keep))})
+
+
+def sample_rows(run, batch: Batch, n: int) -> list[dict]:
+    """A few completions with their rewards, for the console and samples.jsonl."""
+    tok, out = run.tokenizer, []
+    for g, (row, comps) in enumerate(zip(batch.rows, batch.completion_ids)):
+        for j, c in enumerate(comps[:1]):
+            out.append({"prompt": row["prompt"][-200:], "completion": tok.decode(c, skip_special_tokens=True),
+                        "reward": float(batch.rewards[batch.flat_index(g, j)]), "answer": row.get("answer")})
+        if len(out) >= n:
+            break
+    return out

@@ -1,0 +1,133 @@
+"""Metrics: one JSON line per optimizer step in ``metrics.jsonl``, a readable console line, wandb,
+sample completions every N steps, and a reward-curve PNG at the end."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+CONSOLE_KEYS = [("reward_mean", "reward", "{:.3f}"), ("reward_std", "±", "{:.3f}"), ("loss", "loss", "{:+.4f}"),
+                ("kl", "kl", "{:.4f}"), ("clip_ratio", "clip", "{:.3f}"), ("completion_len_mean", "len", "{:.1f}"),
+                ("grad_norm", "|g|", "{:.3f}"), ("step_time_s", "s/step", "{:.1f}")]
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str, cfg_dict: dict | None = None, wandb_cfg: dict | None = None,
+                 enabled: bool = True):
+        self.dir = Path(output_dir)
+        self.enabled = enabled
+        self.path = self.dir / "metrics.jsonl"
+        self.samples_path = self.dir / "samples.jsonl"
+        self._wandb = None
+        if not enabled:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        wandb_cfg = dict(wandb_cfg or {})
+        if wandb_cfg.get("mode", "disabled") != "disabled":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self._wandb = wandb.init(project=wandb_cfg.get("project", "grpo"), name=wandb_cfg.get("name"),
+                                     mode=wandb_cfg["mode"], dir=str(self.dir), config=cfg_dict or {})
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop lines of steps after ``step`` (written after the checkpoint we resume from)."""
+        if not (self.enabled and self.path.exists()):
+            return
+        kept = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
+        self.path.write_text("".join(l + "\n" for l in kept))
+
+    def log(self, metrics: dict, console: bool = True) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v) for k, v in metrics.items()}
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in clean.items()}
+        if "step" in metrics:
+            clean["step"] = int(metrics["step"])
+        with self.path.open("a") as f:
+            f.write(json.dumps(clean) + "\n")
+            f.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=clean.get("step"))
+        if console:
+            print(format_line(clean), file=sys.stderr, flush=True)
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        if not self.enabled:
+            return
+        with self.samples_path.open("a") as f:
+            for r in rows:
+                f.write(json.dumps({"step": step, **r}) + "\n")
+        for r in rows:
+            text = r["completion"].replace("\n", "\\n")
+            print(f"  sample  reward={r['reward']:.2f}  answer={r.get('answer')!s:<8} | {text[:160]}", file=sys.stderr)
+
+    def finish(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def format_line(m: dict) -> str:
+    parts = [f"step {m.get('step', '?'):>4}"]
+    for key, label, fmt in CONSOLE_KEYS:
+        if m.get(key) is not None:
+            parts.append(f"{label} {fmt.format(m[key])}")
+    return "  ".join(parts)
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Lines of a metrics.jsonl, tolerating a half-written last line (a run still going)."""
+    out = []
+    p = Path(path)
+    if not p.exists():
+        return out
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def ascii_curve(values: list[float], width: int = 60, height: int = 8, label: str = "reward") -> str:
+    """A small terminal plot of ``values`` (one column per bucket of steps)."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return ""
+    buckets = [vals[int(i * len(vals) / min(width, len(vals))): int((i + 1) * len(vals) / min(width, len(vals)))]
+               for i in range(min(width, len(vals)))]
+    pts = [sum(b) / len(b) for b in buckets if b]
+    lo, hi = min(pts), max(pts)
+    span = (hi - lo) or 1.0
+    rows = []
+    for r in range(height, -1, -1):
+        level = lo + span * r / height
+        line = "".join("█" if p >= level and p > lo - 1e-12 and (p - lo) / span * height >= r else " " for p in pts)
+        rows.append(f"{level:7.3f} |{line}")
+    rows.append(" " * 8 + "+" + "-" * len(pts))
+    rows.append(" " * 9 + f"{label} over {len(vals)} steps")
+    return "\n".join(rows)
+
+
+def plot_curves(metrics: list[dict], path: str | Path, keys=("reward_mean", "kl", "completion_len_mean")) -> None:
+    """PNG with one panel per metric against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in keys if any(m.get(k) is not None for m in metrics)]
+    if not keys:
+        return
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.2), squeeze=False)
+    for ax, k in zip(axes[0], keys):
+        pts = [(m["step"], m[k]) for m in metrics if m.get(k) is not None]
+        ax.plot(*zip(*pts), marker=".", lw=1)
+        ax.set_xlabel("step")
+        ax.set_title(k)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

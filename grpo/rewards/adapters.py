@@ -1,0 +1,106 @@
+"""Adapters from other projects' reward conventions to the batch signature
+``fn(prompts, completions, **columns) -> list[float | None]``."""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import math
+from typing import Callable
+
+log = logging.getLogger("grpo.rewards")
+
+_VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+_NOT_FOR_VERL = ("prompts", "completions", "completion_ids", "truncated")
+
+
+def _ground_truth(columns: dict, i: int):
+    for key in ("ground_truth", "answer"):
+        if key in columns:
+            return columns[key][i]
+    rm = columns.get("reward_model")
+    if rm is not None:
+        row = rm[i]
+        if isinstance(row, dict):
+            return row.get("ground_truth")
+    return None
+
+
+def _as_score(value) -> float | None:
+    if isinstance(value, dict):
+        value = value.get("score")
+    if value is None:
+        return None
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def from_verl(fn: Callable) -> Callable:
+    """Wrap verl's per-sample ``compute_score(data_source, solution_str, ground_truth, extra_info)``
+    (returning a float, or a dict whose ``score`` is the reward) into a batch reward function.
+
+    Per sample: ``data_source`` from the ``data_source`` column (else ``"unknown"``),
+    ``ground_truth`` from the ``ground_truth``, ``answer`` or ``reward_model.ground_truth``
+    column, ``extra_info`` from the ``extra_info`` column (else ``{}``). Scalar keyword arguments
+    from the config are passed on when ``fn`` accepts them (verl's ``reward_kwargs``). A sample
+    whose call raises, or returns something that is not a finite number, scores None; the first
+    such error of a wrapped function is logged with its traceback.
+    """
+    params = inspect.signature(fn).parameters
+    takes_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    positional = [p for p in params.values() if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                          inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    # Positional parameters get verl's arguments by name, or by position when named otherwise.
+    slots = []
+    for k, p in enumerate(positional):
+        if p.name in _VERL_ARGS:
+            slots.append(p.name)
+        elif k < len(_VERL_ARGS) and p.default is inspect.Parameter.empty:
+            slots.append(_VERL_ARGS[k])
+        else:
+            break
+    keyword_only = [a for a in _VERL_ARGS if a in params and a not in slots
+                    and params[a].kind is inspect.Parameter.KEYWORD_ONLY]
+    filled = {p.name for p in positional[:len(slots)]} | set(keyword_only)
+    reported = []
+
+    @functools.wraps(fn)
+    def batch(prompts: list[str], completions: list[str], **columns) -> list[float | None]:
+        n = len(completions)
+        # Aligned lists are dataset columns; anything else came from the config.
+        config = {k: v for k, v in columns.items()
+                  if k not in _NOT_FOR_VERL and k not in _VERL_ARGS
+                  and not (isinstance(v, (list, tuple)) and len(v) == n)}
+        extra = {k: v for k, v in config.items()
+                 if (takes_var_kw or k in params) and k not in filled}
+        out = []
+        for i, solution in enumerate(completions):
+            values = {
+                "data_source": columns["data_source"][i] if "data_source" in columns else "unknown",
+                "solution_str": solution,
+                "ground_truth": _ground_truth(columns, i),
+                "extra_info": columns["extra_info"][i] if "extra_info" in columns else {},
+            }
+            if values["extra_info"] is None:
+                values["extra_info"] = {}
+            try:
+                res = fn(*(values[a] for a in slots), **{a: values[a] for a in keyword_only}, **extra)
+                out.append(_as_score(res))
+            except Exception:
+                if not reported:
+                    reported.append(True)
+                    log.warning("verl-style reward %s raised (the sample scores None; logged once)",
+                                getattr(fn, "__qualname__", fn), exc_info=True)
+                out.append(None)
+        return out
+
+    batch.__signature__ = inspect.Signature([
+        inspect.Parameter("prompts", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("completions", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("columns", inspect.Parameter.VAR_KEYWORD),
+    ])
+    batch.verl_fn = fn
+    return batch

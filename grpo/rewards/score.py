@@ -1,0 +1,90 @@
+"""Scoring a batch with every configured reward function, robustly.
+
+A function that raises on the batch is retried sample by sample; samples that still raise get
+``None`` (no score) and are counted in ``errors``. The traceback of a function's first failure is
+logged once. The total reward is the weighted sum over the functions that scored the sample.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+from grpo.rewards.registry import resolve
+
+log = logging.getLogger("grpo.rewards")
+
+_RESERVED = ("fn", "weight")
+
+
+@dataclass
+class RewardFunction:
+    name: str
+    fn: Callable
+    weight: float = 1.0
+    kwargs: dict = field(default_factory=dict)
+
+
+def build(functions: dict) -> list[RewardFunction]:
+    """``reward.functions`` (name -> {fn, weight, **kwargs}) to resolved functions."""
+    out = []
+    for name, spec in functions.items():
+        spec = dict(spec)
+        out.append(RewardFunction(name, resolve(spec["fn"]), float(spec.get("weight", 1.0)),
+                                  {k: v for k, v in spec.items() if k not in _RESERVED}))
+    return out
+
+
+@dataclass
+class Scores:
+    total: list[float]                      # weighted sum per completion
+    per_fn: dict[str, list[float | None]]   # raw scores, None = no score
+    errors: dict[str, int]
+
+
+_reported: set[str] = set()
+
+
+def _call(rf: RewardFunction, prompts, completions, columns) -> list:
+    out = rf.fn(prompts, completions, **columns, **rf.kwargs)
+    out = list(out)
+    if len(out) != len(completions):
+        raise ValueError(f"reward {rf.name!r} returned {len(out)} scores for {len(completions)} completions")
+    return [None if v is None else float(v) for v in out]
+
+
+def score_one(rf: RewardFunction, prompts, completions, columns) -> tuple[list, int]:
+    """Scores of one function and its error count; per-sample fallback when the batch call raises."""
+    errors = 0
+    try:
+        vals = _call(rf, prompts, completions, columns)
+    except Exception:
+        _report(rf.name)
+        vals = []
+        for i in range(len(completions)):
+            cols = {k: v[i:i + 1] for k, v in columns.items()}
+            try:
+                vals.extend(_call(rf, prompts[i:i + 1], completions[i:i + 1], cols))
+            except Exception:
+                vals.append(None)
+                errors += 1
+    bad = [v is not None and not math.isfinite(v) for v in vals]
+    return [None if b else v for v, b in zip(vals, bad)], errors + sum(bad)
+
+
+def _report(name: str) -> None:
+    if name not in _reported:
+        _reported.add(name)
+        log.warning("reward function %r raised (samples get no score; logged once):\n%s", name, traceback.format_exc())
+
+
+def score(functions: list[RewardFunction], prompts: list[str], completions: list[str], columns: dict) -> Scores:
+    per_fn, errors = {}, {}
+    for rf in functions:
+        per_fn[rf.name], errors[rf.name] = score_one(rf, prompts, completions, columns)
+    total = []
+    for i in range(len(completions)):
+        total.append(sum(rf.weight * per_fn[rf.name][i] for rf in functions if per_fn[rf.name][i] is not None))
+    return Scores(total, per_fn, errors)

@@ -1,0 +1,262 @@
+"""Building a run from a validated config, and saving / restoring it.
+
+`build_run` checks everything a user can get wrong (data, reward functions, model path) before the
+model loads where it can, and turns each mistake into a one-line `SetupError`.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import random
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grpo import checkpoint, data
+from grpo.config import Config
+from grpo.data import PromptSampler, Splits
+from grpo.models import ModelError, load_model, load_reference, load_tokenizer
+from grpo.rewards import RewardSpecError
+from grpo.rewards.score import RewardFunction, build as build_rewards
+
+
+class SetupError(RuntimeError):
+    """A problem that stops the run; the message is one line for the user."""
+
+
+@dataclass
+class Run:
+    runtime: object
+    tokenizer: object
+    policy: torch.nn.Module
+    reference: torch.nn.Module | None
+    splits: Splits
+    rewards: list[RewardFunction]
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    sampler: PromptSampler
+    buffer: object = None                 # rollouts reused across num_iterations optimizer steps
+    bad_steps: int = 0
+    skipped_steps: int = 0
+    failed_reward_steps: dict = field(default_factory=dict)
+    stop_requested: bool = False
+    max_failed_reward_steps: int = 3
+
+    @property
+    def model(self):
+        return self.runtime.model
+
+    def reference_context(self):
+        """Context in which `reference_model()` gives the frozen reference (LoRA: adapter disabled)."""
+        if self.reference is None and hasattr(self.model, "disable_adapter"):
+            return self.model.disable_adapter()
+        return contextlib.nullcontext()
+
+    def reference_model(self):
+        return self.reference if self.reference is not None else self.model
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def make_runtime(cfg: Config):
+    if cfg.distributed.backend == "deepspeed":
+        from grpo.deepspeed_runtime import DeepSpeedRuntime
+
+        return DeepSpeedRuntime(cfg)
+    from grpo.distributed import LocalRuntime
+
+    return LocalRuntime(cfg.trainer.device)
+
+
+def build_run(cfg: Config) -> Run:
+    if not cfg.trainer.output_dir:
+        raise SetupError("trainer.output_dir is not set")
+    runtime = make_runtime(cfg)
+    set_seed(cfg.trainer.seed + runtime.rank)
+    try:
+        rewards = build_rewards(cfg.reward.functions)
+    except RewardSpecError as e:
+        raise SetupError(str(e)) from None
+    try:
+        tokenizer = load_tokenizer(cfg.model.name_or_path)
+        splits = data.build(cfg.data, tokenizer)
+    except ModelError as e:
+        raise SetupError(str(e)) from None
+    if runtime.world_size > 1 and cfg.rollout.prompts_per_step % runtime.world_size:
+        raise SetupError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
+                         f"number of processes ({runtime.world_size}) so that every group stays on one rank")
+    vocab = len(tokenizer)
+    try:
+        policy = load_model(cfg.model, vocab, seed=cfg.trainer.seed)
+        reference = load_reference(cfg.model, policy, vocab, seed=cfg.trainer.seed) if cfg.algorithm.beta > 0 else None
+    except ModelError as e:
+        raise SetupError(str(e)) from None
+    if reference is not None:
+        reference.to(runtime.device)
+    policy.train()
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.trainer.lr, betas=tuple(cfg.trainer.adam_betas),
+                                  weight_decay=cfg.trainer.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.trainer))
+    runtime.setup(policy, optimizer, scheduler)
+    sampler = PromptSampler(len(splits.train), seed=cfg.trainer.seed)
+    run = Run(runtime, tokenizer, policy, reference, splits, rewards, runtime.optimizer, runtime.scheduler, sampler,
+              max_failed_reward_steps=cfg.reward.max_failed_steps)
+    _install_signal_handlers(run)
+    return run
+
+
+def lr_lambda(tcfg):
+    def f(step: int) -> float:
+        if tcfg.warmup_steps and step < tcfg.warmup_steps:
+            return (step + 1) / tcfg.warmup_steps
+        if tcfg.lr_schedule == "constant":
+            return 1.0
+        span = max(tcfg.max_steps - tcfg.warmup_steps, 1)
+        progress = min((step - tcfg.warmup_steps) / span, 1.0)
+        if tcfg.lr_schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def _install_signal_handlers(run: Run) -> None:
+    """First Ctrl-C / SIGTERM: finish the step, checkpoint, exit cleanly. A second Ctrl-C aborts."""
+
+    def handler(signum, frame):
+        if run.stop_requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        run.stop_requested = True
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread (e.g. some test harnesses)
+        pass
+
+
+# ------------------------------------------------------------------------------- save / restore
+# Keys that define the run: resuming with any of them changed is refused unless trainer.force_resume.
+RUN_DEFINING = ["model.name_or_path", "model.lora", "data.source", "data.task_kwargs", "data.seed",
+                "data.num_train", "data.num_eval", "algorithm.group_size", "rollout.prompts_per_step",
+                "trainer.seed", "reward.functions"]
+
+
+def fingerprint(cfg: Config) -> dict:
+    from dataclasses import asdict
+
+    flat = asdict(cfg)
+    out = {}
+    for key in RUN_DEFINING:
+        obj = flat
+        for part in key.split("."):
+            obj = obj[part]
+        out[key] = json.loads(json.dumps(obj, sort_keys=True, default=str))
+    return out
+
+
+def save_checkpoint(run: Run, cfg: Config, step: int) -> Path:
+    def write(tmp: Path) -> None:
+        run.runtime.save_model_state(tmp) if hasattr(run.runtime, "save_model_state") else _save_weights(run, tmp)
+        if run.runtime.is_main:
+            checkpoint.save_state(tmp, {
+                "step": step, "optimizer": run.optimizer.state_dict() if not hasattr(run.runtime, "save_model_state") else None,
+                "scheduler": run.scheduler.state_dict(), "sampler": run.sampler.state_dict(),
+                "rng": checkpoint.rng_state(), "buffer": run.buffer, "skipped_steps": run.skipped_steps,
+                "bad_steps": run.bad_steps, "failed_reward_steps": run.failed_reward_steps,
+                "fingerprint": fingerprint(cfg), "config_hash": _hash(fingerprint(cfg)),
+            })
+
+    path = checkpoint.save(cfg.trainer.output_dir, step, write, cfg.trainer.keep_last, is_main=run.runtime.is_main)
+    run.runtime.barrier()
+    return path
+
+
+def _save_weights(run: Run, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    state = {n: p.detach().cpu().contiguous() for n, p in run.model.named_parameters() if p.requires_grad}
+    save_file(state, str(path / "trainable.safetensors"))
+
+
+def _load_weights(run: Run, path: Path) -> None:
+    from safetensors.torch import load_file
+
+    state = load_file(str(path / "trainable.safetensors"))
+    missing = [n for n, p in run.model.named_parameters() if p.requires_grad and n not in state]
+    if missing:
+        raise SetupError(f"checkpoint {path} does not match the model (missing {missing[0]}); wrong model.name_or_path?")
+    run.model.load_state_dict(state, strict=False)
+
+
+def restore(run: Run, cfg: Config, log) -> int:
+    """Load the checkpoint named by trainer.resume; returns the step to continue after (0 = fresh)."""
+    try:
+        ckpt = checkpoint.resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
+    except FileNotFoundError as e:
+        raise SetupError(str(e)) from None
+    if ckpt is None:
+        return 0
+    state = checkpoint.load_state(ckpt)
+    now = fingerprint(cfg)
+    changed = [k for k in RUN_DEFINING if state["fingerprint"].get(k) != now.get(k)]
+    if changed and not cfg.trainer.force_resume:
+        k = changed[0]
+        raise SetupError(f"cannot resume from {ckpt}: {k} changed ({state['fingerprint'].get(k)!r} -> {now[k]!r}); "
+                         "set trainer.force_resume=true to resume anyway, or use a new trainer.output_dir")
+    if hasattr(run.runtime, "load_model_state"):
+        run.runtime.load_model_state(ckpt)
+    else:
+        _load_weights(run, ckpt)
+        run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.sampler.load_state_dict(state["sampler"])
+    checkpoint.set_rng_state(state["rng"])
+    run.buffer = state["buffer"]
+    run.skipped_steps, run.bad_steps = state["skipped_steps"], state["bad_steps"]
+    run.failed_reward_steps = state["failed_reward_steps"]
+    log.truncate_after(state["step"])
+    if run.runtime.is_main:
+        print(f"[grpo] resumed from {ckpt} (step {state['step']})", flush=True)
+    return state["step"]
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def save_final(run: Run, cfg: Config) -> Path:
+    """``<output_dir>/final``: a directory `AutoModelForCausalLM.from_pretrained` loads (or the
+    LoRA adapter with model.lora.merge_on_save=false)."""
+    out = Path(cfg.trainer.output_dir) / "final"
+    tmp = out.with_name(".tmp-final")
+    if hasattr(run.runtime, "save_final"):
+        run.runtime.save_final(tmp, run.tokenizer, cfg)
+    elif run.runtime.is_main:
+        import shutil
+
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        model = run.model
+        if cfg.model.lora.enabled and cfg.model.lora.merge_on_save:
+            model = model.merge_and_unload()
+        model.save_pretrained(tmp)
+        run.tokenizer.save_pretrained(tmp)
+    if run.runtime.is_main:
+        import shutil
+
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    run.runtime.barrier()
+    return out

@@ -1,0 +1,142 @@
+"""Entry point: ``grpo-train recipe=NAME key=value ...`` or ``python -m grpo.train ...``.
+
+The loop in `train` reads top to bottom: sample, score, normalise, old/ref log-probs, optimise,
+log, evaluate, save. Each stage lives in its own module.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+from grpo import checkpoint, data, experience, logger
+from grpo.config import Config, ConfigError, load
+from grpo.evaluate import evaluate
+from grpo.setup import SetupError, build_run, restore, save_checkpoint, save_final
+from grpo.update import policy_update
+
+
+def train(cfg: Config) -> dict:
+    """Run GRPO as configured; returns the final summary (eval accuracy before/after, steps)."""
+    run = build_run(cfg)  # runtime, tokenizer, policy, reference, data, rewards, optimizer, sampler
+    log = logger.MetricsLogger(cfg.trainer.output_dir, asdict(cfg), cfg.logging.wandb, enabled=run.runtime.is_main)
+    start = restore(run, cfg, log)
+    if start >= cfg.trainer.max_steps and start > 0:
+        _say(run, f"run already reached trainer.max_steps={cfg.trainer.max_steps} (checkpoint step {start}); nothing to do")
+        return {"steps": start, "resumed": True}
+    summary = {"eval_before": evaluate(run, cfg, "before")} if start == 0 else {}
+    if start == 0:
+        log.log({"step": 0, **{f"eval/{k}": v for k, v in summary["eval_before"].items()}}, console=False)
+    batch = run.buffer
+    for step in range(start + 1, cfg.trainer.max_steps + 1):
+        t0 = time.time()
+        if batch is None or (step - 1) % cfg.algorithm.num_iterations == 0:
+            batch = experience.collect(run, cfg)  # rollout -> rewards -> advantages -> old/ref log-probs
+        stats = policy_update(run.runtime, batch, cfg.algorithm, cfg.engine, temperature=cfg.rollout.temperature,
+                              max_len=cfg.rollout.max_new_tokens, mask_truncated=cfg.algorithm.mask_truncated,
+                              max_grad_norm=cfg.trainer.max_grad_norm)
+        run.bad_steps = run.bad_steps + 1 if stats["skipped"] else 0
+        run.skipped_steps += int(stats["skipped"])
+        metrics = {"step": step, **batch.stats, **stats, "skipped_steps": run.skipped_steps,
+                   "lr": run.scheduler.get_last_lr()[0], "step_time_s": time.time() - t0}
+        metrics.setdefault("kl", batch.stats.get("kl", 0.0))
+        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.max_steps:
+            metrics.update({f"eval/{k}": v for k, v in evaluate(run, cfg, f"step {step}").items()})
+        log.log(metrics, console=step % cfg.logging.log_every == 0)
+        if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
+            log.samples(step, experience.sample_rows(run, batch, cfg.logging.num_samples))
+        run.buffer = batch if step % cfg.algorithm.num_iterations else None
+        if run.bad_steps >= cfg.trainer.max_bad_steps:
+            save_checkpoint(run, cfg, step - run.bad_steps)
+            raise SetupError(f"{run.bad_steps} steps in a row had a non-finite loss or gradient; stopped. "
+                             "Lower trainer.lr or check the rewards; the last good state is checkpointed")
+        if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or run.stop_requested:
+            save_checkpoint(run, cfg, step)
+        if run.stop_requested:
+            _say(run, f"stopped by signal at step {step}; checkpoint written, resume with trainer.resume=auto")
+            return {"steps": step, "interrupted": True}
+    step = max(cfg.trainer.max_steps, start)
+    summary["eval_after"] = evaluate(run, cfg, "after")
+    log.log({"step": step, **{f"eval/{k}": v for k, v in summary["eval_after"].items()}}, console=False)
+    save_checkpoint(run, cfg, step)
+    save_final(run, cfg)
+    _report(run, cfg, summary, log)
+    log.finish()
+    return {"steps": step, **summary}
+
+
+def _report(run, cfg: Config, summary: dict, log) -> None:
+    if not run.runtime.is_main:
+        return
+    rows = [m for m in logger.read_metrics(log.path) if "reward_mean" in m]
+    print("\n" + logger.ascii_curve([m["reward_mean"] for m in rows], label="reward_mean"), file=sys.stderr)
+    if cfg.logging.plot and rows:
+        logger.plot_curves(rows, os.path.join(cfg.trainer.output_dir, "reward_curve.png"))
+    before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
+    for key in sorted(set(before) | set(after)):
+        b, a = before.get(key), after.get(key)
+        fb = "n/a" if b is None else f"{b:.3f}"
+        print(f"held-out {key:<20} before {fb:>7}  after {a:.3f}", file=sys.stderr)
+    print(f"final model: {os.path.join(cfg.trainer.output_dir, 'final')}", file=sys.stderr)
+
+
+def _say(run, msg: str) -> None:
+    if run.runtime.is_main:
+        print(f"[grpo] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------ command line
+def _hydra_main():
+    import hydra
+    from omegaconf import DictConfig
+
+    from grpo.cli import CONFIG_DIR
+
+    @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)
+    def _run(raw: DictConfig) -> float | None:
+        from hydra.core.hydra_config import HydraConfig
+        from omegaconf import OmegaConf, open_dict
+
+        with open_dict(raw):
+            if not raw.trainer.get("output_dir"):
+                raw.trainer.output_dir = HydraConfig.get().runtime.output_dir
+        cfg = _load_or_exit(OmegaConf.to_container(raw, resolve=True))
+        try:
+            result = train(cfg)
+        except (SetupError, ConfigError, data.DataError, FileNotFoundError) as e:
+            _fail(e)
+        after = result.get("eval_after", {})
+        return after.get("reward_mean")
+
+    return _run
+
+
+def _load_or_exit(raw: dict) -> Config:
+    try:
+        return load(raw)
+    except ConfigError as e:
+        _fail(e)
+
+
+def _fail(e: Exception):
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise e
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main() -> None:
+    from grpo.cli import check_argv
+
+    try:
+        check_argv(sys.argv[1:])
+    except ConfigError as e:
+        _fail(e)
+    _hydra_main()()
+
+
+if __name__ == "__main__":
+    main()
