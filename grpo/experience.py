@@ -75,6 +75,7 @@ def score_groups(run, rows, completion_ids, truncated):
              "completion_len_mean": len_all / n_all, "truncated_frac": trunc_all / n_all}
     for i, rf in enumerate(run.rewards):
         v, v2, cnt, err = sums[5 + 4 * i: 9 + 4 * i]
+        err = int(err)
         stats[f"reward/{rf.name}"] = v / cnt if cnt else None
         stats[f"reward/{rf.name}_std"] = _std(v, v2, cnt) if cnt else None
         stats[f"reward/{rf.name}_errors"] = int(err)

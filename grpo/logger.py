@@ -42,10 +42,8 @@ class MetricsLogger:
     def log(self, metrics: dict, console: bool = True) -> None:
         if not self.enabled:
             return
-        clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v) for k, v in metrics.items()}
+        clean = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in clean.items()}
-        if "step" in metrics:
-            clean["step"] = int(metrics["step"])
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
             f.flush()
@@ -104,7 +102,7 @@ def ascii_curve(values: list[float], width: int = 60, height: int = 8, label: st
     rows = []
     for r in range(height, -1, -1):
         level = lo + span * r / height
-        line = "".join("█" if p >= level and p > lo - 1e-12 and (p - lo) / span * height >= r else " " for p in pts)
+        line = "".join("█" if (p - lo) / span * height >= r - 1e-9 else " " for p in pts)
         rows.append(f"{level:7.3f} |{line}")
     rows.append(" " * 8 + "+" + "-" * len(pts))
     rows.append(" " * 9 + f"{label} over {len(vals)} steps")
