@@ -131,11 +131,13 @@ class LoggingConfig:
 
 @dataclass
 class DistributedConfig:
-    backend: str = "none"            # none | deepspeed
-    zero_stage: int = 0
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    bf16: bool = False
+    backend: str = "none"            # none | deepspeed (start with a launcher; see docs/distributed.md)
+    zero_stage: int = 0              # deepspeed: 0-3 (configs: zero2, zero3)
+    offload_optimizer: bool = False  # optimizer states (and the fp32 master weights) in CPU memory
+    offload_params: bool = False     # ZeRO-3 only: weights in CPU memory between uses
+    bf16: bool = False               # compute in bf16, fp32 master weights (also on with model.dtype=bfloat16)
+    gather_for_generation: bool = True  # ZeRO-3: gather the full weights for generation (fast) or fetch per layer
+    ds_config: dict = field(default_factory=dict)  # merged over the derived DeepSpeed config (bucket sizes, ...)
 
 
 @dataclass
@@ -245,9 +247,29 @@ def validate(cfg: Config) -> Config:
     mode = (cfg.logging.wandb or {}).get("mode", "disabled")
     if mode not in ("online", "offline", "disabled"):
         raise ConfigError(f"logging.wandb.mode={mode!r} is not allowed; choose one of: online, offline, disabled")
+    _check_distributed(cfg)
     if cfg.trainer.resume not in (None, "auto", "") and not isinstance(cfg.trainer.resume, str):
         raise ConfigError("trainer.resume must be null, 'auto' or a checkpoint path")
     return cfg
+
+
+def _check_distributed(cfg: Config) -> None:
+    d = cfg.distributed
+    if d.backend == "none":
+        on = [k for k in ("offload_optimizer", "offload_params", "bf16") if getattr(d, k)]
+        if d.zero_stage or on or d.ds_config:
+            key = f"distributed.zero_stage={d.zero_stage}" if d.zero_stage else \
+                (f"distributed.{on[0]}=true" if on else "distributed.ds_config")
+            raise ConfigError(f"{key} needs distributed.backend=deepspeed (use distributed=zero2 or distributed=zero3)")
+        return
+    if d.offload_params and d.zero_stage != 3:
+        raise ConfigError(f"distributed.offload_params=true needs distributed.zero_stage=3 (got {d.zero_stage}); "
+                          "use distributed=zero3")
+    if d.offload_optimizer and d.zero_stage == 0:
+        raise ConfigError("distributed.offload_optimizer=true needs distributed.zero_stage >= 1")
+    if cfg.model.dtype == "float16":
+        raise ConfigError("model.dtype=float16 is not supported with distributed.backend=deepspeed (no loss scaling); "
+                          "use model.dtype=bfloat16 or distributed.bf16=true")
 
 
 def load(raw: DictConfig | dict) -> Config:

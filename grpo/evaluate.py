@@ -14,12 +14,15 @@ def evaluate(run, cfg, label: str) -> dict:
         return {}
     rt = run.runtime
     shard = rows[rt.rank::rt.world_size]
-    comps, trunc = generate(rt.model, run.tokenizer, [r["prompt_ids"] for r in shard], group_size=1,
+    # every rank generates as many prompts (ZeRO-3 ranks decode in lockstep); the padding is not scored
+    padded = shard + shard[-1:] * (-(-len(rows) // rt.world_size) - len(shard))
+    comps, trunc = generate(rt.model, run.tokenizer, [r["prompt_ids"] for r in padded], group_size=1,
                             max_new_tokens=cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens,
                             batch_size=max(cfg.rollout.batch_size * cfg.algorithm.group_size, 1), greedy=True,
                             desc=f"eval {label}", progress=rt.is_main)
     from grpo.experience import score_groups
 
+    comps, trunc = comps[:len(shard)], trunc[:len(shard)]
     saved = dict(run.failed_reward_steps)
     _, stats = score_groups(run, shard, comps, trunc)
     run.failed_reward_steps = saved  # evaluation does not count towards the reward-failure limit

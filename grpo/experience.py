@@ -1,7 +1,7 @@
 """Collecting one step's experience: rollout -> rewards -> advantages -> old/ref log-probs."""
 from __future__ import annotations
 
-import statistics
+import time
 
 import torch
 
@@ -19,10 +19,13 @@ def collect(run, cfg) -> Batch:
     rows = [run.splits.train[i] for i in indices[rt.rank * per_rank:(rt.rank + 1) * per_rank]]
     prompt_ids = [r["prompt_ids"] for r in rows]
     r = cfg.rollout
+    t0 = time.time()
     completion_ids, truncated = generate(rt.model, run.tokenizer, prompt_ids, group_size=G,
                                          max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                          top_k=r.top_k, batch_size=r.batch_size, progress=rt.is_main)
+    t1 = time.time()
     rewards, stats = score_groups(run, rows, completion_ids, truncated)
+    stats["time/rollout_s"], stats["time/reward_s"] = t1 - t0, time.time() - t1
     batch = Batch(rows, prompt_ids, completion_ids, truncated, rewards, torch.zeros_like(rewards), stats=stats)
     a = cfg.algorithm
     if a.beta > 0:

@@ -5,6 +5,8 @@ Completions end at the first EOS (kept: the model must learn to stop) or at ``ma
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from tqdm.auto import tqdm
 
@@ -18,7 +20,17 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 8,
              greedy: bool = False, desc: str = "rollout", progress: bool = True):
     """Returns ``(completion_ids, truncated)``: per prompt, ``group_size`` token lists and flags."""
-    model = _unwrap(model)
+    # A multi-process runtime may need every rank in every decoding step (DeepSpeed ZeRO-3: partitioned
+    # weights): its model carries a context that prepares it and yields extra generate kwargs.
+    ready = getattr(model, "grpo_generation_context", None)
+    with ready() if ready is not None else contextlib.nullcontext({}) as extra:
+        return _generate(_unwrap(model), tokenizer, prompt_ids, group_size=group_size, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_p=top_p, top_k=top_k, batch_size=batch_size, greedy=greedy,
+                         desc=desc, progress=progress, extra=extra)
+
+
+def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, temperature, top_p, top_k, batch_size,
+              greedy, desc, progress, extra):
     device = next(model.parameters()).device
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -38,7 +50,7 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k,
                         num_return_sequences=group_size) if not greedy else dict(do_sample=False)
         out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos, pad_token_id=pad_id, use_cache=True, **sampling)
+                             eos_token_id=eos, pad_token_id=pad_id, use_cache=True, **sampling, **extra)
         new = out[:, width:].tolist()
         for i, p in enumerate(chunk):
             group, flags = [], []

@@ -94,14 +94,18 @@ def build_run(cfg: Config) -> Run:
     if runtime.world_size > 1 and cfg.rollout.prompts_per_step % runtime.world_size:
         raise SetupError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
                          f"number of processes ({runtime.world_size}) so that every group stays on one rank")
+    if 0 < len(splits.eval) < runtime.world_size:
+        raise SetupError(f"the held-out split has {len(splits.eval)} prompts, fewer than the number of processes "
+                         f"({runtime.world_size}); every rank evaluates a share: raise data.num_eval or set it to 0")
     vocab = len(tokenizer)
     try:
         policy = load_model(cfg.model, vocab, seed=cfg.trainer.seed)
         reference = load_reference(cfg.model, policy, vocab, seed=cfg.trainer.seed) if cfg.algorithm.beta > 0 else None
     except ModelError as e:
         raise SetupError(str(e)) from None
-    if reference is not None:
-        reference.to(runtime.device)
+    if reference is not None:  # multi-process runtimes place (ZeRO-3: partition) the reference themselves
+        reference = runtime.prepare_reference(reference) if hasattr(runtime, "prepare_reference") \
+            else reference.to(runtime.device)
     policy.train()
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.trainer.lr, betas=tuple(cfg.trainer.adam_betas),
@@ -176,6 +180,8 @@ def save_checkpoint(run: Run, cfg: Config, step: int) -> Path:
                 "bad_steps": run.bad_steps, "failed_reward_steps": run.failed_reward_steps,
                 "fingerprint": fingerprint(cfg), "config_hash": _hash(fingerprint(cfg)),
             })
+        if run.runtime.world_size > 1:  # each rank's own sampling stream and rollouts (rank 0's are above)
+            torch.save({"rng": checkpoint.rng_state(), "buffer": run.buffer}, tmp / f"rank_{run.runtime.rank}.pt")
 
     path = checkpoint.save(cfg.trainer.output_dir, step, write, cfg.trainer.keep_last, is_main=run.runtime.is_main)
     run.runtime.barrier()
@@ -192,6 +198,9 @@ def _save_weights(run: Run, path: Path) -> None:
 def _load_weights(run: Run, path: Path) -> None:
     from safetensors.torch import load_file
 
+    if not (path / "trainable.safetensors").exists() and (path / "deepspeed").is_dir():
+        raise SetupError(f"checkpoint {path} was written by DeepSpeed; resume it with the same distributed= setting "
+                         "and number of processes")
     state = load_file(str(path / "trainable.safetensors"))
     missing = [n for n, p in run.model.named_parameters() if p.requires_grad and n not in state]
     if missing:
@@ -223,6 +232,11 @@ def restore(run: Run, cfg: Config, log) -> int:
     run.sampler.load_state_dict(state["sampler"])
     checkpoint.set_rng_state(state["rng"])
     run.buffer = state["buffer"]
+    own = ckpt / f"rank_{run.runtime.rank}.pt"
+    if run.runtime.world_size > 1 and own.exists():
+        mine = torch.load(own, map_location="cpu", weights_only=False)
+        checkpoint.set_rng_state(mine["rng"])
+        run.buffer = mine["buffer"]
     run.skipped_steps, run.bad_steps = state["skipped_steps"], state["bad_steps"]
     run.failed_reward_steps = state["failed_reward_steps"]
     log.truncate_after(state["step"])

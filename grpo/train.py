@@ -35,13 +35,15 @@ def train(cfg: Config) -> dict:
         t0 = time.time()
         if batch is None or (step - 1) % cfg.algorithm.num_iterations == 0:
             batch = experience.collect(run, cfg)  # rollout -> rewards -> advantages -> old/ref log-probs
+        t1 = time.time()
         stats = policy_update(run.runtime, batch, cfg.algorithm, cfg.engine, temperature=cfg.rollout.temperature,
                               max_len=cfg.rollout.max_new_tokens, mask_truncated=cfg.algorithm.mask_truncated,
                               max_grad_norm=cfg.trainer.max_grad_norm)
         run.bad_steps = run.bad_steps + 1 if stats["skipped"] else 0
         run.skipped_steps += int(stats["skipped"])
         metrics = {"step": step, **batch.stats, **stats, "skipped_steps": run.skipped_steps,
-                   "lr": run.scheduler.get_last_lr()[0], "step_time_s": time.time() - t0}
+                   "lr": run.scheduler.get_last_lr()[0], "step_time_s": time.time() - t0,
+                   "time/experience_s": t1 - t0, "time/update_s": time.time() - t1}
         metrics.setdefault("kl", batch.stats.get("kl", 0.0))
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.max_steps:
             metrics.update({f"eval/{k}": v for k, v in evaluate(run, cfg, f"step {step}").items()})
@@ -128,9 +130,23 @@ def _fail(e: Exception):
     sys.exit(2)
 
 
+def _drop_local_rank(argv: list[str]) -> list[str]:
+    """The deepspeed launcher appends ``--local_rank=N`` (LOCAL_RANK is in the environment as well)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--local_rank":
+            skip = True
+        elif not a.startswith("--local_rank="):
+            out.append(a)
+    return out
+
+
 def main() -> None:
     from grpo.cli import check_argv
 
+    sys.argv = _drop_local_rank(sys.argv)
     try:
         check_argv(sys.argv[1:])
     except ConfigError as e:

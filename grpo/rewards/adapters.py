@@ -11,19 +11,23 @@ from typing import Callable
 log = logging.getLogger("grpo.rewards")
 
 _VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
-_NOT_FOR_VERL = ("prompts", "completions", "completion_ids", "truncated")
+_NOT_FOR_VERL = ("prompts", "completions", "completion_ids", "truncated", "answer", "reward_model")
 
 
-def _ground_truth(columns: dict, i: int):
+def _value(columns: dict, key: str, i: int, n: int, default=None):
+    """Row ``i`` of column ``key``; a value that is not an aligned list is a constant (config)."""
+    if key not in columns:
+        return default
+    v = columns[key]
+    return v[i] if isinstance(v, (list, tuple)) and len(v) == n else v
+
+
+def _ground_truth(columns: dict, i: int, n: int):
     for key in ("ground_truth", "answer"):
         if key in columns:
-            return columns[key][i]
-    rm = columns.get("reward_model")
-    if rm is not None:
-        row = rm[i]
-        if isinstance(row, dict):
-            return row.get("ground_truth")
-    return None
+            return _value(columns, key, i, n)
+    row = _value(columns, "reward_model", i, n)
+    return row.get("ground_truth") if isinstance(row, dict) else None
 
 
 def _as_score(value) -> float | None:
@@ -79,13 +83,11 @@ def from_verl(fn: Callable) -> Callable:
         out = []
         for i, solution in enumerate(completions):
             values = {
-                "data_source": columns["data_source"][i] if "data_source" in columns else "unknown",
+                "data_source": _value(columns, "data_source", i, n, "unknown"),
                 "solution_str": solution,
-                "ground_truth": _ground_truth(columns, i),
-                "extra_info": columns["extra_info"][i] if "extra_info" in columns else {},
+                "ground_truth": _ground_truth(columns, i, n),
+                "extra_info": _value(columns, "extra_info", i, n) or {},
             }
-            if values["extra_info"] is None:
-                values["extra_info"] = {}
             try:
                 res = fn(*(values[a] for a in slots), **{a: values[a] for a in keyword_only}, **extra)
                 out.append(_as_score(res))

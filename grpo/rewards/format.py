@@ -38,7 +38,7 @@ def format_reward(prompts: list[str], completions: list[str], strict: bool = Fal
 
 def tag_score(text: str) -> float:
     """0.25 for each of ``<think>``, ``</think>``, ``<answer>``, ``</answer>`` that appears exactly
-    once and after the tag before it in that sequence (when that one appears exactly once)."""
+    once and after every earlier tag of that sequence that appears exactly once."""
     score, prev_pos = 0.0, -1
     for tag in _TAGS:
         n = text.count(tag)
@@ -46,7 +46,7 @@ def tag_score(text: str) -> float:
         if pos is not None and pos > prev_pos:
             score += 0.25
         if pos is not None:
-            prev_pos = pos
+            prev_pos = max(prev_pos, pos)
     return score
 
 

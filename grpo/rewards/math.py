@@ -27,12 +27,12 @@ _ANSWER_IS = re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*:?\s*(.+)", re.I)
 _MAX_LEN = 400
 
 
-def _last_boxed(text: str) -> str | None:
+def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (braces balanced), or ``\\boxed 5``."""
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
-    i = text.index("x", start) + 1 if text.startswith("\\boxed", start) else start + 5
+    i = start + (6 if text.startswith("\\boxed", start) else 5)
     while i < len(text) and text[i] == " ":
         i += 1
     if i >= len(text):
@@ -56,13 +56,13 @@ def extract_answer(completion: str) -> str | None:
     text = completion
     if "</think>" in text:  # the reasoning may try several answers; only the conclusion counts
         text = text.rsplit("</think>", 1)[1] or text
-    boxed = _last_boxed(text)
+    boxed = last_boxed(text)
     if boxed is not None and boxed.strip():
         return boxed.strip()
     tags = _ANSWER_TAG.findall(text)
     if tags and tags[-1].strip():
         inner = tags[-1].strip()
-        return _last_boxed(inner) or inner
+        return last_boxed(inner) or inner
     said = _ANSWER_IS.findall(text)
     if said:
         cand = said[-1].strip().strip("$").strip()
@@ -85,7 +85,7 @@ def _reference(ref) -> str | None:
     s = str(ref).strip()
     if "####" in s:  # GSM8K-style "reasoning #### 72"
         s = s.rsplit("####", 1)[1].strip()
-    boxed = _last_boxed(s)
+    boxed = last_boxed(s)
     if boxed:
         s = boxed.strip()
     return s or None

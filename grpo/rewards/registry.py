@@ -10,6 +10,7 @@ sample" and is excluded from that function's statistics and from the weighted su
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from typing import Callable
@@ -97,4 +98,12 @@ def adapt(fn: Callable, spec: str) -> RewardFn:
             "fn(prompts, completions, **columns) -> list[float | None] or verl's "
             "compute_score(data_source, solution_str, ground_truth, extra_info)"
         )
+    if "completions" in names and [p.name for p in positional[:2]] != ["prompts", "completions"]:
+        # TRL calls reward functions by keyword, so `def f(completions, **kwargs)` is a valid TRL
+        # reward; it would break when called positionally as fn(prompts, completions, ...).
+        @functools.wraps(fn)
+        def by_keyword(prompts, completions, **columns):
+            return fn(prompts=prompts, completions=completions, **columns)
+
+        return by_keyword
     return fn

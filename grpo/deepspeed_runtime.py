@@ -1,0 +1,361 @@
+"""Many processes through DeepSpeed ZeRO-2 / ZeRO-3 (``distributed=zero2|zero3``).
+
+`DeepSpeedRuntime` offers the methods of `grpo.distributed.LocalRuntime`, so the training loop does
+not know which one it has. It does not care which launcher started it: torchrun, ``deepspeed`` and
+``accelerate launch`` all set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. NCCL is used
+on GPUs and gloo on CPU; `deepspeed.initialize` is called directly with a config derived from the
+recipe (see `ds_config`), never through accelerate's plugin.
+
+How the loop's contract maps onto DeepSpeed:
+
+- The loss of a micro-batch is this rank's share of the batch-wide loss (its normaliser is
+  all-reduced), and DeepSpeed *averages* gradients over ranks, so `backward` multiplies by the
+  world size: the reduced gradient is the gradient of the global loss, as with one process.
+- `policy_update` runs a data-dependent number of micro-batches and then one `step`. It tells the
+  runtime how many (`expect_backwards`, the same number on every rank: ZeRO-2/3 communicate inside
+  every backward and ZeRO-3 inside every forward), and only the last backward is marked as the
+  gradient-accumulation boundary (`engine.set_gradient_accumulation_boundary`).
+- DeepSpeed clips to ``gradient_clipping`` (= trainer.max_grad_norm) and skips the update when the
+  global gradient norm is not finite; the learning-rate schedule advances only on applied steps.
+- ZeRO-3 partitions the weights: generation runs with ``synced_gpus`` (every rank keeps stepping
+  until all are done) and, with distributed.gather_for_generation, on fully gathered weights; the
+  frozen reference is partitioned too (a DeepSpeed engine without optimizer); the final model is
+  consolidated on rank 0 into an ordinary Hugging Face directory.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import copy
+import datetime
+import json
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from grpo.setup import SetupError
+
+LAUNCH_HINT = ("torchrun --nproc_per_node N -m grpo.train ... or deepspeed --num_gpus N --module grpo.train ... "
+               "(see docs/distributed.md)")
+TAG = "deepspeed"                 # sub-directory of a checkpoint holding DeepSpeed's own files
+WORLD_FILE = "grpo_world.json"    # how many processes wrote a checkpoint
+# DeepSpeed settings the runtime derives itself; distributed.ds_config may not override them.
+OWNED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
+              "scheduler", "gradient_clipping", "bf16", "fp16", "zero_optimization.stage",
+              "zero_optimization.offload_optimizer", "zero_optimization.offload_param"}
+
+
+# ------------------------------------------------------------------------------------ checks
+def launcher_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the launcher's environment; SetupError when it is not there."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise SetupError(f"distributed.backend=deepspeed needs a launcher ({', '.join(missing)} not set); run "
+                         + LAUNCH_HINT)
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
+    except ValueError:
+        raise SetupError("RANK, WORLD_SIZE and LOCAL_RANK must be integers; start the run with " + LAUNCH_HINT) from None
+    if not (0 <= rank < world):
+        raise SetupError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
+    return rank, world, local
+
+
+def check(cfg, world_size: int) -> None:
+    """Settings that cannot work with ``world_size`` processes; identical on every rank, so every rank
+    raises the same one-line SetupError before any collective call (no rank is left waiting)."""
+    d = cfg.distributed
+    if cfg.rollout.prompts_per_step % world_size:
+        raise SetupError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
+                         f"number of processes ({world_size}) so that every group stays on one rank")
+    if d.zero_stage == 3 and cfg.model.lora.enabled:
+        raise SetupError("distributed.zero_stage=3 with model.lora.enabled is not supported (LoRA trains few "
+                         "parameters: use distributed=zero2, whose memory is dominated by the frozen weights anyway)")
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise SetupError("trainer.device=cuda but no GPU is visible to this process")
+    for key in _flat_keys(d.ds_config):
+        if key in OWNED_KEYS or any(key.startswith(k + ".") for k in OWNED_KEYS):
+            raise SetupError(f"distributed.ds_config.{key} is derived from the recipe and cannot be overridden "
+                             "(see docs/distributed.md, 'What grpo sets')")
+
+
+def _flat_keys(d: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in (d or {}).items():
+        key = f"{prefix}{k}"
+        out.append(key)
+        if isinstance(v, dict):
+            out.extend(_flat_keys(v, key + "."))
+    return out
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in (extra or {}).items():
+        out[k] = _merge(out.get(k, {}), v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def ds_config(cfg, world_size: int, *, train: bool = True) -> dict:
+    """The DeepSpeed config for ``cfg``. The batch-size fields only feed DeepSpeed's counters: the loop
+    decides the micro-batches (engine.max_tokens_per_micro_batch) and marks the step boundary itself."""
+    d = cfg.distributed
+    per_rank = cfg.rollout.prompts_per_step // world_size * cfg.algorithm.group_size
+    zero: dict = {"stage": d.zero_stage if train else (3 if d.zero_stage == 3 else 0)}
+    if train and d.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if d.offload_params and zero["stage"] == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if zero["stage"] == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    out = {
+        "train_micro_batch_size_per_gpu": max(per_rank, 1),
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": max(per_rank, 1) * world_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": _bf16(cfg)},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    if train:
+        out["gradient_clipping"] = float(cfg.trainer.max_grad_norm)
+        out["zero_allow_untested_optimizer"] = True   # the loop's own torch AdamW
+    return _merge(out, d.ds_config)
+
+
+def _bf16(cfg) -> bool:
+    return bool(cfg.distributed.bf16 or cfg.model.dtype == "bfloat16")
+
+
+# ----------------------------------------------------------------------------------- runtime
+class DeepSpeedRuntime:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.rank, self.world_size, self.local_rank = launcher_env()
+        self.is_main = self.rank == 0
+        check(cfg, self.world_size)
+        use_cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
+        if not use_cuda:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        try:
+            import deepspeed
+        except ImportError as e:
+            raise SetupError(f"distributed.backend=deepspeed needs the deepspeed package ({e}); "
+                             "pip install 'grpo[deepspeed]'") from None
+        self._ds = deepspeed
+        if not use_cuda:  # gloo does all the talking on CPU: no shared-memory op to compile at start
+            with contextlib.suppress(Exception):
+                deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated")
+        warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecated")
+        if use_cuda:
+            torch.cuda.set_device(self.local_rank)
+            self.device = torch.device("cuda", self.local_rank)
+        else:
+            self.device = torch.device("cpu")
+        self.backend = "nccl" if use_cuda else "gloo"
+        self.stage = cfg.distributed.zero_stage
+        self.bf16 = _bf16(cfg)
+        if not torch.distributed.is_initialized():
+            minutes = int(os.environ.get("GRPO_DIST_TIMEOUT_MIN", "30"))
+            kwargs = {"device_id": self.device} if use_cuda else {}
+            torch.distributed.init_process_group(self.backend, timeout=datetime.timedelta(minutes=minutes), **kwargs)
+            atexit.register(_destroy_process_group)
+        deepspeed.init_distributed(dist_backend=self.backend, auto_mpi_discovery=False, verbose=False)
+        self.engine = self.model = self.optimizer = self.scheduler = None
+        self.reference_engine = None
+        self._expected: int | None = None
+        self._backwards = 0
+
+    # ---------------------------------------------------------------------------- building
+    def setup(self, model, optimizer, scheduler):
+        cfg = self.cfg
+        if cfg.distributed.offload_optimizer:
+            optimizer, scheduler = self._cpu_adam(optimizer, scheduler)
+        config = ds_config(cfg, self.world_size)
+        if cfg.distributed.offload_optimizer and type(optimizer).__name__ != "DeepSpeedCPUAdam":
+            config["zero_force_ds_cpu_optimizer"] = False
+        self.engine, _, _, _ = self._ds.initialize(model=model, optimizer=optimizer, config=config,
+                                                   dist_init_required=False)
+        # rollout.generate and evaluate find this hook on the model they are given
+        self.engine.grpo_generation_context = self.generation_context
+        self.model, self.optimizer, self.scheduler = self.engine, optimizer, scheduler
+        return self.model
+
+    def _cpu_adam(self, optimizer, scheduler):
+        """ZeRO-Offload wants DeepSpeed's CPU Adam (a compiled op); keep torch AdamW when it cannot be built."""
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            g = optimizer.param_groups[0]
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            new = DeepSpeedCPUAdam(params, lr=g["initial_lr"] if "initial_lr" in g else g["lr"], betas=g["betas"],
+                                   eps=g["eps"], weight_decay=g["weight_decay"], adamw_mode=True)
+        except Exception as e:  # no compiler / ninja: the op cannot be built
+            if self.is_main:
+                print(f"[grpo] DeepSpeedCPUAdam unavailable ({str(e).splitlines()[0][:120]}); "
+                      "offloaded optimizer uses torch AdamW (slower)", file=sys.stderr, flush=True)
+            return optimizer, scheduler
+        return new, torch.optim.lr_scheduler.LambdaLR(new, scheduler.lr_lambdas[0])
+
+    def prepare_reference(self, reference):
+        """The frozen reference: replicated under ZeRO-2, partitioned (an engine without optimizer) under ZeRO-3."""
+        if self.stage < 3:
+            reference = reference.to(self.device)
+            return reference.to(torch.bfloat16) if self.bf16 else reference
+        engine, _, _, _ = self._ds.initialize(model=reference, config=ds_config(self.cfg, self.world_size, train=False),
+                                              dist_init_required=False)
+        engine.eval()
+        self.reference_engine = engine
+        return engine
+
+    # ---------------------------------------------------------------------------- training
+    def expect_backwards(self, n: int) -> None:
+        """The next ``n`` backward calls (the same number on every rank) make one optimizer step."""
+        self._expected, self._backwards = n, 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._backwards += 1
+        boundary = self._expected is None or self._backwards >= self._expected
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        opt = self.engine.optimizer
+        if hasattr(opt, "clear_backward_seen_flag"):  # what engine.forward does; the prefix engine calls the module
+            opt.clear_backward_seen_flag()
+        # DeepSpeed averages gradients over ranks; this rank's loss is its share of the global loss
+        self.engine.backward(loss * self.world_size)
+
+    def step(self, max_grad_norm: float) -> tuple[float, bool]:
+        """One optimizer step (clipped by DeepSpeed); skipped when the global gradient norm is not finite."""
+        if self._expected is not None and self._backwards != self._expected:
+            raise RuntimeError(f"{self._backwards} backward calls but {self._expected} were announced")
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        applied = self.engine.was_step_applied()
+        if applied and not math.isfinite(norm):
+            raise SetupError("DeepSpeed applied an update with a non-finite gradient norm; this DeepSpeed version "
+                             "does not skip such steps (use deepspeed>=0.16 or distributed.bf16=false)")
+        if not applied and math.isfinite(norm):
+            norm = float("nan")  # the cached norm is the previous step's
+        if applied:
+            self.scheduler.step()
+        self._expected, self._backwards = None, 0
+        self._reset_zero3_traces()
+        return norm, applied
+
+    def _reset_zero3_traces(self) -> None:
+        """ZeRO-3 resets its prefetch trace at the start of a root-module forward; the shared-prefix engine
+        calls the decoder directly, so the step is where every rank resets it, all at the same point."""
+        for engine in (self.engine, self.reference_engine):
+            offload = _param_offload(engine)
+            if offload is not None:
+                offload.get_param_coordinator().reset_step()
+
+    # ---------------------------------------------------------------------------- collectives
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t)
+        return t.tolist()
+
+    def gather(self, obj) -> list:
+        """``obj`` of every rank, on every rank (rank order)."""
+        out = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        torch.distributed.barrier()
+
+    def unwrap(self, model=None):
+        model = model if model is not None else self.model
+        return getattr(model, "module", model)
+
+    # ---------------------------------------------------------------------------- generation
+    @contextlib.contextmanager
+    def generation_context(self):
+        """Around `model.generate`: yields extra generate kwargs. ZeRO-3: every rank keeps stepping until
+        all are done (synced_gpus), on fully gathered weights when distributed.gather_for_generation."""
+        offload = _param_offload(self.engine) if self.stage == 3 else None
+        if offload is None:
+            yield {}
+            return
+        if not self.cfg.distributed.gather_for_generation:
+            yield {"synced_gpus": True}
+            return
+        params = list(self.engine.module.parameters())
+        with self._ds.zero.GatheredParameters(params):
+            for p in params:  # the ZeRO-3 hooks would release the gathered weights after each layer
+                p.ds_active_sub_modules.clear()
+            for hook in offload.forward_hooks + offload.backward_hooks:
+                hook.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            try:
+                yield {"synced_gpus": True}
+            finally:
+                offload._register_deepspeed_module(offload.module)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, gathered, as CPU tensors on every rank (for checks; needs the full model in memory)."""
+        module = self.engine.module
+        params = list(module.parameters())
+        ctx = self._ds.zero.GatheredParameters(params) if self.stage == 3 else contextlib.nullcontext()
+        with ctx:
+            return {n: p.detach().float().cpu().clone() for n, p in module.named_parameters()}
+
+    # ---------------------------------------------------------------------------- save / load
+    def save_model_state(self, tmp: Path) -> None:
+        """Weights, optimizer and ZeRO partitions of every rank under ``tmp/deepspeed`` (all ranks call this)."""
+        self.barrier()  # rank 0 has created tmp
+        self.engine.save_checkpoint(str(tmp), tag=TAG, save_latest=False)
+        if self.is_main:
+            (Path(tmp) / TAG / WORLD_FILE).write_text(json.dumps({"world_size": self.world_size,
+                                                                  "zero_stage": self.stage}))
+        self.barrier()  # every shard is on disk before rank 0 marks the checkpoint complete
+
+    def load_model_state(self, ckpt: Path) -> None:
+        meta = Path(ckpt) / TAG / WORLD_FILE
+        if not meta.exists():
+            raise SetupError(f"checkpoint {ckpt} was not written by DeepSpeed; resume it with distributed=none, "
+                             "or start a new trainer.output_dir")
+        saved = json.loads(meta.read_text())
+        if saved["world_size"] != self.world_size:
+            raise SetupError(f"checkpoint {ckpt} was written by {saved['world_size']} processes but this run has "
+                             f"{self.world_size}; resume with {saved['world_size']} processes")
+        path, _ = self.engine.load_checkpoint(str(ckpt), tag=TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
+        if path is None:
+            raise SetupError(f"DeepSpeed could not load checkpoint {ckpt}")
+
+    def save_final(self, tmp: Path, tokenizer, cfg) -> None:
+        """An ordinary Hugging Face directory on rank 0 (ZeRO-3 weights consolidated layer by layer)."""
+        import shutil
+
+        state = self.engine._zero3_consolidated_16bit_state_dict() if self.stage == 3 else None
+        if self.is_main:
+            if Path(tmp).exists():
+                shutil.rmtree(tmp)
+            model = self.engine.module
+            if cfg.model.lora.enabled and cfg.model.lora.merge_on_save:
+                model = model.merge_and_unload()
+            model.save_pretrained(tmp, state_dict=state) if state is not None else model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        self.barrier()
+
+
+def _param_offload(engine):
+    """DeepSpeed's ZeRO-3 parameter coordinator holder of ``engine``, or None (not ZeRO-3)."""
+    if engine is None or not engine.zero_optimization_partition_weights():
+        return None
+    opt = engine.optimizer
+    return getattr(opt, "parameter_offload", opt)
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_initialized():
+        with contextlib.suppress(Exception):
+            torch.distributed.destroy_process_group()
