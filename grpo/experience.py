@@ -22,7 +22,8 @@ def collect(run, cfg) -> Batch:
     t0 = time.time()
     completion_ids, truncated = generate(rt.model, run.tokenizer, prompt_ids, group_size=G,
                                          max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                         top_k=r.top_k, batch_size=r.batch_size, progress=rt.is_main)
+                                         top_k=r.top_k, batch_size=r.batch_size, progress=rt.is_main,
+                                         share_prompt=r.share_prompt)
     t1 = time.time()
     rewards, stats = score_groups(run, rows, completion_ids, truncated)
     stats["time/rollout_s"], stats["time/reward_s"] = t1 - t0, time.time() - t1

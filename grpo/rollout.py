@@ -18,19 +18,22 @@ def _unwrap(model):
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 8,
-             greedy: bool = False, desc: str = "rollout", progress: bool = True):
-    """Returns ``(completion_ids, truncated)``: per prompt, ``group_size`` token lists and flags."""
+             greedy: bool = False, desc: str = "rollout", progress: bool = True, share_prompt: bool = True):
+    """Returns ``(completion_ids, truncated)``: per prompt, ``group_size`` token lists and flags.
+
+    With ``share_prompt`` each prompt is prefilled once and its KV cache forked for the G samples
+    (``num_return_sequences`` would prefill G copies)."""
     # A multi-process runtime may need every rank in every decoding step (DeepSpeed ZeRO-3: partitioned
     # weights): its model carries a context that prepares it and yields extra generate kwargs.
     ready = getattr(model, "grpo_generation_context", None)
     with ready() if ready is not None else contextlib.nullcontext({}) as extra:
         return _generate(_unwrap(model), tokenizer, prompt_ids, group_size=group_size, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_p=top_p, top_k=top_k, batch_size=batch_size, greedy=greedy,
-                         desc=desc, progress=progress, extra=extra)
+                         desc=desc, progress=progress, extra=extra, share_prompt=share_prompt)
 
 
 def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, temperature, top_p, top_k, batch_size,
-              greedy, desc, progress, extra):
+              greedy, desc, progress, extra, share_prompt):
     device = next(model.parameters()).device
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -47,8 +50,13 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
         for i, p in enumerate(chunk):  # left padding
             input_ids[i, width - len(p):] = torch.tensor(p, device=device)
             attention[i, width - len(p):] = 1
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k,
-                        num_return_sequences=group_size) if not greedy else dict(do_sample=False)
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) \
+            if not greedy else dict(do_sample=False)
+        if not greedy and share_prompt and group_size > 1 and width > 1 and not extra:
+            input_ids, attention, cache = prefill_shared(model, input_ids, attention, group_size)
+            sampling[_cache_kwarg(model)] = cache
+        elif not greedy:
+            sampling["num_return_sequences"] = group_size
         out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
                              eos_token_id=eos, pad_token_id=pad_id, use_cache=True, **sampling, **extra)
         new = out[:, width:].tolist()
@@ -65,6 +73,29 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
     if was_training:
         model.train()
     return completions, truncated
+
+
+def prefill_shared(model, input_ids, attention, group_size: int):
+    """Run every prompt but its last token once, then fork the KV cache ``group_size`` times.
+
+    Returns the G-fold repeated inputs and the cache; ``generate`` then feeds only the last prompt
+    token per row. Rows are ordered like ``num_return_sequences`` (each prompt's G samples adjacent).
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    model(input_ids=input_ids[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
+          use_cache=True, **{_cache_kwarg(model): cache})
+    cache.batch_repeat_interleave(group_size)
+    return input_ids.repeat_interleave(group_size, 0), attention.repeat_interleave(group_size, 0), cache
+
+
+def _cache_kwarg(model) -> str:
+    """transformers >= 5.2x names the KV cache argument ``cache``; older releases ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
