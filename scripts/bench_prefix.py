@@ -1,0 +1,243 @@
+#!/usr/bin/env python
+"""Benchmark the shared-prefix forward against the standard layout (forward + backward of token_logprobs).
+
+    python scripts/bench_prefix.py                  # tiny Llama (49152 vocab) + embedded SmolLM2 if available
+    python scripts/bench_prefix.py --model DIR      # SmolLM2 (or any Llama-like) from a local HF directory
+    python scripts/bench_prefix.py --quick          # seconds; what the test suite runs
+
+Time: median of --repeats after one warm-up, both layouts alternating in one worker process (same machine
+load); on CPU the process CPU time with 1 thread (wall-clock speedup shown too). Memory: CUDA
+max_memory_allocated; on CPU the peak resident set (VmHWM) growth of one step in a fresh worker process,
+reset after the model is built.
+Ceilings are analytic FLOP ratios standard/shared: linear layers G(P+S)/(P+G*S), causal attention
+G(P+S)^2/(P^2+G*S*(2P+S)), and the combined one weighting the model's own per-token linear FLOPs, attention
+FLOPs and the lm_head (computed at completion positions only, so identical in both layouts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TINY_LLAMA = dict(
+    vocab_size=49152, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+)
+QUICK_LLAMA = dict(TINY_LLAMA, vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+SHAPES = [(256, 32, 8), (1024, 64, 8), (2048, 128, 16)]
+SMOL_SHAPES = [(512, 64, 8)]
+
+
+# ----------------------------------------------------------------------------------------------- FLOPs
+def ceilings(cfg: dict, P: int, S: int, G: int) -> dict:
+    h, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    H, Hkv, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    D = cfg.get("head_dim") or h // H
+    lin = 2 * (2 * h * H * D + 2 * h * Hkv * D + 3 * h * inter)  # per token per layer: q,o,k,v, gate/up/down
+    att = 2 * 2 * H * D  # per attended (query, key) pair per layer: QK^T and PV
+    head = 2 * h * V  # per completion token
+    tok_std, tok_sh = G * (P + S), P + G * S
+    pairs_std, pairs_sh = G * (P + S) ** 2 / 2, (P * P + G * S * (2 * P + S)) / 2
+    f_std = L * (lin * tok_std + att * pairs_std) + head * G * S
+    f_sh = L * (lin * tok_sh + att * pairs_sh) + head * G * S
+    return {
+        "linear": tok_std / tok_sh,
+        "attention": pairs_std / pairs_sh,
+        "layers": (lin * tok_std + att * pairs_std) / (lin * tok_sh + att * pairs_sh),
+        "combined": f_std / f_sh,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- worker
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+def load_model(spec: dict, device: str):
+    import torch
+    import transformers
+
+    if spec.get("path"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            spec["path"], dtype=torch.float32, attn_implementation="sdpa")
+    else:
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**spec["config"], attn_implementation="sdpa"))
+    return model.to(device).train()
+
+
+def _setup(spec: dict, P: int, S: int, G: int, device: str):
+    import torch
+
+    from grpo.prefix_engine import token_logprobs
+
+    model = load_model(spec, device)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = [torch.randint(0, V, (P,), generator=g).tolist()]
+    comps = [[torch.randint(0, V, (S,), generator=g).tolist() for _ in range(G)]]
+    weights = torch.randn(G, S, generator=g).to(device)
+
+    def step(shared: bool):
+        model.zero_grad(set_to_none=True)
+        lps = token_logprobs(model, prompt, comps, shared_prefix=shared)
+        (torch.stack(lps[0]) * weights).sum().backward()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    return model, step
+
+
+def measure_time(spec: dict, P: int, S: int, G: int, repeats: int, device: str) -> dict:
+    """Both layouts in one process, alternating, so that both see the same machine load."""
+    _, step = _setup(spec, P, S, G, device)
+    step(False), step(True)  # warm-up
+    res = {False: {"wall": [], "cpu": []}, True: {"wall": [], "cpu": []}}
+    for _ in range(repeats):
+        for shared in (False, True):
+            w0, c0 = time.perf_counter(), time.process_time()
+            step(shared)
+            res[shared]["wall"].append(time.perf_counter() - w0)
+            res[shared]["cpu"].append(time.process_time() - c0)
+    return {name: {k: statistics.median(v) for k, v in res[shared].items()}
+            for name, shared in (("standard", False), ("shared", True))}
+
+
+def measure_memory(spec: dict, P: int, S: int, G: int, shared: bool, device: str) -> float:
+    """Peak memory (MiB) of one forward+backward above what the model and its inputs already hold."""
+    import torch
+
+    model, step = _setup(spec, P, S, G, device)
+    if device.startswith("cuda"):
+        step(shared)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step(shared)
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    try:  # reset VmHWM so that building the model does not count
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    base = _rss_kb("VmRSS:")
+    step(shared)
+    return (_rss_kb("VmHWM:") - base) / 1024
+
+
+def run_worker(kind: str, job: dict, threads: int):
+    """Each measurement in a fresh process: a CPU allocator keeps freed memory, so only a fresh process has a
+    meaningful peak."""
+    cmd = [sys.executable, __file__, "--worker", json.dumps({"kind": kind, **job}), "--threads", str(threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+    if out.returncode != 0:
+        raise RuntimeError(f"worker failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------------------------- main
+def find_smollm2(path: str | None) -> str | None:
+    if path:
+        return path
+    try:
+        from grpo import models
+    except Exception:  # noqa: BLE001
+        return None
+    for name in ("prepare_embedded", "load_embedded_smollm2"):
+        fn = getattr(models, name, None)
+        if fn is None:
+            continue
+        try:
+            res = fn()
+        except Exception as e:  # noqa: BLE001
+            print(f"# SmolLM2 not available ({type(e).__name__}: {e}); skipped", file=sys.stderr)
+            return None
+        return str(res) if isinstance(res, (str, Path)) else getattr(res, "name_or_path", None)
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny model, one small shape, no memory rows (seconds)")
+    ap.add_argument("--model", help="local Hugging Face directory of SmolLM2 (or another Llama-like model)")
+    ap.add_argument("--no-smollm2", action="store_true", help="skip the SmolLM2 rows")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: stable timings on a shared machine; 0 = torch default)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.worker:
+        job = json.loads(args.worker)
+        kind = job.pop("kind")
+        print(json.dumps(measure_time(**job) if kind == "time" else measure_memory(**job)))
+        return 0
+
+    if args.quick:
+        cases = [("tiny-llama-quick", {"config": QUICK_LLAMA}, (64, 8, 4))]
+    else:
+        cases = [("tiny-llama-49k", {"config": TINY_LLAMA}, shape) for shape in SHAPES]
+        smol = None if args.no_smollm2 else find_smollm2(args.model)
+        if smol:
+            cases += [("SmolLM2-135M", {"path": smol}, shape) for shape in SMOL_SHAPES]
+        elif not args.no_smollm2:
+            print("# SmolLM2 not found (pass --model DIR); its row is skipped", file=sys.stderr)
+    repeats = 1 if args.quick else args.repeats
+
+    print(f"# device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} fp32, "
+          f"forward+backward of token_logprobs; time = median of {repeats} after a warm-up, layouts alternating "
+          f"in one process{'; CPU seconds (process_time)' if args.device == 'cpu' else ''}")
+    cols = ["model", "P", "S", "G", "standard s", "shared s", "speedup", "ceiling", "speedup/ceiling",
+            "ceiling lin / attn", "wall speedup", "standard MiB", "shared MiB"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for name, spec, (P, S, G) in cases:
+        cfg = spec.get("config") or _config_dict(spec["path"])
+        job = {"spec": spec, "P": P, "S": S, "G": G, "device": args.device}
+        t = run_worker("time", {**job, "repeats": repeats}, args.threads)
+        mem = ["-", "-"] if args.quick else [
+            f"{run_worker('memory', {**job, 'shared': sh}, args.threads):.0f}" for sh in (False, True)]
+        key = "cpu" if args.device == "cpu" else "wall"
+        std, sh = t["standard"][key], t["shared"][key]
+        c = ceilings(cfg, P, S, G)
+        speedup = std / sh
+        print(f"| {name} | {P} | {S} | {G} | {std:.3f} | {sh:.3f} | {speedup:.2f}x | {c['combined']:.2f}x "
+              f"| {speedup / c['combined']:.2f} | {c['linear']:.2f}x / {c['attention']:.2f}x "
+              f"| {t['standard']['wall'] / t['shared']['wall']:.2f}x | {mem[0]} | {mem[1]} |", flush=True)
+    return 0
+
+
+def _config_dict(path: str) -> dict:
+    import transformers
+
+    return transformers.AutoConfig.from_pretrained(path).to_dict()
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
