@@ -10,7 +10,7 @@ import torch
 
 def group_ids(group_sizes: list[int], device=None) -> torch.Tensor:
     """[0,0,0,1,1,...]: the group index of every completion."""
-    sizes = torch.as_tensor(group_sizes, device=device)
+    sizes = torch.as_tensor(group_sizes, dtype=torch.long, device=device)  # long also when empty
     return torch.repeat_interleave(torch.arange(len(group_sizes), device=device), sizes)
 
 
@@ -26,11 +26,12 @@ def group_stats(rewards: torch.Tensor, group_sizes: list[int]) -> tuple[torch.Te
 
 
 def compute_advantages(rewards: torch.Tensor, group_sizes: list[int], scale: str = "group",
-                       eps: float = 1e-4) -> torch.Tensor:
+                       eps: float = 1e-4, batch_std: float | None = None) -> torch.Tensor:
     """Advantages for ``rewards`` laid out group after group.
 
-    scale: ``group`` divides by each group's std (GRPO), ``batch`` by the std of all rewards,
-    ``none`` only centres (Dr. GRPO).
+    scale: ``group`` divides by each group's std (GRPO), ``batch`` by the std of all rewards
+    (``batch_std`` when given: the std over every process's rewards), ``none`` only centres (Dr. GRPO).
+    An empty batch (every group filtered out) gives an empty tensor.
     """
     if rewards.numel() != sum(group_sizes):
         raise ValueError(f"{rewards.numel()} rewards for groups of total size {sum(group_sizes)}")
@@ -40,7 +41,10 @@ def compute_advantages(rewards: torch.Tensor, group_sizes: list[int], scale: str
     if scale == "none":
         return centred
     if scale == "batch":
-        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
+        if batch_std is not None:
+            std = torch.as_tensor(float(batch_std), dtype=rewards.dtype, device=rewards.device)
+        else:
+            std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
         std = std.expand_as(rewards)
     elif scale != "group":
         raise ValueError(f"scale must be group, batch or none, got {scale!r}")

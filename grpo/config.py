@@ -89,7 +89,8 @@ class AlgorithmConfig:
     adv_eps: float = 1e-4
     num_iterations: int = 1          # mu: optimiser passes over each batch of rollouts
     importance_sampling: str = "token"  # token | sequence (GSPO)
-    filter_zero_std_groups: bool = False
+    filter_zero_std_groups: bool = False  # drop groups whose rewards are all equal (DAPO dynamic sampling)
+    resample_zero_std: int = 0       # with filtering: at most this many extra rollout rounds to refill the batch
     mask_truncated: bool = False     # completions cut at max_new_tokens do not contribute
 
 
@@ -175,6 +176,7 @@ _RANGES = {
     "algorithm.delta": (lambda v: v is None or v > 1, "> 1 or null"),
     "algorithm.num_iterations": (lambda v: v >= 1, ">= 1"),
     "algorithm.adv_eps": (lambda v: v >= 0, ">= 0"),
+    "algorithm.resample_zero_std": (lambda v: v >= 0, ">= 0 (extra rollout rounds per step; 0 = never resample)"),
     "rollout.prompts_per_step": (lambda v: v >= 1, ">= 1"),
     "rollout.max_new_tokens": (lambda v: v >= 1, ">= 1"),
     "rollout.temperature": (lambda v: v > 0, "> 0 (use a small value such as 0.01 for near-greedy)"),
@@ -247,6 +249,9 @@ def validate(cfg: Config) -> Config:
     mode = (cfg.logging.wandb or {}).get("mode", "disabled")
     if mode not in ("online", "offline", "disabled"):
         raise ConfigError(f"logging.wandb.mode={mode!r} is not allowed; choose one of: online, offline, disabled")
+    if cfg.algorithm.resample_zero_std and not cfg.algorithm.filter_zero_std_groups:
+        raise ConfigError(f"algorithm.resample_zero_std={cfg.algorithm.resample_zero_std} needs "
+                          "algorithm.filter_zero_std_groups=true (only filtered groups are resampled)")
     _check_distributed(cfg)
     if cfg.trainer.resume not in (None, "auto", "") and not isinstance(cfg.trainer.resume, str):
         raise ConfigError("trainer.resume must be null, 'auto' or a checkpoint path")

@@ -29,6 +29,7 @@ import contextlib
 import copy
 import datetime
 import json
+import logging
 import math
 import os
 import sys
@@ -74,8 +75,8 @@ def check(cfg, world_size: int) -> None:
         raise SetupError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
                          f"number of processes ({world_size}) so that every group stays on one rank")
     if d.zero_stage == 3 and cfg.model.lora.enabled:
-        raise SetupError("distributed.zero_stage=3 with model.lora.enabled is not supported (LoRA trains few "
-                         "parameters: use distributed=zero2, whose memory is dominated by the frozen weights anyway)")
+        raise SetupError("distributed.zero_stage=3 with model.lora.enabled is not supported (the adapter cannot be "
+                         "merged into partitioned weights); use distributed=zero2")
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
         raise SetupError("trainer.device=cuda but no GPU is visible to this process")
     for key in _flat_keys(d.ds_config):
@@ -142,6 +143,7 @@ class DeepSpeedRuntime:
         use_cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
         if not use_cuda:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        logging.getLogger("compilers").setLevel(logging.WARNING)  # DeepSpeed's op checks compile test programs
         try:
             import deepspeed
         except ImportError as e:
@@ -214,6 +216,10 @@ class DeepSpeedRuntime:
         self.reference_engine = engine
         return engine
 
+    def share_stop(self, run) -> None:
+        """A Ctrl-C / SIGTERM seen by any rank stops every rank after the same step (agreed in `step`)."""
+        self._run = run
+
     # ---------------------------------------------------------------------------- training
     def expect_backwards(self, n: int) -> None:
         """The next ``n`` backward calls (the same number on every rank) make one optimizer step."""
@@ -246,6 +252,9 @@ class DeepSpeedRuntime:
             self.scheduler.step()
         self._expected, self._backwards = None, 0
         self._reset_zero3_traces()
+        run = getattr(self, "_run", None)
+        if run is not None and self.all_reduce_sum([float(run.stop_signalled)])[0] > 0:
+            run.stop_requested = True
         return norm, applied
 
     def _reset_zero3_traces(self) -> None:
@@ -296,8 +305,9 @@ class DeepSpeedRuntime:
             offload.forward_hooks, offload.backward_hooks = [], []
             try:
                 yield {"synced_gpus": True}
-            finally:
-                offload._register_deepspeed_module(offload.module)
+            finally:  # (named _register_hooks_recursively before deepspeed 0.16.4)
+                register = getattr(offload, "_register_deepspeed_module", None) or offload._register_hooks_recursively
+                register(offload.module)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, gathered, as CPU tensors on every rank (for checks; needs the full model in memory)."""

@@ -45,6 +45,7 @@ class Run:
     skipped_steps: int = 0
     failed_reward_steps: dict = field(default_factory=dict)
     stop_requested: bool = False
+    stop_signalled: bool = False          # many processes: a signal seen here, agreed on at the next step
     max_failed_reward_steps: int = 3
 
     @property
@@ -115,6 +116,8 @@ def build_run(cfg: Config) -> Run:
     sampler = PromptSampler(len(splits.train), seed=cfg.trainer.seed)
     run = Run(runtime, tokenizer, policy, reference, splits, rewards, runtime.optimizer, runtime.scheduler, sampler,
               max_failed_reward_steps=cfg.reward.max_failed_steps)
+    if hasattr(runtime, "share_stop"):
+        runtime.share_stop(run)
     _install_signal_handlers(run)
     return run
 
@@ -138,9 +141,12 @@ def _install_signal_handlers(run: Run) -> None:
     """First Ctrl-C / SIGTERM: finish the step, checkpoint, exit cleanly. A second Ctrl-C aborts."""
 
     def handler(signum, frame):
-        if run.stop_requested and signum == signal.SIGINT:
+        if (run.stop_requested or run.stop_signalled) and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        run.stop_requested = True
+        if run.runtime.world_size > 1:  # every rank must stop after the same step: the runtime agrees on it
+            run.stop_signalled = True
+        else:
+            run.stop_requested = True
 
     try:
         signal.signal(signal.SIGTERM, handler)
@@ -171,6 +177,9 @@ def fingerprint(cfg: Config) -> dict:
 
 def save_checkpoint(run: Run, cfg: Config, step: int) -> Path:
     def write(tmp: Path) -> None:
+        if run.runtime.world_size > 1:  # each rank's own sampling stream and rollouts (rank 0's are also below)
+            run.runtime.barrier()       # rank 0 has created tmp
+            torch.save({"rng": checkpoint.rng_state(), "buffer": run.buffer}, tmp / f"rank_{run.runtime.rank}.pt")
         run.runtime.save_model_state(tmp) if hasattr(run.runtime, "save_model_state") else _save_weights(run, tmp)
         if run.runtime.is_main:
             checkpoint.save_state(tmp, {
@@ -180,8 +189,7 @@ def save_checkpoint(run: Run, cfg: Config, step: int) -> Path:
                 "bad_steps": run.bad_steps, "failed_reward_steps": run.failed_reward_steps,
                 "fingerprint": fingerprint(cfg), "config_hash": _hash(fingerprint(cfg)),
             })
-        if run.runtime.world_size > 1:  # each rank's own sampling stream and rollouts (rank 0's are above)
-            torch.save({"rng": checkpoint.rng_state(), "buffer": run.buffer}, tmp / f"rank_{run.runtime.rank}.pt")
+        run.runtime.barrier()  # every rank has written its files before rank 0 marks the checkpoint complete
 
     path = checkpoint.save(cfg.trainer.output_dir, step, write, cfg.trainer.keep_last, is_main=run.runtime.is_main)
     run.runtime.barrier()

@@ -39,7 +39,10 @@ def nested_logprobs(model, batch: Batch, ecfg, temperature: float, context=None)
     out = [[None] * len(g) for g in batch.completion_ids]
     ctx = context if context is not None else contextlib.nullcontext()
     with torch.no_grad(), ctx:
-        for mb in _plan(batch, ecfg):
+        plan = _plan(batch, ecfg)
+        for _ in range(_most_micro_batches(len(plan)) - len(plan)):
+            _idle_forward(model, ecfg, temperature)
+        for mb in plan:
             lps = token_logprobs(model, [batch.prompt_ids[g] for g, _ in mb],
                                  [batch.completion_ids[g][s] for g, s in mb],
                                  shared_prefix=ecfg.shared_prefix, temperature=temperature)
@@ -47,6 +50,23 @@ def nested_logprobs(model, batch: Batch, ecfg, temperature: float, context=None)
                 for j, lp in zip(range(*s.indices(len(batch.completion_ids[g]))), group_lps):
                     out[g][j] = lp.detach()
     return out
+
+
+def _most_micro_batches(n: int) -> int:
+    """The most micro-batches any process has (``n`` with one process). Under DeepSpeed ZeRO-2/3 every backward
+    (ZeRO-3: every forward too) talks to the other ranks, so a rank with fewer runs idle ones to match."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return n
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, n)
+    return max(counts)
+
+
+def _idle_forward(model, ecfg, temperature: float) -> None:
+    """A one-token forward through the same path as a real micro-batch, for a rank with fewer of them."""
+    token_logprobs(model, [[0]], [[[0]]], shared_prefix=ecfg.shared_prefix, temperature=temperature)
 
 
 def _plan(batch: Batch, ecfg):
@@ -77,17 +97,24 @@ def policy_update(runtime, batch: Batch, acfg, ecfg, *, temperature: float, max_
     counts = batch_counts(batch, keep, max_len, runtime)
     totals: dict[str, float] = {}
     loss_total, entropy_sum = 0.0, 0.0
-    for mb in _plan(batch, ecfg):
-        prompts = [batch.prompt_ids[g] for g, _ in mb]
-        comps = [batch.completion_ids[g][s] for g, s in mb]
+    plan = _plan(batch, ecfg)
+    n_micro = _most_micro_batches(len(plan))
+    if hasattr(runtime, "expect_backwards"):  # DeepSpeed: the last backward closes the accumulation
+        runtime.expect_backwards(n_micro)
+    for mb in plan + [None] * (n_micro - len(plan)):
+        if mb is None:  # idle: another rank has more micro-batches; one token, weight 0, same code path
+            prompts, comps, flat = [[0]], [[[0]]], []
+        else:
+            prompts = [batch.prompt_ids[g] for g, _ in mb]
+            comps = [batch.completion_ids[g][s] for g, s in mb]
+            flat = [batch.flat_index(g, j) for g, s in mb for j in range(*s.indices(len(batch.completion_ids[g])))]
         logps, ents = token_logprobs(model, prompts, comps, shared_prefix=ecfg.shared_prefix,
                                      temperature=temperature, return_entropy=True)
-        flat = [batch.flat_index(g, j) for g, s in mb for j in range(*s.indices(len(batch.completion_ids[g])))]
         lp, mask = pad([t for group in logps for t in group])
-        mask = mask * torch.tensor([float(keep[i]) for i in flat], device=mask.device)[:, None]
-        old = _gather(batch.old_logps, batch, flat, lp) if batch.old_logps is not None else None
-        ref = _gather(batch.ref_logps, batch, flat, lp) if batch.ref_logps is not None else None
-        adv = batch.advantages[flat].to(lp.device)
+        mask = mask * torch.tensor([float(keep[i]) for i in flat] if mb else [0.0], device=mask.device)[:, None]
+        old = _gather(batch.old_logps, batch, flat, lp) if batch.old_logps is not None and mb else None
+        ref = None if batch.ref_logps is None else _gather(batch.ref_logps, batch, flat, lp) if mb else lp.detach()
+        adv = batch.advantages[flat].to(lp.device) if mb else torch.zeros(1, device=lp.device)
         loss, stats = grpo_loss(lp, old, ref, adv, mask, token_weights(mask, acfg.loss_agg, counts),
                                 beta=0.0 if acfg.kl_in_reward else acfg.beta, epsilon=acfg.epsilon,
                                 epsilon_high=acfg.epsilon_high, delta=acfg.delta,

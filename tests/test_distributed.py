@@ -1,0 +1,267 @@
+"""Two CPU processes (gloo) through DeepSpeed ZeRO-2 and ZeRO-3 on the smoke recipe.
+
+Run by torchrun, this file is also the worker (``python tests/test_distributed.py MODE OUT_DIR args...``):
+
+- ``update``: build the run, then three `policy_update` calls on a fixed global batch (every rank takes
+  its groups, as `experience.collect` does; rank 0's groups are long and rank 1's short, so rank 1 runs
+  idle micro-batches); the third has NaN advantages and must be skipped. Each rank writes its (gathered)
+  parameters after every call. Run without a launcher (distributed=none) it is the one-process reference.
+- ``train``: the real command line (``grpo.train.main``), with ``save_final`` wrapped so that every rank
+  also writes its gathered parameters next to the final model; ``cli``: ``update`` then ``train``.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS, G, BUDGET = 4, 4, 64   # fixed batch: 4 prompts x 4 completions, 64-token micro-batches
+SMOKE = ["recipe=smoke", "logging.sample_every=0", "logging.plot=false"]
+ZERO3 = ["distributed=zero3", "+distributed.ds_config.zero_optimization.stage3_param_persistence_threshold=0"]
+
+
+# ----------------------------------------------------------------------------------- the worker
+def _params(rt) -> dict:
+    full = getattr(rt, "full_parameters", None)
+    if full is not None:
+        return full()
+    return {n: p.detach().float().cpu().clone() for n, p in rt.model.named_parameters()}
+
+
+def fixed_batch_updates(overrides: list[str], out: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from grpo.advantages import compute_advantages
+    from grpo.config import load
+    from grpo.setup import build_run
+    from grpo.update import Batch, _plan, nested_logprobs, policy_update
+    from tests.helpers import compose_recipe
+
+    raw = compose_recipe("smoke", [f"trainer.output_dir={out / 'update-run'}", f"rollout.prompts_per_step={PROMPTS}",
+                                   f"algorithm.group_size={G}", f"engine.max_tokens_per_micro_batch={BUDGET}",
+                                   *overrides])
+    cfg = load(OmegaConf.to_container(raw, resolve=True))
+    run = build_run(cfg)
+    rt = run.runtime
+    gen = torch.Generator().manual_seed(1234)
+    vocab = len(run.tokenizer)
+    rows = run.splits.train[:PROMPTS]
+    comps = [[torch.randint(3, vocab, (int(n),), generator=gen).tolist()
+              for n in torch.randint(12, 17, (G,), generator=gen) // (1 if g < PROMPTS // 2 else 6)]
+             for g in range(PROMPTS)]
+    rewards = torch.rand(PROMPTS * G, generator=gen)
+    per = PROMPTS // rt.world_size
+    mine = list(range(rt.rank * per, (rt.rank + 1) * per))
+    batch = Batch([rows[i] for i in mine], [rows[i]["prompt_ids"] for i in mine], [comps[i] for i in mine],
+                  [[False] * G for _ in mine], rewards[mine[0] * G:(mine[-1] + 1) * G], torch.zeros(per * G))
+    batch.advantages = compute_advantages(batch.rewards, batch.group_sizes, cfg.algorithm.scale_rewards,
+                                          cfg.algorithm.adv_eps)
+    with run.reference_context():
+        batch.ref_logps = nested_logprobs(run.reference_model(), batch, cfg.engine, cfg.rollout.temperature)
+    record = {"micro_batches": len(_plan(batch, cfg.engine)), "stats": [], "params": [_params(rt)]}
+    for k in range(3):
+        if k == 2:
+            batch.advantages = torch.full_like(batch.advantages, float("nan"))
+        stats = policy_update(rt, batch, cfg.algorithm, cfg.engine, temperature=cfg.rollout.temperature,
+                              max_len=cfg.rollout.max_new_tokens, mask_truncated=cfg.algorithm.mask_truncated,
+                              max_grad_norm=cfg.trainer.max_grad_norm)
+        record["stats"].append(stats)
+        record["params"].append(_params(rt))
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(record, out / f"update_rank{rt.rank}.pt")
+
+
+def cli(args: list[str]) -> None:
+    import grpo.train
+
+    original = grpo.train.save_final
+
+    def save_final(run, cfg):
+        params = _params(run.runtime)
+        torch.save(params, Path(cfg.trainer.output_dir) / f"params_rank{run.runtime.rank}.pt")
+        return original(run, cfg)
+
+    grpo.train.save_final = save_final
+    sys.argv = ["grpo.train", *args]
+    grpo.train.main()
+
+
+def _worker(argv: list[str]) -> None:
+    sys.path.insert(0, str(ROOT))
+    torch.set_num_threads(1)
+    mode, out, args = argv[0], Path(argv[1]), argv[2:]
+    if mode in ("update", "cli"):
+        fixed_batch_updates([a for a in args if a.startswith(("distributed", "+distributed"))], out)
+    if mode in ("cli", "train"):
+        cli(args)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])
+    sys.exit(0)
+
+
+# ------------------------------------------------------------------------------------ the tests
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                reason="distributed tests need deepspeed (pip install 'grpo[deepspeed]')")
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def torchrun(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=_env(), timeout=timeout)
+
+
+def worker(mode: str, out: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    p = torchrun(str(Path(__file__)), mode, str(out), *args, cwd=cwd)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("one")
+    p = subprocess.run([sys.executable, str(Path(__file__)), "update", str(out)], capture_output=True, text=True,
+                       cwd=out, env=_env(), timeout=120)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return torch.load(out / "update_rank0.pt", weights_only=False)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _check_updates(out: Path, ref: dict) -> None:
+    ranks = [torch.load(out / f"update_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    # the fixed batch gives rank 0 more micro-batches than rank 1, so rank 1 ran idle ones
+    assert ranks[0]["micro_batches"] > ranks[1]["micro_batches"] >= 1
+    for r in ranks:
+        for k in range(4):  # every rank holds the same parameters after every step
+            assert _max_diff(r["params"][k], ranks[0]["params"][k]) == 0.0
+    got = ranks[0]
+    assert _max_diff(got["params"][0], ref["params"][0]) == 0.0       # same start
+    for k in range(2):  # same gradient norm, loss and update as one process with the global batch
+        assert got["stats"][k]["skipped"] is False
+        assert got["stats"][k]["grad_norm"] == pytest.approx(ref["stats"][k]["grad_norm"], rel=1e-5)
+        assert got["stats"][k]["loss"] == pytest.approx(ref["stats"][k]["loss"], rel=1e-4, abs=1e-7)
+        assert got["stats"][k]["kl"] == pytest.approx(ref["stats"][k]["kl"], rel=1e-4, abs=1e-9)
+        moved = _max_diff(ref["params"][k + 1], ref["params"][k])
+        assert moved > 5e-4                                            # lr 1e-3: the update is visible
+        assert _max_diff(got["params"][k + 1], ref["params"][k + 1]) < 1e-5
+    # a non-finite gradient: the step is skipped on every rank and the parameters stay put
+    assert got["stats"][2]["skipped"] is True and ref["stats"][2]["skipped"] is True
+    assert _max_diff(got["params"][3], got["params"][2]) == 0.0
+
+
+def _check_run(out: Path, steps: int) -> None:
+    import json
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, steps + 1))
+    assert all(r["grad_norm"] > 0 and not r["skipped"] for r in rows if "loss" in r)
+    p0, p1 = (torch.load(out / f"params_rank{r}.pt") for r in (0, 1))
+    assert _max_diff(p0, p1) == 0.0                                   # every rank holds the same parameters
+    final = dict(AutoModelForCausalLM.from_pretrained(out / "final").named_parameters())
+    assert _max_diff({k: v.detach() for k, v in final.items()}, p0) == 0.0  # an ordinary, consolidated HF model
+
+
+@pytest.mark.slow
+def test_zero2_two_processes(tmp_path, one_process):
+    out = tmp_path / "run"
+    worker("cli", tmp_path / "update", *SMOKE, "distributed=zero2", f"trainer.output_dir={out}",
+           "trainer.save_every=1", f"engine.max_tokens_per_micro_batch={BUDGET}", cwd=tmp_path)
+    _check_updates(tmp_path / "update", one_process)
+    _check_run(out, 2)
+    ckpt = out / "checkpoints" / "step_2"
+    assert (ckpt / "COMPLETE").exists() and (ckpt / "deepspeed").is_dir()
+    assert (ckpt / "rank_0.pt").exists() and (ckpt / "rank_1.pt").exists()
+
+
+@pytest.mark.slow
+def test_zero3_two_processes_then_resume(tmp_path, one_process):
+    out = tmp_path / "run"
+    common = [*SMOKE, *ZERO3, f"trainer.output_dir={out}", "trainer.save_every=1", "data.num_eval=5",
+              f"engine.max_tokens_per_micro_batch={BUDGET}"]
+    p = worker("cli", tmp_path / "update", *common, "trainer.eval_every=1", cwd=tmp_path)
+    _check_updates(tmp_path / "update", one_process)
+    _check_run(out, 2)
+    assert "held-out accuracy (step 1, 5 prompts" in p.stderr   # 5 held-out prompts on 2 ranks: 3 + 2 (padded)
+    # resume from the ZeRO-3 checkpoint (every rank loads its partition), generating layer by layer this time
+    p = worker("train", tmp_path, *common, "trainer.max_steps=3", "trainer.resume=auto",
+               "distributed.gather_for_generation=false", cwd=tmp_path)
+    assert "resumed from" in p.stdout + p.stderr and "step_2" in p.stdout + p.stderr
+    _check_run(out, 3)
+
+
+def test_impossible_settings_fail_at_start_on_every_rank(tmp_path):
+    p = torchrun("-m", "grpo.train", *SMOKE, "distributed=zero2", f"trainer.output_dir={tmp_path / 'run'}",
+                 "rollout.prompts_per_step=3", cwd=tmp_path, timeout=120)
+    assert p.returncode != 0
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2 and all("rollout.prompts_per_step=3 must be divisible" in e for e in errors), p.stderr[-3000:]
+    # without a launcher there is no world to join: one line, exit 2
+    p = subprocess.run([sys.executable, "-m", "grpo.train", *SMOKE, "distributed=zero3",
+                        f"trainer.output_dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=tmp_path,
+                       env=_env(), timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1].startswith("error: distributed.backend=deepspeed needs a launcher")
+
+
+def test_config_rejects_settings_deepspeed_cannot_run(cfg_factory):
+    from grpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="offload_params=true needs distributed.zero_stage=3"):
+        cfg_factory({"distributed": {"backend": "deepspeed", "zero_stage": 2, "offload_params": True}})
+    with pytest.raises(ConfigError, match="zero_stage=3 needs distributed.backend=deepspeed"):
+        cfg_factory({"distributed": {"zero_stage": 3}})
+    with pytest.raises(ConfigError, match="float16 is not supported"):
+        cfg_factory({"distributed": {"backend": "deepspeed", "zero_stage": 2}, "model": {"dtype": "float16"}})
+
+
+def test_deepspeed_config_is_derived_from_the_recipe(cfg_factory):
+    from grpo.deepspeed_runtime import check, ds_config
+    from grpo.setup import SetupError
+
+    cfg = cfg_factory({"distributed": {"backend": "deepspeed", "zero_stage": 3, "bf16": True,
+                                       "ds_config": {"zero_optimization": {"reduce_bucket_size": 1000}}},
+                       "rollout": {"prompts_per_step": 4}, "trainer": {"max_grad_norm": 0.5}})
+    d = ds_config(cfg, 2)
+    assert d["train_micro_batch_size_per_gpu"] == 2 * cfg.algorithm.group_size and d["gradient_accumulation_steps"] == 1
+    assert d["gradient_clipping"] == 0.5 and d["bf16"]["enabled"] and d["zero_optimization"]["stage"] == 3
+    assert d["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert ds_config(cfg, 2, train=False)["zero_optimization"]["stage"] == 3   # the reference is partitioned
+    with pytest.raises(SetupError, match="divisible"):
+        check(cfg, 3)
+    cfg.model.lora.enabled = True
+    with pytest.raises(SetupError, match="zero_stage=3 with model.lora.enabled is not supported"):
+        check(cfg, 2)
+    cfg.model.lora.enabled = False
+    cfg.distributed.ds_config = {"zero_optimization": {"stage": 2}}
+    with pytest.raises(SetupError, match="zero_optimization.stage is derived"):
+        check(cfg, 2)
