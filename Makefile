@@ -27,6 +27,15 @@ train: model
 test: setup
 	$(PY) -m pytest -q tests
 
+# A small group-size sweep on the embedded model (two runs, a few minutes on CPU), then its
+# comparison report: $(SWEEP_DIR)/report.md with reward / held-out accuracy / KL / length plots.
+SWEEP_DIR ?= multirun/sweep-demo
+SWEEP_ARGS ?= recipe=quickstart algorithm.group_size=2,4 trainer.max_steps=4 data.num_eval=20
+sweep: model
+	rm -rf $(SWEEP_DIR)
+	$(PY) -m grpo.train -m $(SWEEP_ARGS) hydra.sweep.dir=$(SWEEP_DIR)
+	$(PY) -m grpo.report $(SWEEP_DIR)
+
 bench-prefix: model
 	$(PY) scripts/bench_prefix.py
 

@@ -20,10 +20,11 @@ class ConfigError(ValueError):
 
 @dataclass
 class LoraConfig:
-    enabled: bool = False
+    enabled: bool = False            # train LoRA adapters instead of all weights; reference = the base model
     r: int = 16                      # rank
-    alpha: int = 32
-    dropout: float = 0.0
+    alpha: int = 32                  # scaling numerator: the update is scaled by alpha / r
+    dropout: float = 0.0             # dropout on the LoRA input
+    # names of the modules that get adapters
     target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     merge_on_save: bool = True       # final/ holds a merged model (True) or the adapter only (False)
 
@@ -34,9 +35,9 @@ class ModelConfig:
     name_or_path: str = "embedded:smollm2-135m-instruct"
     dtype: str = "float32"           # float32 | bfloat16 | float16
     attn_implementation: str = "sdpa"  # sdpa | eager | flex_attention | flash_attention_2
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
     tiny: dict = field(default_factory=dict)  # config overrides for tiny:<family> models (hidden_size, ...)
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA settings (model.lora.*)
 
 
 @dataclass
@@ -45,15 +46,15 @@ class DataConfig:
     task_kwargs: dict = field(default_factory=dict)  # for builtin tasks, e.g. {level: 2}
     split: str = "train"             # hub/file split
     load_kwargs: dict = field(default_factory=dict)  # extra datasets.load_dataset arguments
-    prompt_column: str = "prompt"
-    answer_column: str = "answer"
-    system_prompt: Optional[str] = None
+    prompt_column: str = "prompt"    # the column holding the prompt text
+    answer_column: str = "answer"    # the reference column; rewards receive it as `answer`
+    system_prompt: Optional[str] = None  # a system message (without a chat template: a first paragraph)
     prompt_template: str = "{prompt}"  # applied before the chat template; any column by name
     chat_template: bool = True       # use the tokenizer's chat template when it has one
     max_prompt_tokens: int = 512     # longer prompts are dropped (and counted), never truncated
     num_train: int = 2000            # builtin tasks: how many training prompts to generate
     num_eval: int = 100              # held-out prompts (never seen in training)
-    seed: int = 1234
+    seed: int = 1234                 # seed of the built-in task generators (which prompts exist)
 
 
 @dataclass
@@ -66,11 +67,11 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    prompts_per_step: int = 8
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    prompts_per_step: int = 8        # prompts per optimizer step (each gets group_size completions)
+    max_new_tokens: int = 64         # completion length cap; longer completions are cut (truncated)
+    temperature: float = 1.0         # sampling temperature (the loss's log-probs use it too)
+    top_p: float = 1.0               # nucleus sampling; 1 = off
+    top_k: int = 0                   # sample from the k most likely tokens; 0 = off
     batch_size: int = 8              # prompts generated together (each with G samples)
     share_prompt: bool = True        # prefill each prompt once and fork its KV cache for the G samples
 
@@ -86,7 +87,7 @@ class AlgorithmConfig:
     delta: Optional[float] = None    # cap on the ratio for negative advantages (two-sided clip)
     loss_agg: str = "seq_mean_token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | dr_grpo
     scale_rewards: str = "group"     # group | batch | none
-    adv_eps: float = 1e-4
+    adv_eps: float = 1e-4            # added to the std that divides the advantages
     num_iterations: int = 1          # mu: optimiser passes over each batch of rollouts
     importance_sampling: str = "token"  # token | sequence (GSPO)
     filter_zero_std_groups: bool = False  # drop groups whose rewards are all equal (DAPO dynamic sampling)
@@ -97,22 +98,22 @@ class AlgorithmConfig:
 @dataclass
 class EngineConfig:
     shared_prefix: bool = True       # encode each prompt once per group
-    max_tokens_per_micro_batch: int = 4096
+    max_tokens_per_micro_batch: int = 4096  # tokens per forward/backward chunk; gradients accumulate into one step
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 100
-    seed: int = 0
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    adam_betas: list = field(default_factory=lambda: [0.9, 0.99])
-    warmup_steps: int = 0
+    max_steps: int = 100             # optimizer steps (each: prompts_per_step x group_size completions)
+    seed: int = 0                    # sampling, prompt order, tiny-model init (data.seed picks the prompts)
+    lr: float = 1e-6                 # AdamW learning rate (the peak, after warmup)
+    weight_decay: float = 0.0        # AdamW weight decay
+    adam_betas: list = field(default_factory=lambda: [0.9, 0.99])  # AdamW (beta1, beta2)
+    warmup_steps: int = 0            # linear warmup from lr/warmup_steps up to lr
     lr_schedule: str = "constant"    # constant | cosine | linear
-    max_grad_norm: float = 1.0
-    output_dir: str = "outputs/run"
+    max_grad_norm: float = 1.0       # clip the gradient norm to this; 0 = no clipping
+    output_dir: str = "outputs/run"  # metrics, checkpoints, final/ (configs/trainer sets null: Hydra's run dir)
     save_every: int = 0              # 0 = only at the end
-    keep_last: int = 2
+    keep_last: int = 2               # checkpoints kept; older ones are deleted
     resume: Optional[str] = None     # None | auto | <checkpoint path>
     force_resume: bool = False       # resume even if the run-defining config changed
     eval_every: int = 0              # 0 = evaluate only before and after training
@@ -123,10 +124,11 @@ class TrainerConfig:
 
 @dataclass
 class LoggingConfig:
-    log_every: int = 1
+    log_every: int = 1               # console line every N steps (metrics.jsonl gets every step)
     sample_every: int = 10           # print/log sample completions every N steps (0 = never)
-    num_samples: int = 2
+    num_samples: int = 2             # sample completions shown each time
     plot: bool = True                # write reward_curve.png at the end
+    # Weights & Biases: mode (disabled | offline | online), project, run name
     wandb: dict = field(default_factory=lambda: {"mode": "disabled", "project": "grpo", "name": None})
 
 

@@ -13,12 +13,57 @@ from grpo.update import Batch, nested_logprobs
 
 
 def collect(run, cfg) -> Batch:
-    rt, G = run.runtime, cfg.algorithm.group_size
-    indices = run.sampler.next(cfg.rollout.prompts_per_step)          # same order on every rank
-    per_rank = cfg.rollout.prompts_per_step // rt.world_size
+    """One step's experience, in order: rollout, rewards, zero-std filtering (and resampling), the
+    reference and old-policy log-probs of the groups kept, KL (metric, or penalty in the reward), advantages.
+
+    With ``algorithm.filter_zero_std_groups`` groups whose task rewards are all equal are dropped; with
+    ``algorithm.resample_zero_std=N`` up to N more rollout rounds refill the batch with groups that have
+    signal (DAPO dynamic sampling). Every rank runs the same number of rounds (ZeRO-3 generates in lockstep,
+    and the prompt sampler must stay in step). The batch may end up empty; `policy_update` then skips.
+    """
+    rt, a, r = run.runtime, cfg.algorithm, cfg.rollout
+    batch = _rollout(run, cfg)
+    stats = batch.stats
+    zero = zero_std_groups(batch.rewards, batch.group_sizes)
+    zs, ng = rt.all_reduce_sum([float(sum(zero)), float(len(zero))])
+    stats["zero_std_frac"] = zs / max(ng, 1)
+    if a.filter_zero_std_groups:  # before any log-prob forward: dropped groups cost nothing more
+        batch = _filter_and_refill(run, cfg, batch, zero)
+    if a.beta > 0:
+        with run.reference_context():
+            batch.ref_logps = nested_logprobs(run.reference_model(), batch, cfg.engine, r.temperature)
+    if a.num_iterations > 1 or (a.beta > 0 and a.kl_in_reward):
+        batch.old_logps = nested_logprobs(rt.model, batch, cfg.engine, r.temperature)
+    # KL of the batch to the reference. With the KL in the loss and mu = 1 the update measures it itself
+    # (no extra forward here); with mu > 1 or the KL in the reward the old log-probs are at hand.
+    if batch.ref_logps is not None and batch.old_logps is not None:
+        seq_kl = torch.tensor([float(kl_estimate(lp, ref, a.kl_estimator).sum()) for gl, gr in
+                               zip(batch.old_logps, batch.ref_logps) for lp, ref in zip(gl, gr)])
+        tokens = sum(len(c) for g in batch.completion_ids for c in g)
+        kl_sum, n_tok = rt.all_reduce_sum([float(seq_kl.sum()), float(tokens)])
+        stats["kl"] = kl_sum / max(n_tok, 1)
+        if a.kl_in_reward:  # r_i - beta * sum_t KL_t, before the group normalisation
+            batch.rewards = batch.rewards - a.beta * seq_kl
+    if a.num_iterations == 1:
+        batch.old_logps = None  # ratio is 1 with one pass: old = logp.detach()
+    batch_std = None
+    if a.scale_rewards == "batch" and rt.world_size > 1:  # the std of the whole batch, over every rank
+        s, s2, n = rt.all_reduce_sum([float(batch.rewards.sum()), float((batch.rewards.double() ** 2).sum()),
+                                      float(batch.rewards.numel())])
+        batch_std = _std(s, s2, n)
+    batch.advantages = compute_advantages(batch.rewards, batch.group_sizes, a.scale_rewards, a.adv_eps,
+                                          batch_std=batch_std)
+    return batch
+
+
+def _rollout(run, cfg) -> Batch:
+    """Sample the next prompts (the same on every rank; each takes its share), generate G completions
+    each, and score them. Advantages are left at zero."""
+    rt, r, G = run.runtime, cfg.rollout, cfg.algorithm.group_size
+    indices = run.sampler.next(r.prompts_per_step)                    # same order on every rank
+    per_rank = r.prompts_per_step // rt.world_size
     rows = [run.splits.train[i] for i in indices[rt.rank * per_rank:(rt.rank + 1) * per_rank]]
-    prompt_ids = [r["prompt_ids"] for r in rows]
-    r = cfg.rollout
+    prompt_ids = [row["prompt_ids"] for row in rows]
     t0 = time.time()
     completion_ids, truncated = generate(rt.model, run.tokenizer, prompt_ids, group_size=G,
                                          max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
@@ -27,31 +72,30 @@ def collect(run, cfg) -> Batch:
     t1 = time.time()
     rewards, stats = score_groups(run, rows, completion_ids, truncated)
     stats["time/rollout_s"], stats["time/reward_s"] = t1 - t0, time.time() - t1
-    batch = Batch(rows, prompt_ids, completion_ids, truncated, rewards, torch.zeros_like(rewards), stats=stats)
-    a = cfg.algorithm
-    if a.beta > 0:
-        with run.reference_context():
-            batch.ref_logps = nested_logprobs(run.reference_model(), batch, cfg.engine, r.temperature)
-    if a.num_iterations > 1 or (a.beta > 0 and a.kl_in_reward):
-        batch.old_logps = nested_logprobs(rt.model, batch, cfg.engine, r.temperature)
-    if batch.ref_logps is not None:
-        current = batch.old_logps or nested_logprobs(rt.model, batch, cfg.engine, r.temperature)
-        seq_kl = torch.tensor([float(kl_estimate(lp, ref, a.kl_estimator).sum()) for gl, gr in
-                               zip(current, batch.ref_logps) for lp, ref in zip(gl, gr)])
-        tokens = sum(len(c) for g in completion_ids for c in g)
-        kl_sum, n_tok = rt.all_reduce_sum([float(seq_kl.sum()), float(tokens)])
-        stats["kl"] = kl_sum / max(n_tok, 1)
-        if a.kl_in_reward:
-            batch.rewards = rewards - a.beta * seq_kl
-        if a.num_iterations == 1:
-            batch.old_logps = None  # ratio is 1 with one pass: old = logp.detach()
-    flat_zero = zero_std_groups(batch.rewards, batch.group_sizes)
-    if a.filter_zero_std_groups:
-        batch = _drop_groups(batch, [not z for z in flat_zero])
-    batch.advantages = compute_advantages(batch.rewards, batch.group_sizes, a.scale_rewards, a.adv_eps)
-    zs, ng = rt.all_reduce_sum([float(sum(flat_zero)), float(len(flat_zero))])
-    stats["zero_std_frac"] = zs / max(ng, 1)
-    return batch
+    return Batch(rows, prompt_ids, completion_ids, truncated, rewards, torch.zeros_like(rewards), stats=stats)
+
+
+def _filter_and_refill(run, cfg, batch: Batch, zero: list[bool]) -> Batch:
+    """Drop zero-std groups; then at most ``resample_zero_std`` extra rounds while any rank is short of
+    its groups. Surplus groups of the last round are discarded. The reward metrics stay those of the
+    first round (the policy's on-policy sample); extra rounds do not count towards reward.max_failed_steps."""
+    rt, a = run.runtime, cfg.algorithm
+    target = len(batch.completion_ids)
+    kept = _select_groups(batch, [not z for z in zero])
+    dropped, rounds = sum(zero), 0
+    failures = dict(run.failed_reward_steps)
+    while rounds < a.resample_zero_std and rt.all_reduce_sum([float(target - len(kept.completion_ids))])[0] > 0:
+        rounds += 1
+        extra = _rollout(run, cfg)
+        z = zero_std_groups(extra.rewards, extra.group_sizes)
+        dropped += sum(z)
+        kept = _concat(kept, _select_groups(extra, [not x for x in z]), target)
+        for k in ("time/rollout_s", "time/reward_s"):
+            batch.stats[k] += extra.stats[k]
+    run.failed_reward_steps = failures
+    d, n = rt.all_reduce_sum([float(dropped), float(len(kept.completion_ids))])
+    kept.stats = {**batch.stats, "dropped_groups": int(d), "resample_rounds": rounds, "num_groups": int(n)}
+    return kept
 
 
 def score_groups(run, rows, completion_ids, truncated):
@@ -104,7 +148,7 @@ def _track_failures(run, name: str, errors: float, n: float) -> None:
                          f"~reward.functions.{name}")
 
 
-def _drop_groups(batch: Batch, keep: list[bool]) -> Batch:
+def _select_groups(batch: Batch, keep: list[bool]) -> Batch:
     sizes = batch.group_sizes
     flat_keep = [k for k, g in zip(keep, sizes) for _ in range(g)]
     pick = lambda xs: [x for x, k in zip(xs, keep) if k]  # noqa: E731
@@ -112,8 +156,16 @@ def _drop_groups(batch: Batch, keep: list[bool]) -> Batch:
     return Batch(pick(batch.rows), pick(batch.prompt_ids), pick(batch.completion_ids), pick(batch.truncated),
                  batch.rewards[idx], batch.advantages[idx],
                  pick(batch.old_logps) if batch.old_logps is not None else None,
-                 pick(batch.ref_logps) if batch.ref_logps is not None else None,
-                 {**batch.stats, "dropped_groups": int(sum(not k for k in keep))})
+                 pick(batch.ref_logps) if batch.ref_logps is not None else None, dict(batch.stats))
+
+
+def _concat(a: Batch, b: Batch, limit: int) -> Batch:
+    """``a`` followed by as many groups of ``b`` as fit in ``limit`` groups (before any log-probs)."""
+    room = max(limit - len(a.completion_ids), 0)
+    b = _select_groups(b, [i < room for i in range(len(b.completion_ids))])
+    return Batch(a.rows + b.rows, a.prompt_ids + b.prompt_ids, a.completion_ids + b.completion_ids,
+                 a.truncated + b.truncated, torch.cat([a.rewards, b.rewards]), torch.cat([a.advantages, b.advantages]),
+                 stats=a.stats)
 
 
 def sample_rows(run, batch: Batch, n: int) -> list[dict]:

@@ -157,7 +157,10 @@ def apply_lora(model, lcfg):
 
     pcfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
                           target_modules=list(lcfg.target_modules), task_type="CAUSAL_LM")
-    if getattr(model, "is_gradient_checkpointing", False):
+    # transformers 5 renamed is_gradient_checkpointing (deprecated) to is_activation_checkpointing
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"
+    if getattr(model, flag, False):
         model.enable_input_require_grads()
     return get_peft_model(model, pcfg)
 

@@ -110,7 +110,7 @@ def load_run(run_dir: Path) -> Run:
         t += _num(m.get("step_time_s")) or 0.0
         times.append(t)
     keys = {k for m in lines for k in m if k.startswith("eval/")}
-    eval_key = "eval/accuracy" if "eval/accuracy" in keys else ("eval/reward_mean" if "eval/reward_mean" in keys else None)
+    eval_key = next((k for k in ("eval/accuracy", "eval/reward_mean") if k in keys), None)
     evals: dict[int, dict] = {}
     if eval_key:
         for m in lines:
@@ -138,7 +138,7 @@ def _label_runs(runs: list[Run]) -> list[str]:
             labels[i] = f"{lab} [{runs[i].path.parent.name}/{runs[i].path.name}]"
     for r, lab in zip(runs, labels):
         r.label = lab
-    return sorted(common)
+    return [o for o in runs[0].overrides if o in common] if runs else []
 
 
 # ---------------------------------------------------------------------------------------- plots

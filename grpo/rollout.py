@@ -95,7 +95,8 @@ def _cache_kwarg(model) -> str:
     """transformers >= 5.2x names the KV cache argument ``cache``; older releases ``past_key_values``."""
     import inspect
 
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the wrapped model's name
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

@@ -39,7 +39,8 @@ def train(cfg: Config) -> dict:
         stats = policy_update(run.runtime, batch, cfg.algorithm, cfg.engine, temperature=cfg.rollout.temperature,
                               max_len=cfg.rollout.max_new_tokens, mask_truncated=cfg.algorithm.mask_truncated,
                               max_grad_norm=cfg.trainer.max_grad_norm)
-        run.bad_steps = run.bad_steps + 1 if stats["skipped"] else 0
+        if not stats.get("empty_batch"):  # an empty batch (nothing to learn from) is skipped, but is not "bad"
+            run.bad_steps = run.bad_steps + 1 if stats["skipped"] else 0
         run.skipped_steps += int(stats["skipped"])
         metrics = {"step": step, **batch.stats, **stats, "skipped_steps": run.skipped_steps,
                    "lr": run.scheduler.get_last_lr()[0], "step_time_s": time.time() - t0,

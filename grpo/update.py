@@ -91,10 +91,17 @@ def batch_counts(batch: Batch, keep: list[bool], max_len: int, runtime) -> Batch
 
 def policy_update(runtime, batch: Batch, acfg, ecfg, *, temperature: float, max_len: int,
                   mask_truncated: bool, max_grad_norm: float) -> dict:
-    """Forward/backward every micro-batch (loss normalised batch-wide), then one optimizer step."""
+    """Forward/backward every micro-batch (loss normalised batch-wide), then one optimizer step.
+
+    A batch with no completion left to learn from on any rank (every group filtered out, or every
+    completion truncated with mask_truncated) is skipped: no forward, no optimizer or scheduler step,
+    ``skipped`` and ``empty_batch`` true."""
     model = runtime.model
     keep = loss_mask(batch, mask_truncated)
     counts = batch_counts(batch, keep, max_len, runtime)
+    if counts.num_seqs == 0:  # nothing to learn from on any rank (all filtered or masked): no forward, no step
+        return {"loss": None, "grad_norm": 0.0, "skipped": True, "empty_batch": True, "entropy": None,
+                "clip_ratio_low": None, "clip_ratio_high": None, "clip_ratio": None, "ratio_mean": None, "kl": None}
     totals: dict[str, float] = {}
     loss_total, entropy_sum = 0.0, 0.0
     plan = _plan(batch, ecfg)
@@ -130,7 +137,7 @@ def policy_update(runtime, batch: Batch, acfg, ecfg, *, temperature: float, max_
     summed = runtime.all_reduce_sum([loss_total, entropy_sum] + [totals[k] for k in keys])
     loss_total, entropy_sum, totals = summed[0], summed[1], dict(zip(keys, summed[2:]))
     tokens = max(totals.get("tokens", 0.0), 1.0)
-    out = {"loss": loss_total, "grad_norm": grad_norm, "skipped": not stepped,
+    out = {"loss": loss_total, "grad_norm": grad_norm, "skipped": not stepped, "empty_batch": False,
            "entropy": entropy_sum / tokens, "clip_ratio_low": totals["clip_low"] / tokens,
            "clip_ratio_high": totals["clip_high"] / tokens,
            "clip_ratio": (totals["clip_low"] + totals["clip_high"]) / tokens,

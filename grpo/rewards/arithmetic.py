@@ -14,10 +14,21 @@ def last_integer(text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
+def bare_integer(text: str) -> int | None:
+    """The integer when ``text`` is nothing but one (``" 42."`` -> 42), else None."""
+    text = text.strip().rstrip(".").replace(",", "")
+    return int(text) if re.fullmatch(r"-?\d+", text) else None
+
+
 @register("arithmetic")
-def arithmetic(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
-    """1.0 when the last integer in the completion equals the row's ``answer``, else 0.0."""
-    return [float(last_integer(c) == int(a)) for c, a in zip(completions, answer)]
+def arithmetic(prompts: list[str], completions: list[str], answer: list, strict: bool = False, **_) -> list[float]:
+    """1.0 when the completion's answer equals the row's ``answer``, else 0.0.
+
+    Lenient (default): the last integer written anywhere counts. ``strict=True``: the completion
+    must be the number and nothing else, as the built-in prompt asks ("Answer with the number only").
+    """
+    pick = bare_integer if strict else last_integer
+    return [float(pick(c) == int(a)) for c, a in zip(completions, answer)]
 
 
 @register("number_only")
@@ -27,7 +38,7 @@ def number_only(prompts: list[str], completions: list[str], **_) -> list[float]:
     out = []
     for c in completions:
         text = c.strip().rstrip(".")
-        if re.fullmatch(r"-?\d+", text.replace(",", "")):
+        if bare_integer(text) is not None:
             out.append(1.0)
             continue
         chars = [ch for ch in text if not ch.isspace()]

@@ -1,6 +1,6 @@
 """Small-number arithmetic: ``What is 37 + 48?`` with an integer answer.
 
-Levels make it harder: 1 = two 1-2 digit numbers added, 2 = add/subtract 2-digit numbers,
+Levels make it harder: 0 = two numbers 0-20 added (441 distinct problems), 1 = two 1-2 digit numbers added, 2 = add/subtract 2-digit numbers,
 3 = three 2-digit terms with + and -, 4 = 2-digit x 1-digit multiplication plus a term.
 """
 from __future__ import annotations
@@ -11,6 +11,9 @@ from grpo.tasks import register_task
 
 
 def _problem(rng: random.Random, level: int) -> tuple[str, int]:
+    if level == 0:
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        return f"{a} + {b}", a + b
     if level == 1:
         a, b = rng.randint(1, 99), rng.randint(1, 99)
         return f"{a} + {b}", a + b
@@ -27,13 +30,13 @@ def _problem(rng: random.Random, level: int) -> tuple[str, int]:
     if level == 4:
         a, b, c = rng.randint(10, 99), rng.randint(2, 9), rng.randint(1, 99)
         return f"{a} * {b} + {c}", a * b + c
-    raise ValueError(f"arithmetic level must be 1-4, got {level}")
+    raise ValueError(f"arithmetic level must be 0-4, got {level}")
 
 
 @register_task("arithmetic")
 def arithmetic(n: int, seed: int, level: int = 1,
                template: str = "What is {expr}? Answer with the number only.") -> list[dict]:
-    """``n`` distinct problems at ``level`` (1-4), deterministic in ``seed``."""
+    """``n`` problems at ``level`` (0-4), deterministic in ``seed``; distinct while the level has enough."""
     rng = random.Random(seed)
     rows, seen = [], set()
     attempts = 0
