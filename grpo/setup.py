@@ -84,7 +84,7 @@ def build_run(cfg: Config) -> Run:
     runtime = make_runtime(cfg)
     set_seed(cfg.trainer.seed + runtime.rank)
     try:
-        rewards = build_rewards(cfg.reward.functions)
+        rewards = build_rewards(cfg.reward.functions, cfg.reward.timeout_s)
     except RewardSpecError as e:
         raise SetupError(str(e)) from None
     try:

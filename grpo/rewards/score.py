@@ -25,15 +25,25 @@ class RewardFunction:
     fn: Callable
     weight: float = 1.0
     kwargs: dict = field(default_factory=dict)
+    spec: str = ""                 # the config's fn string (how the worker process finds it)
+    timeout_s: float = 0.0         # > 0: run in the worker process, hard-killed after this long
+    worker: object = None
 
 
-def build(functions: dict) -> list[RewardFunction]:
-    """``reward.functions`` (name -> {fn, weight, **kwargs}) to resolved functions."""
+def build(functions: dict, timeout_s: float = 0.0) -> list[RewardFunction]:
+    """``reward.functions`` (name -> {fn, weight, **kwargs}) to resolved functions. Resolving here
+    (also when a worker will run them) makes a bad ``fn`` fail before any model loads."""
+    worker = None
+    if timeout_s > 0:
+        from grpo.rewards.worker import RewardWorker
+
+        worker = RewardWorker()
     out = []
     for name, spec in functions.items():
         spec = dict(spec)
         out.append(RewardFunction(name, resolve(spec["fn"]), float(spec.get("weight", 1.0)),
-                                  {k: v for k, v in spec.items() if k not in _RESERVED}))
+                                  {k: v for k, v in spec.items() if k not in _RESERVED},
+                                  spec=spec["fn"], timeout_s=timeout_s, worker=worker))
     return out
 
 
@@ -48,8 +58,10 @@ _reported: set[str] = set()
 
 
 def _call(rf: RewardFunction, prompts, completions, columns) -> list:
-    out = rf.fn(prompts, completions, **columns, **rf.kwargs)
-    out = list(out)
+    if rf.worker is not None:
+        out = rf.worker.call(rf.spec, rf.kwargs, prompts, completions, columns, rf.timeout_s)
+    else:
+        out = list(rf.fn(prompts, completions, **columns, **rf.kwargs))
     if len(out) != len(completions):
         raise ValueError(f"reward {rf.name!r} returned {len(out)} scores for {len(completions)} completions")
     return [None if v is None else float(v) for v in out]

@@ -1,0 +1,233 @@
+"""Exact resume, crash safety, fault handling and bad input (issue 5)."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo import checkpoint
+from grpo.setup import SetupError
+from grpo.train import train
+
+COMPARED = ("loss", "reward_mean", "reward_std", "kl", "grad_norm", "completion_len_mean", "reward/accuracy",
+            "reward/format", "entropy")
+
+
+def steps(out: Path) -> dict:
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
+def assert_same_run(a: dict, b: dict):
+    assert sorted(a) == sorted(b)
+    for s in a:
+        for k in COMPARED:
+            assert a[s][k] == pytest.approx(b[s][k], rel=1e-6, abs=1e-9), (s, k)
+
+
+def test_resume_gives_identical_metrics(cfg_factory, tmp_path):
+    straight = cfg_factory({"trainer": {"max_steps": 4, "output_dir": str(tmp_path / "a")}})
+    train(straight)
+    half = cfg_factory({"trainer": {"max_steps": 2, "output_dir": str(tmp_path / "b")}})
+    train(half)
+    rest = cfg_factory({"trainer": {"max_steps": 4, "output_dir": str(tmp_path / "b"), "resume": "auto"}})
+    out = train(rest)
+    assert out["steps"] == 4
+    assert_same_run(steps(tmp_path / "a"), steps(tmp_path / "b"))
+    a = torch.load(tmp_path / "a" / "checkpoints" / "step_4" / "trainer_state.pt", weights_only=False)
+    b = torch.load(tmp_path / "b" / "checkpoints" / "step_4" / "trainer_state.pt", weights_only=False)
+    assert a["sampler"] == b["sampler"]
+
+
+def test_resume_of_a_finished_run_exits_without_training(cfg_factory, tmp_path, capsys):
+    cfg = cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "r")}})
+    train(cfg)
+    again = cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "r"), "resume": "auto"}})
+    assert train(again) == {"steps": 1, "resumed": True}
+    assert "already reached trainer.max_steps=1" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_changed_run_unless_forced(cfg_factory, tmp_path):
+    train(cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "r")}}))
+    changed = {"algorithm": {"group_size": 3}, "trainer": {"max_steps": 2, "output_dir": str(tmp_path / "r"),
+                                                           "resume": "auto"}}
+    with pytest.raises(SetupError, match="algorithm.group_size changed"):
+        train(cfg_factory(changed))
+    changed["trainer"]["force_resume"] = True
+    assert train(cfg_factory(changed))["steps"] == 2
+
+
+def test_resume_from_explicit_path_and_bad_paths(cfg_factory, tmp_path):
+    train(cfg_factory({"trainer": {"max_steps": 2, "save_every": 1, "output_dir": str(tmp_path / "r")}}))
+    ckpt = tmp_path / "r" / "checkpoints" / "step_1"
+    out = train(cfg_factory({"trainer": {"max_steps": 2, "output_dir": str(tmp_path / "s"), "resume": str(ckpt)}}))
+    assert out["steps"] == 2 and sorted(steps(tmp_path / "s")) == [2]
+    with pytest.raises(SetupError, match="no such checkpoint directory"):
+        train(cfg_factory({"trainer": {"output_dir": str(tmp_path / "t"), "resume": str(tmp_path / "nope")}}))
+
+
+def test_crash_during_save_leaves_previous_checkpoint(tmp_path):
+    def good(d):
+        (d / "x").write_text("ok")
+
+    checkpoint.save(tmp_path, 1, good, keep_last=2)
+
+    def crash(d):
+        (d / "x").write_text("half")
+        raise KeyboardInterrupt  # the process dies mid-write
+
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path, 2, crash, keep_last=2)
+    assert checkpoint.latest(tmp_path).name == "step_1"
+    assert (tmp_path / "checkpoints" / ".tmp-step_2").exists()  # never taken for complete
+    checkpoint.save(tmp_path, 3, good, keep_last=1)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_3"]  # old + junk removed after
+
+
+# ------------------------------------------------------------------------------------- processes
+def _cmd(out, *extra):
+    return [sys.executable, "-m", "grpo.train", "recipe=smoke", f"trainer.output_dir={out}", "trainer.max_steps=6",
+            "trainer.save_every=1", "logging.sample_every=0", *extra]
+
+
+def test_sigkill_at_random_moments_then_resume_matches(tmp_path):
+    ref = tmp_path / "ref"
+    subprocess.run(_cmd(ref), check=True, capture_output=True, timeout=300, cwd=tmp_path)
+    rng = random.Random(0)
+    for trial in range(3):
+        out = tmp_path / f"killed{trial}"
+        kills = 0
+        while not (out / "final").exists():
+            p = subprocess.Popen(_cmd(out, "trainer.resume=auto"), stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, cwd=tmp_path)
+            if kills < 3:
+                time.sleep(rng.uniform(4.0, 9.0))  # imports take ~4 s; then steps and saves interleave
+                if p.poll() is None:
+                    p.send_signal(signal.SIGKILL)
+                    kills += 1
+            p.wait(timeout=300)
+        assert_same_run(steps(ref), steps(out))
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.Popen(_cmd(out, "trainer.max_steps=200", "trainer.save_every=0"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(steps(out)) >= 1):
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    assert "stopped by signal" in err
+    last = checkpoint.latest(out)
+    assert last is not None and int(last.name.split("_")[1]) == max(steps(out))
+
+
+# ----------------------------------------------------------------------------------------- faults
+@pytest.fixture
+def fault_module(tmp_path, monkeypatch):
+    (tmp_path / "faulty_rewards.py").write_text(textwrap.dedent("""
+        def flaky(prompts, completions, answer, **_):
+            out = []
+            for a in answer:
+                if int(a) % 2:
+                    raise ValueError("odd answers break this reward")
+                out.append(1.0)
+            return out
+
+        def always_fails(prompts, completions, **_):
+            raise RuntimeError("broken")
+
+        def hangs_on_odd(prompts, completions, answer, **_):
+            if any(int(a) % 2 for a in answer):
+                while True:
+                    pass
+            return [1.0] * len(completions)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("faulty_rewards", None)
+
+
+def test_reward_that_raises_on_some_samples_is_counted(cfg_factory, tmp_path, fault_module):
+    cfg = cfg_factory({"reward": {"functions": {"flaky": {"fn": "faulty_rewards:flaky"}}, "max_failed_steps": 100},
+                       "trainer": {"max_steps": 3}, "data": {"num_eval": 0}})
+    train(cfg)
+    rows = steps(Path(cfg.trainer.output_dir))
+    assert sum(r["reward/flaky_errors"] for r in rows.values()) > 0
+    assert all(r["reward/flaky_errors"] < 8 or r["reward/flaky"] is None for r in rows.values())
+
+
+def test_reward_failing_every_sample_stops_the_run(cfg_factory, fault_module):
+    cfg = cfg_factory({"reward": {"functions": {"bad": {"fn": "faulty_rewards:always_fails"}}, "max_failed_steps": 2},
+                       "trainer": {"max_steps": 5}, "data": {"num_eval": 0}})
+    with pytest.raises(SetupError, match="'bad' failed on every sample for 2 steps"):
+        train(cfg)
+
+
+def test_hanging_reward_is_killed_after_timeout(cfg_factory, fault_module):
+    cfg = cfg_factory({"reward": {"functions": {"hang": {"fn": "faulty_rewards:hangs_on_odd"}}, "timeout_s": 1.5,
+                                  "max_failed_steps": 10},
+                       "trainer": {"max_steps": 1}, "data": {"num_eval": 0}})
+    t0 = time.time()
+    train(cfg)
+    row = steps(Path(cfg.trainer.output_dir))[1]
+    assert row["reward/hang_errors"] > 0
+    assert time.time() - t0 < 120
+
+
+def test_non_finite_steps_are_skipped_then_stop(cfg_factory, monkeypatch):
+    import grpo.update as update
+
+    real = update.grpo_loss
+
+    def poisoned(*a, **k):
+        loss, stats = real(*a, **k)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(update, "grpo_loss", poisoned)
+    cfg = cfg_factory({"trainer": {"max_steps": 10, "max_bad_steps": 2}, "data": {"num_eval": 0}})
+    with pytest.raises(SetupError, match="2 steps in a row had a non-finite loss or gradient"):
+        train(cfg)
+    out = Path(cfg.trainer.output_dir)
+    rows = steps(out)
+    assert [r["skipped"] for r in rows.values()] == [True, True]
+    assert rows[2]["skipped_steps"] == 2
+    assert checkpoint.latest(out) is not None  # a usable checkpoint of the last good state
+
+
+# -------------------------------------------------------------------------------------- bad input
+def _cli_error(tmp_path, *args) -> str:
+    p = subprocess.run([sys.executable, "-m", "grpo.train", "recipe=smoke", f"trainer.output_dir={tmp_path}/o", *args],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr
+    lines = [l for l in p.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1, p.stderr
+    return lines[0]
+
+
+def test_bad_data_files(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert "the file is empty" in _cli_error(tmp_path, f"data.source={empty}")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1+1", "answer": 2}\n{"question": "2+2", "answer": 4}\n')
+    assert "data row 1 has no 'prompt' value" in _cli_error(tmp_path, f"data.source={rows}")
+    odd = tmp_path / "data.txt"
+    odd.write_text("x")
+    assert "unknown file type" in _cli_error(tmp_path, f"data.source={odd}")
+
+
+def test_bad_reward_signature_and_resume_path(tmp_path):
+    (tmp_path / "sigmod.py").write_text("def one_arg(x):\n    return [0.0]\n")
+    assert "expected fn(prompts, completions" in _cli_error(tmp_path, "reward.functions.accuracy.fn=sigmod:one_arg")
+    assert "no such checkpoint directory" in _cli_error(tmp_path, f"trainer.resume={tmp_path}/missing")
