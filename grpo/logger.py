@@ -25,6 +25,8 @@ class MetricsLogger:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         wandb_cfg = dict(wandb_cfg or {})
+        if os.environ.get("WANDB_MODE") in ("online", "offline", "disabled"):
+            wandb_cfg["mode"] = os.environ["WANDB_MODE"]
         if wandb_cfg.get("mode", "disabled") != "disabled":
             import wandb
 

@@ -11,6 +11,7 @@ import json
 import math
 import random
 import signal
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,6 +91,10 @@ def build_run(cfg: Config) -> Run:
     try:
         tokenizer = load_tokenizer(cfg.model.name_or_path)
         splits = data.build(cfg.data, tokenizer)
+        if splits.dropped and runtime.is_main:
+            print(f"[grpo] dropped {splits.dropped} prompts longer than data.max_prompt_tokens="
+                  f"{cfg.data.max_prompt_tokens}; {len(splits.train)} train / {len(splits.eval)} held-out remain",
+                  file=sys.stderr, flush=True)
     except ModelError as e:
         raise SetupError(str(e)) from None
     if runtime.world_size > 1 and cfg.rollout.prompts_per_step % runtime.world_size:

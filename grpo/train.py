@@ -29,6 +29,7 @@ def train(cfg: Config) -> dict:
         return {"steps": start, "resumed": True}
     summary = {"eval_before": evaluate(run, cfg, "before")} if start == 0 else {}
     if start == 0:
+        log.truncate_after(-1)  # a fresh run in a used directory starts a fresh metrics.jsonl
         log.log({"step": 0, **{f"eval/{k}": v for k, v in summary["eval_before"].items()}}, console=False)
     batch = run.buffer
     for step in range(start + 1, cfg.trainer.max_steps + 1):

@@ -98,7 +98,7 @@ def _use_reward(monkeypatch, fn):
     import grpo.setup
     from grpo.rewards.score import RewardFunction
 
-    monkeypatch.setattr(grpo.setup, "build_rewards", lambda spec: [RewardFunction("accuracy", fn)])
+    monkeypatch.setattr(grpo.setup, "build_rewards", lambda spec, *args: [RewardFunction("accuracy", fn)])
 
 
 # --------------------------------------------------------------------------------- pure functions

@@ -1,5 +1,6 @@
 """End to end: the smoke recipe through the real command line."""
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -58,3 +59,21 @@ def test_multirun_sweeps_group_size(tmp_path):
     assert len(runs) == 2
     lens = sorted(d.parent.name for d in runs)
     assert "group_size=2" in lens[0] and "group_size=3" in lens[1]
+
+
+def test_console_script_with_a_reward_from_outside_the_project(tmp_path):
+    """The user's module sits in the working directory and is named only on the command line."""
+    import shutil
+
+    (tmp_path / "outside_rewards.py").write_text(
+        "def likes_digits(prompts, completions, answer, **columns):\n"
+        "    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]\n")
+    exe = shutil.which("grpo-train") or str(Path(sys.executable).parent / "grpo-train")
+    out = tmp_path / "run"
+    p = subprocess.run([exe, "recipe=smoke", f"trainer.output_dir={out}", "trainer.max_steps=2",
+                        "+reward.functions.mine.fn=outside_rewards:likes_digits", "+reward.functions.mine.weight=2.0",
+                        "~reward.functions.format"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [r for r in read(out / "metrics.jsonl") if "loss" in r]
+    assert all("reward/mine" in r and "reward/format" not in r for r in rows)
+    assert any(r["reward/mine"] > 0 for r in rows)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
+import sys
 from typing import Callable
 
 RewardFn = Callable[..., list]
@@ -66,6 +68,8 @@ def resolve(spec: str) -> RewardFn:
             f"unknown reward {spec!r}; built-ins are {', '.join(available())}, "
             "or give an importable 'package.module:function'"
         )
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # like `python -m`: modules beside where the user runs the trainer
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or the module itself failing on import

@@ -1,0 +1,92 @@
+import json
+
+import pandas as pd
+import pytest
+
+from grpo.config import DataConfig
+from grpo.data import DataError, PromptSampler, build, format_prompt, load_rows
+from grpo.models import char_tokenizer
+
+
+@pytest.fixture
+def tok():
+    return char_tokenizer()
+
+
+ROWS = [{"question": f"What is {i} + 1?", "solution": i + 1, "level": "easy"} for i in range(30)]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".csv"])
+def test_local_files_with_column_mapping(tmp_path, tok, suffix):
+    path = tmp_path / f"d{suffix}"
+    df = pd.DataFrame(ROWS)
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    elif suffix == ".parquet":
+        df.to_parquet(path)
+    else:
+        df.to_csv(path, index=False)
+    dcfg = DataConfig(source=str(path), prompt_column="question", answer_column="solution", num_eval=5,
+                      chat_template=False, prompt_template="Q: {prompt} ({level})")
+    splits = build(dcfg, tok)
+    assert len(splits.train) + len(splits.eval) == 30 and len(splits.eval) == 5
+    row = splits.train[0]
+    assert row["prompt"] == "Q: What is 0 + 1? (easy)"
+    assert row["answer"] == 1 and row["level"] == "easy"          # answer column travels as `answer`
+    assert row["prompt_ids"] == tok(row["prompt"], add_special_tokens=False)["input_ids"]
+
+
+def test_long_prompts_are_dropped_and_counted(tok):
+    dcfg = DataConfig(source="builtin:arithmetic", num_train=50, num_eval=10, chat_template=False,
+                      max_prompt_tokens=44, task_kwargs={"level": 1})
+    splits = build(dcfg, tok)
+    assert splits.dropped > 0
+    assert all(len(r["prompt_ids"]) <= 44 for r in splits.train + splits.eval)
+
+
+def test_builtin_held_out_prompts_never_appear_in_training(tok):
+    dcfg = DataConfig(source="builtin:arithmetic", num_train=300, num_eval=100, chat_template=False,
+                      task_kwargs={"level": 0})
+    splits = build(dcfg, tok)
+    assert len(splits.eval) == 100
+    assert not {r["prompt"] for r in splits.eval} & {r["prompt"] for r in splits.train}
+    again = build(dcfg, tok)
+    assert [r["prompt"] for r in again.eval] == [r["prompt"] for r in splits.eval]  # seeded
+
+
+def test_system_prompt_and_chat_template(tok):
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    dcfg = DataConfig(system_prompt="Be brief.", prompt_template="{prompt}!")
+    assert format_prompt({"prompt": "Hi"}, dcfg, tok) == "<system>Be brief.<user>Hi!<assistant>"
+    plain = DataConfig(system_prompt="Be brief.", chat_template=False)
+    assert format_prompt({"prompt": "Hi"}, plain, tok) == "Be brief.\n\nHi"
+
+
+def test_data_errors(tmp_path, tok, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # no network here: fail fast
+    with pytest.raises(DataError, match="file not found"):
+        load_rows(DataConfig(source=str(tmp_path / "none.jsonl")))
+    with pytest.raises(DataError, match="unknown built-in task 'nope'"):
+        load_rows(DataConfig(source="builtin:nope"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    with pytest.raises(DataError, match="data row 1 has no 'prompt' value"):
+        build(DataConfig(source=str(bad), num_eval=0), tok)
+    with pytest.raises(DataError, match="uses column 'missing'"):
+        build(DataConfig(source="builtin:arithmetic", prompt_template="{missing}", num_train=4, num_eval=1), tok)
+    with pytest.raises(DataError, match="could not be loaded"):
+        load_rows(DataConfig(source="definitely-not/a-dataset-here", load_kwargs={}))
+
+
+def test_sampler_passes_and_state_round_trip():
+    s = PromptSampler(5, seed=3)
+    first = s.next(7)
+    assert sorted(first[:5]) == [0, 1, 2, 3, 4]          # a full pass before any repeat
+    state = s.state_dict()
+    rest = s.next(6)
+    t = PromptSampler(5, seed=3)
+    t.load_state_dict(state)
+    assert t.next(6) == rest
