@@ -37,7 +37,10 @@ def compute_advantages(rewards: torch.Tensor, group_sizes: list[int], scale: str
         raise ValueError(f"{rewards.numel()} rewards for groups of total size {sum(group_sizes)}")
     rewards = rewards.float()
     mean, std = group_stats(rewards, group_sizes)
-    centred = rewards - mean
+    # a constant group has no signal: exactly 0 (float32 means can be off by an ulp, so test max == min)
+    flat = torch.tensor([z for z, g in zip(zero_std_groups(rewards, group_sizes), group_sizes) for _ in range(g)],
+                        dtype=torch.bool, device=rewards.device)
+    centred = torch.where(flat, torch.zeros_like(rewards), rewards - mean)
     if scale == "none":
         return centred
     if scale == "batch":
@@ -50,7 +53,7 @@ def compute_advantages(rewards: torch.Tensor, group_sizes: list[int], scale: str
         raise ValueError(f"scale must be group, batch or none, got {scale!r}")
     adv = centred / (std + eps)
     # exactly zero where there is no spread (also guards eps = 0)
-    return torch.where(std > 0, adv, torch.zeros_like(adv))
+    return torch.where((std > 0) & ~flat, adv, torch.zeros_like(adv))
 
 
 def zero_std_groups(rewards: torch.Tensor, group_sizes: list[int]) -> list[bool]:

@@ -39,6 +39,13 @@ def latest(output_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def drop_after(output_dir: str | Path, step: int) -> None:
+    """Remove complete checkpoints newer than ``step`` (resuming from ``step`` abandons them)."""
+    for p in complete_checkpoints(output_dir):
+        if int(_STEP.match(p.name).group(1)) > step:
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():

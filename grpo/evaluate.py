@@ -31,5 +31,5 @@ def evaluate(run, cfg, label: str) -> dict:
         out[rf.name] = stats[f"reward/{rf.name}"]
     if rt.is_main:
         head = "accuracy" if "accuracy" in out else "reward_mean"
-        print(f"[grpo] held-out {head} ({label}, {len(rows)} prompts, greedy): {out[head]:.3f}", file=sys.stderr, flush=True)
+        print(f"[grpo] held-out {head} ({label}, {len(rows)} prompts, greedy): {'n/a (no sample scored)' if out[head] is None else f'{out[head]:.3f}'}", file=sys.stderr, flush=True)
     return out

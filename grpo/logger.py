@@ -36,10 +36,10 @@ class MetricsLogger:
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop lines of steps after ``step`` (written after the checkpoint we resume from)."""
-        if not (self.enabled and self.path.exists()):
-            return
-        kept = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
-        self.path.write_text("".join(l + "\n" for l in kept))
+        for path in (self.path, self.samples_path):
+            if self.enabled and path.exists():
+                kept = [m for m in read_metrics(path) if m.get("step", 0) <= step]
+                path.write_text("".join(json.dumps(m) + "\n" for m in kept))
 
     def log(self, metrics: dict, console: bool = True) -> None:
         if not self.enabled:

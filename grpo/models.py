@@ -101,10 +101,13 @@ def tiny_model(family: str, vocab_size: int, seed: int = 0, **overrides):
           "eos_token_id": 2, "tie_word_embeddings": False}
     if family == "qwen3":
         kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
-    config = getattr(transformers, classes[family])(**kw)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return transformers.AutoModelForCausalLM.from_config(config)
+    try:
+        config = getattr(transformers, classes[family])(**kw)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            return transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, TypeError) as e:
+        raise ModelError(f"model.tiny={overrides} does not make a valid {family} model: {_first_line(e)}") from None
 
 
 # ------------------------------------------------------------------------------------- loading

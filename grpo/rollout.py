@@ -58,7 +58,8 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
         elif not greedy:
             sampling["num_return_sequences"] = group_size
         out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos, pad_token_id=pad_id, use_cache=True, **sampling, **extra)
+                             eos_token_id=eos, pad_token_id=pad_id, use_cache=True, **PURE_SAMPLING, **sampling,
+                             **extra)
         new = out[:, width:].tolist()
         for i, p in enumerate(chunk):
             group, flags = [], []
@@ -73,6 +74,15 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
     if was_training:
         model.train()
     return completions, truncated
+
+
+# The loss scores samples with softmax(logits / T) only; every other logits processor a checkpoint's
+# generation_config.json may switch on (Qwen ships repetition_penalty 1.05) would make the rollout
+# off-policy without anything noticing. Turn them all off explicitly (explicit kwargs win).
+PURE_SAMPLING = dict(repetition_penalty=1.0, no_repeat_ngram_size=0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0,
+                     eta_cutoff=0.0, encoder_repetition_penalty=1.0, bad_words_ids=None, suppress_tokens=None,
+                     begin_suppress_tokens=None, min_new_tokens=None, min_length=0, forced_bos_token_id=None,
+                     forced_eos_token_id=None, sequence_bias=None, renormalize_logits=False)
 
 
 def prefill_shared(model, input_ids, attention, group_size: int):

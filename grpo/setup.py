@@ -46,6 +46,7 @@ class Run:
     skipped_steps: int = 0
     failed_reward_steps: dict = field(default_factory=dict)
     stop_requested: bool = False
+    previous_handlers: dict = field(default_factory=dict)
     stop_signalled: bool = False          # many processes: a signal seen here, agreed on at the next step
     max_failed_reward_steps: int = 3
 
@@ -154,10 +155,17 @@ def _install_signal_handlers(run: Run) -> None:
             run.stop_requested = True
 
     try:
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        run.previous_handlers = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     except ValueError:  # not the main thread (e.g. some test harnesses)
         pass
+
+
+def close_run(run: Run) -> None:
+    """Give back what the run holds outside Python's reach: signal handlers and the reward worker."""
+    for sig, old in getattr(run, "previous_handlers", {}).items():
+        signal.signal(sig, old)
+    for worker in {id(rf.worker): rf.worker for rf in run.rewards if rf.worker is not None}.values():
+        worker.kill()
 
 
 # ------------------------------------------------------------------------------- save / restore
@@ -227,7 +235,12 @@ def restore(run: Run, cfg: Config, log) -> int:
         ckpt = checkpoint.resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
     except FileNotFoundError as e:
         raise SetupError(str(e)) from None
+    existing = checkpoint.complete_checkpoints(cfg.trainer.output_dir)
     if ckpt is None:
+        if existing:
+            raise SetupError(f"trainer.output_dir={cfg.trainer.output_dir} already holds checkpoints of another run "
+                             f"(newest {existing[-1].name}); continue it with trainer.resume=auto, or use a new "
+                             "trainer.output_dir")
         return 0
     state = checkpoint.load_state(ckpt)
     now = fingerprint(cfg)
@@ -253,6 +266,8 @@ def restore(run: Run, cfg: Config, log) -> int:
     run.skipped_steps, run.bad_steps = state["skipped_steps"], state["bad_steps"]
     run.failed_reward_steps = state["failed_reward_steps"]
     log.truncate_after(state["step"])
+    if run.runtime.is_main:  # later checkpoints belong to the abandoned continuation; never resume them
+        checkpoint.drop_after(cfg.trainer.output_dir, state["step"])
     if run.runtime.is_main:
         print(f"[grpo] resumed from {ckpt} (step {state['step']})", flush=True)
     return state["step"]

@@ -15,13 +15,20 @@ import torch
 from grpo import checkpoint, data, experience, logger
 from grpo.config import Config, ConfigError, load
 from grpo.evaluate import evaluate
-from grpo.setup import SetupError, build_run, restore, save_checkpoint, save_final
+from grpo.setup import SetupError, build_run, close_run, restore, save_checkpoint, save_final
 from grpo.update import policy_update
 
 
 def train(cfg: Config) -> dict:
     """Run GRPO as configured; returns the final summary (eval accuracy before/after, steps)."""
     run = build_run(cfg)  # runtime, tokenizer, policy, reference, data, rewards, optimizer, sampler
+    try:
+        return _train(run, cfg)
+    finally:
+        close_run(run)
+
+
+def _train(run, cfg: Config) -> dict:
     log = logger.MetricsLogger(cfg.trainer.output_dir, asdict(cfg), cfg.logging.wandb, enabled=run.runtime.is_main)
     start = restore(run, cfg, log)
     if start >= cfg.trainer.max_steps and start > 0:
@@ -54,7 +61,7 @@ def train(cfg: Config) -> dict:
             log.samples(step, experience.sample_rows(run, batch, cfg.logging.num_samples))
         run.buffer = batch if step % cfg.algorithm.num_iterations else None
         if run.bad_steps >= cfg.trainer.max_bad_steps:
-            save_checkpoint(run, cfg, step - run.bad_steps)
+            save_checkpoint(run, cfg, step)  # weights are those of the last good step: bad steps change nothing
             raise SetupError(f"{run.bad_steps} steps in a row had a non-finite loss or gradient; stopped. "
                              "Lower trainer.lr or check the rewards; the last good state is checkpointed")
         if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or run.stop_requested:
@@ -82,8 +89,8 @@ def _report(run, cfg: Config, summary: dict, log) -> None:
     before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
     for key in sorted(set(before) | set(after)):
         b, a = before.get(key), after.get(key)
-        fb = "n/a" if b is None else f"{b:.3f}"
-        print(f"held-out {key:<20} before {fb:>7}  after {a:.3f}", file=sys.stderr)
+        fb, fa = ("n/a" if v is None else f"{v:.3f}" for v in (b, a))
+        print(f"held-out {key:<20} before {fb:>7}  after {fa:>7}", file=sys.stderr)
     print(f"final model: {os.path.join(cfg.trainer.output_dir, 'final')}", file=sys.stderr)
 
 

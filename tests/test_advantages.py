@@ -40,3 +40,13 @@ def test_batch_and_none_scaling():
 
 def test_zero_std_groups():
     assert zero_std_groups(torch.tensor([1.0, 1.0, 0.0, 1.0]), [2, 2]) == [True, False]
+
+
+def test_constant_group_is_exactly_zero_even_when_float_mean_is_off():
+    # 8 x 0.1 in float32: the mean is an ulp off, the naive std ~1e-9, naive advantages ~±0.9 with eps=0
+    r = torch.full((8,), 0.1)
+    for scale in ("group", "batch", "none"):
+        assert torch.equal(compute_advantages(r, [8], scale, eps=0.0), torch.zeros(8))
+    mixed = torch.cat([torch.full((16,), 0.7), torch.tensor([0.0, 1.0])])
+    adv = compute_advantages(mixed, [16, 2], "group")
+    assert torch.equal(adv[:16], torch.zeros(16)) and adv[16] < 0 < adv[17]

@@ -231,3 +231,31 @@ def test_bad_reward_signature_and_resume_path(tmp_path):
     (tmp_path / "sigmod.py").write_text("def one_arg(x):\n    return [0.0]\n")
     assert "expected fn(prompts, completions" in _cli_error(tmp_path, "reward.functions.accuracy.fn=sigmod:one_arg")
     assert "no such checkpoint directory" in _cli_error(tmp_path, f"trainer.resume={tmp_path}/missing")
+
+
+def test_fresh_run_into_a_used_directory_is_refused(cfg_factory, tmp_path):
+    train(cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "r")}}))
+    with pytest.raises(SetupError, match="already holds checkpoints of another run"):
+        train(cfg_factory({"trainer": {"max_steps": 2, "output_dir": str(tmp_path / "r")}}))
+
+
+def test_resuming_an_older_checkpoint_abandons_newer_ones(cfg_factory, tmp_path):
+    out = tmp_path / "r"
+    train(cfg_factory({"trainer": {"max_steps": 3, "save_every": 1, "keep_last": 3, "output_dir": str(out)}}))
+    train(cfg_factory({"trainer": {"max_steps": 2, "output_dir": str(out),
+                                   "resume": str(out / "checkpoints" / "step_1")}}))
+    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step_1", "step_2"]
+    assert sorted(steps(out)) == [1, 2]
+
+
+def test_train_restores_signal_handlers(cfg_factory):
+    before = signal.getsignal(signal.SIGINT)
+    train(cfg_factory({"trainer": {"max_steps": 1}, "data": {"num_eval": 0}}))
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_eval_with_no_scored_sample_prints_na_not_a_traceback(cfg_factory, fault_module, capsys):
+    cfg = cfg_factory({"reward": {"functions": {"accuracy": {"fn": "faulty_rewards:always_fails"}},
+                                  "max_failed_steps": 5}, "trainer": {"max_steps": 1}})
+    train(cfg)
+    assert "n/a (no sample scored)" in capsys.readouterr().err

@@ -33,3 +33,18 @@ def test_greedy_is_deterministic_and_one_per_prompt():
 def test_cut_at_eos_keeps_eos_and_flags_truncation():
     assert _cut_at_eos([5, 6, 2, 0, 0], [2], 5) == ([5, 6, 2], False)
     assert _cut_at_eos([5, 6, 7], [2], 3) == ([5, 6, 7], True)
+
+
+def test_checkpoint_generation_config_does_not_change_sampling():
+    """A generation_config.json with a repetition penalty must not make the rollout off-policy."""
+    tok = char_tokenizer()
+    model = tiny_model("llama", len(tok), seed=0)
+    prompts = [tok("What is 12 + 7?")["input_ids"]]
+    outs = []
+    for penalty in (None, 50.0):
+        if penalty:
+            model.generation_config.repetition_penalty = penalty
+            model.generation_config.no_repeat_ngram_size = 2
+        torch.manual_seed(3)
+        outs.append(generate(model, tok, prompts, group_size=4, max_new_tokens=12, progress=False))
+    assert outs[0] == outs[1]
