@@ -135,7 +135,8 @@ def worker_ours(spec: dict) -> dict:
     cfg = load({
         "model": {"name_or_path": spec["model_dir"], "dtype": spec["dtype"]},
         "data": {"source": "builtin:arithmetic", "num_train": 4, "num_eval": 0, "chat_template": False},
-        "reward": {"functions": {"bench": {"fn": "bench_trl:bench_reward", "weight": 1.0}}},
+        # the key "accuracy" replaces the default reward of that name (dicts merge onto the defaults)
+        "reward": {"functions": {"accuracy": {"fn": "bench_trl:bench_reward", "weight": 1.0}}},
         "rollout": {"prompts_per_step": n, "max_new_tokens": S, "batch_size": n, "share_prompt": shared,
                     "temperature": 1.0},
         "algorithm": {"group_size": G, "beta": 0.04, "num_iterations": 1},
@@ -145,10 +146,16 @@ def worker_ours(spec: dict) -> dict:
         "logging": {"plot": False, "sample_every": 0},
     })
     run = build_run(cfg)
+    assert [rf.fn.__name__ for rf in run.rewards] == ["bench_reward"], [rf.name for rf in run.rewards]
     run.splits.train = [{"prompt": p["text"], "prompt_ids": p["ids"], "answer": ""} for p in spec["prompts"]]
     run.sampler = PromptSampler(len(run.splits.train), seed=0)
+    import grpo.rollout
+
+    # exactly S new tokens, as in the TRL run (generation_kwargs min_new_tokens): the rollout passes its
+    # PURE_SAMPLING kwargs explicitly (min_new_tokens=None), so the benchmark overrides that one entry
+    grpo.rollout.PURE_SAMPLING = {**getattr(grpo.rollout, "PURE_SAMPLING", {}), "min_new_tokens": S}
     gen_model = getattr(run.runtime.model, "module", run.runtime.model)
-    gen_model.generation_config.min_new_tokens = S  # exactly S new tokens, as in the TRL run
+    gen_model.generation_config.min_new_tokens = S
     times, upd, lens, roll = [], [], [], []
     for _ in range(spec["steps"] + 1):
         _sync(spec["device"])
@@ -164,6 +171,8 @@ def worker_ours(spec: dict) -> dict:
         upd.append(t2 - t1)
         lens.append(sum(len(c) for g in batch.completion_ids for c in g))
         roll.append(batch.stats["time/rollout_s"])
+        if lens[-1] != n * G * S:
+            raise RuntimeError(f"completions are not all exactly S={S} tokens ({lens[-1]} != {n * G * S})")
     if spec.get("profile"):
         _profile(lambda: policy_update(run.runtime, experience.collect(run, cfg), cfg.algorithm, cfg.engine,
                                        temperature=1.0, max_len=S, mask_truncated=False, max_grad_norm=1.0),
@@ -275,7 +284,8 @@ def run_worker(python: str, spec: dict, timeout: float) -> dict:
         spec = dict(spec, out=str(Path(tmp) / "out"))
         spec_path, res_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
-        env = dict(os.environ, TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=f"{ROOT}:{HERE}",
+        threads = {"OMP_NUM_THREADS": str(spec["threads"])} if spec.get("threads") else {}
+        env = dict(os.environ, **threads, TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=f"{ROOT}:{HERE}",
                    TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
         cmd = [python, str(Path(__file__).resolve()), "--worker", str(spec_path), "--result", str(res_path)]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -314,6 +324,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="tiny,smollm2", help=f"comma list of {', '.join(MODELS)}")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of ours, ours-noshare, trl")
     ap.add_argument("--prompts-per-step", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = torch's default); 1 keeps "
+                                                          "timings sane on a CPU shared with other jobs")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--peak-tflops", type=float, default=None, help="device peak (e.g. 989 for H200 bf16) for MFU")
@@ -330,6 +342,10 @@ def main(argv=None) -> int:
 
     if a.worker:
         spec = json.loads(Path(a.worker).read_text())
+        if spec.get("threads"):
+            import torch
+
+            torch.set_num_threads(spec["threads"])
         res = (worker_trl if spec["system"] == "trl" else worker_ours)(spec)
         Path(a.result).write_text(json.dumps(res))
         return 0
@@ -386,7 +402,7 @@ def _run_all(a, models, shapes, systems, python, workdir, raw, table) -> None:
         for P, S, G in shapes:
             prompts = make_prompts(model_dir, P, a.prompts_per_step * (a.steps + 1) * 2)
             base = dict(model_dir=model_dir, P=P, S=S, G=G, prompts_per_step=a.prompts_per_step, steps=a.steps,
-                        prompts=prompts, device=a.device, dtype=a.dtype)
+                        prompts=prompts, device=a.device, dtype=a.dtype, threads=a.threads)
             results = {s: [] for s in systems}
             for r in range(a.repeats):
                 for s in systems:
@@ -407,7 +423,7 @@ def _run_all(a, models, shapes, systems, python, workdir, raw, table) -> None:
 
 
 def print_table(table, trl_version, a) -> None:
-    print(f"\n## Whole GRPO step ({a.device}, {a.dtype}, {a.prompts_per_step} prompts/step, beta 0.04, "
+    print(f"\n## Whole GRPO step ({a.device}, {a.dtype}, {a.threads or 'default'} threads, {a.prompts_per_step} prompts/step, beta 0.04, "
           f"median of {a.steps} steps x {a.repeats} runs; TRL {trl_version or 'not run'})\n")
     mfu = a.peak_tflops is not None
     head = "| model | P | S | G | system | s/step | completion tok/s | peak RSS MiB |"
