@@ -23,9 +23,7 @@ def evaluate(run, cfg, label: str) -> dict:
     from grpo.experience import score_groups
 
     comps, trunc = comps[:len(shard)], trunc[:len(shard)]
-    saved = dict(run.failed_reward_steps)
-    _, stats = score_groups(run, shard, comps, trunc)
-    run.failed_reward_steps = saved  # evaluation does not count towards the reward-failure limit
+    _, stats = score_groups(run, shard, comps, trunc, count_failures=False)  # eval never stops a run
     out = {"reward_mean": stats["reward_mean"], "completion_len_mean": stats["completion_len_mean"]}
     for rf in run.rewards:
         out[rf.name] = stats[f"reward/{rf.name}"]

@@ -56,7 +56,7 @@ def collect(run, cfg) -> Batch:
     return batch
 
 
-def _rollout(run, cfg) -> Batch:
+def _rollout(run, cfg, count_failures: bool = True) -> Batch:
     """Sample the next prompts (the same on every rank; each takes its share), generate G completions
     each, and score them. Advantages are left at zero."""
     rt, r, G = run.runtime, cfg.rollout, cfg.algorithm.group_size
@@ -70,7 +70,7 @@ def _rollout(run, cfg) -> Batch:
                                          top_k=r.top_k, batch_size=r.batch_size, progress=rt.is_main,
                                          share_prompt=r.share_prompt)
     t1 = time.time()
-    rewards, stats = score_groups(run, rows, completion_ids, truncated)
+    rewards, stats = score_groups(run, rows, completion_ids, truncated, count_failures)
     stats["time/rollout_s"], stats["time/reward_s"] = t1 - t0, time.time() - t1
     return Batch(rows, prompt_ids, completion_ids, truncated, rewards, torch.zeros_like(rewards), stats=stats)
 
@@ -83,23 +83,23 @@ def _filter_and_refill(run, cfg, batch: Batch, zero: list[bool]) -> Batch:
     target = len(batch.completion_ids)
     kept = _select_groups(batch, [not z for z in zero])
     dropped, rounds = sum(zero), 0
-    failures = dict(run.failed_reward_steps)
     while rounds < a.resample_zero_std and rt.all_reduce_sum([float(target - len(kept.completion_ids))])[0] > 0:
         rounds += 1
-        extra = _rollout(run, cfg)
+        extra = _rollout(run, cfg, count_failures=False)
         z = zero_std_groups(extra.rewards, extra.group_sizes)
         dropped += sum(z)
         kept = _concat(kept, _select_groups(extra, [not x for x in z]), target)
         for k in ("time/rollout_s", "time/reward_s"):
             batch.stats[k] += extra.stats[k]
-    run.failed_reward_steps = failures
     d, n = rt.all_reduce_sum([float(dropped), float(len(kept.completion_ids))])
     kept.stats = {**batch.stats, "dropped_groups": int(d), "resample_rounds": rounds, "num_groups": int(n)}
     return kept
 
 
-def score_groups(run, rows, completion_ids, truncated):
-    """Decode, score with every reward function, and summarise (all-reduced across ranks)."""
+def score_groups(run, rows, completion_ids, truncated, count_failures: bool = True):
+    """Decode, score with every reward function, and summarise (all-reduced across ranks).
+    ``count_failures``: whether these samples count towards ``reward.max_failed_steps`` (training
+    rollouts do; evaluation and resampling rounds do not)."""
     rt, tok = run.runtime, run.tokenizer
     G = len(completion_ids[0]) if completion_ids else 0
     texts = [tok.decode(c, skip_special_tokens=True) for g in completion_ids for c in g]
@@ -127,8 +127,8 @@ def score_groups(run, rows, completion_ids, truncated):
         stats[f"reward/{rf.name}"] = v / cnt if cnt else None
         stats[f"reward/{rf.name}_std"] = _std(v, v2, cnt) if cnt else None
         stats[f"reward/{rf.name}_errors"] = int(err)
-        _track_failures(run, rf.name, err, n_all)
-    run._last_texts = texts
+        if count_failures:
+            _track_failures(run, rf.name, err, n_all)
     return rewards, stats
 
 

@@ -181,6 +181,18 @@ def worker_ours(spec: dict) -> dict:
             "peak_rss_mib": _peak_rss_mib(), **_gpu_mem(spec["device"]), "torch_threads": torch.get_num_threads()}
 
 
+def _timed(fn, sink: list, device):
+    """Wrap ``fn`` so each call's wall time (device synchronised before and after) lands in ``sink``."""
+    def wrapper(*a, **k):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn(*a, **k)
+        _sync(device)
+        sink.append(time.perf_counter() - t0)
+        return out
+    return wrapper
+
+
 def worker_trl(spec: dict) -> dict:
     import torch
     import transformers
@@ -224,27 +236,10 @@ def worker_trl(spec: dict) -> dict:
 
     trainer = GRPOTrainer(model=model, reward_funcs=bench_reward, args=args, processing_class=tok,
                           train_dataset=Dataset.from_dict({"prompt": texts}), callbacks=[Timer()])
-    inner = trainer._generate_and_score_completions
-
-    def timed(*a, **k):  # rollout + reward + reference log-probs; the rest of the step is the update
-        _sync(spec["device"])
-        t0 = time.perf_counter()
-        out = inner(*a, **k)
-        _sync(spec["device"])
-        gen.append(time.perf_counter() - t0)
-        return out
-
-    trainer._generate_and_score_completions = timed
-    inner_gen, roll = trainer._generate, []
-
-    def timed_gen(*a, **k):  # the rollout alone (HF generate)
-        t0 = time.perf_counter()
-        out = inner_gen(*a, **k)
-        _sync(spec["device"])
-        roll.append(time.perf_counter() - t0)
-        return out
-
-    trainer._generate = timed_gen
+    # rollout + reward + reference log-probs (the rest of the step is the update), and the rollout alone
+    trainer._generate_and_score_completions = _timed(trainer._generate_and_score_completions, gen, spec["device"])
+    roll: list[float] = []
+    trainer._generate = _timed(trainer._generate, roll, spec["device"])
     trainer.train()
     steps = [b - a for a, b in zip(times, times[1:])]
     upd = [s - g for s, g in zip(steps, gen)]
