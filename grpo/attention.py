@@ -13,6 +13,15 @@ with position ids restarting at len(P_b) for every completion. The attention fun
   K/V (no copy per completion), the scores against its own tokens are a causal block per completion.
 
 It is exact: the same softmax over the same keys as the per-sequence forward, only grouped differently.
+
+Two kernels compute it (``attention_kernel``):
+
+* ``grouped`` (above; any device): the prompt K/V is never copied, but the completion-to-prompt scores of a
+  layer are materialised (H x G*S x P).
+* ``flex`` (PyTorch FlexAttention on the packed row, compiled on CUDA): a block-sparse mask in which a
+  completion token sees its group's prompt and its own earlier tokens; blocks of one completion against
+  another are skipped and no score matrix is stored. On CPU PyTorch's FlexAttention has no backward, so
+  there it only serves no-grad forwards (old policy, reference) and tests.
 """
 
 from __future__ import annotations
@@ -45,6 +54,9 @@ class PrefixLayout:
     input_ids: torch.Tensor  # (1, T)
     pred_idx: torch.Tensor  # (M,) token whose hidden state predicts each completion token, (group, completion, k)
     targets: torch.Tensor  # (M,) the completion tokens, same order
+    segment: torch.Tensor  # (T,) one id per prompt and per completion, unique in the row
+    prompt_segment: torch.Tensor  # (T,) the segment id of the token's group prompt
+    block_mask: object = None  # FlexAttention BlockMask: set by use_flex(), selects the flex kernel
     calls: int = 0  # attention calls seen in forward (to verify every layer went through us)
 
 
@@ -59,6 +71,8 @@ def build_layout(prompts: list[list[int]], completions: list[list[list[int]]], d
     prompt_idx = [0] * (B * Pmax)
     comp_idx = [0] * (B * Gmax * Smax)
     src: list[int] = []
+    seg: list[int] = []
+    pseg: list[int] = []
     pred: list[int] = []
     targets: list[int] = []
     n_prompt_slots = B * Pmax
@@ -69,6 +83,7 @@ def build_layout(prompts: list[list[int]], completions: list[list[list[int]]], d
             src.append(b * Pmax + j)
             ids.append(p[j])
             pos.append(j)
+        seg.extend([b * (Gmax + 1)] * P)
         for i, r in enumerate(comps):
             base = (b * Gmax + i) * Smax
             for k, tok in enumerate(r):
@@ -78,6 +93,8 @@ def build_layout(prompts: list[list[int]], completions: list[list[list[int]]], d
                 src.append(n_prompt_slots + base + k)
                 ids.append(tok)
                 pos.append(P + k)
+            seg.extend([b * (Gmax + 1) + i + 1] * len(r))
+        pseg.extend([b * (Gmax + 1)] * (P + sum(len(r) for r in comps)))
     lens = [len(p) for p in prompts]
     prompt_valid = None
     if min(lens) != Pmax:
@@ -99,7 +116,76 @@ def build_layout(prompts: list[list[int]], completions: list[list[list[int]]], d
         input_ids=t(ids)[None, :],
         pred_idx=t(pred),
         targets=t(targets),
+        segment=t(seg),
+        prompt_segment=t(pseg),
     )
+
+
+# --------------------------------------------------------------------------------------------- flex kernel
+def flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layout_mask_mod(layout: PrefixLayout):
+    """mask_mod of the packed row: a token sees earlier tokens of its own segment and its group's prompt."""
+    seg, pseg = layout.segment, layout.prompt_segment
+
+    def mask_mod(b, h, q, kv):
+        return (kv <= q) & ((seg[kv] == seg[q]) | (seg[kv] == pseg[q]))
+
+    return mask_mod
+
+
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nQ, nK) bool block matrix -> (count per row, column indices with the set ones first), BlockMask's form."""
+    count = blocks.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return count[None, None], order[None, None]
+
+
+def build_block_mask(layout: PrefixLayout, block: int = 128, band_elements: int = 1 << 25):
+    """The layout's BlockMask, exact and in bounded memory: the token mask is evaluated a band of query rows at
+    a time (never T x T at once) and reduced to empty / partial / full blocks; blocks padded past T count as
+    partial, so the kernel applies the mask there."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    T, device = layout.n_tokens, layout.segment.device
+    nb = -(-T // block)
+    seg, pseg = layout.segment, layout.prompt_segment
+    kv = torch.arange(T, device=device)
+    rows = max(1, band_elements // (nb * block * block)) * block  # query rows per band, a multiple of block
+    partial, full = [], []
+    for s in range(0, T, rows):
+        q = torch.arange(s, min(T, s + rows), device=device)
+        m = (kv[None] <= q[:, None]) & ((seg[None] == seg[q, None]) | (seg[None] == pseg[q, None]))
+        m = F.pad(m, (0, nb * block - T, 0, -(-len(q) // block) * block - len(q)))
+        count = m.view(-1, block, nb, block).sum((1, 3))
+        full.append(count == block * block)
+        partial.append((count > 0) & (count < block * block))
+    partial, full = torch.cat(partial), torch.cat(full)
+    n, idx = _ordered(partial)
+    fn, fidx = _ordered(full)
+    return BlockMask.from_kv_blocks(n, idx, fn, fidx, BLOCK_SIZE=block, mask_mod=layout_mask_mod(layout),
+                                    seq_lengths=(T, T))
+
+
+_compiled_flex = None
+
+
+def _flex_fn(device: torch.device):
+    """flex_attention, compiled (once, lazily) on CUDA; eager elsewhere (PyTorch's reference implementation)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
+    return _compiled_flex
 
 
 def prefix_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -123,6 +209,12 @@ def prefix_attention_forward(module, query, key, value, attention_mask, scaling=
         scaling = query.shape[-1] ** -0.5
     if not module.training:
         dropout = 0.0
+    if layout.block_mask is not None:
+        if dropout > 0.0:
+            raise RuntimeError("the flex kernel has no attention dropout; use attention_kernel='grouped'")
+        out = _flex_fn(query.device)(query, key, value, block_mask=layout.block_mask, scale=scaling,
+                                     enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2), None
 
     _, H, T, D = query.shape
     Hkv, Dv = key.shape[1], value.shape[-1]

@@ -99,6 +99,7 @@ class AlgorithmConfig:
 class EngineConfig:
     shared_prefix: bool = True       # encode each prompt once per group
     max_tokens_per_micro_batch: int = 4096  # tokens per forward/backward chunk; gradients accumulate into one step
+    attention_kernel: str = "auto"   # auto | grouped | flex: shared-layout attention (auto = flex on CUDA)
 
 
 @dataclass
@@ -168,6 +169,7 @@ _CHOICES = {
     "trainer.lr_schedule": ("constant", "cosine", "linear"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "distributed.backend": ("none", "deepspeed"),
+    "engine.attention_kernel": ("auto", "grouped", "flex"),
 }
 
 # key -> (predicate, what is allowed)

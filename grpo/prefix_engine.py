@@ -10,9 +10,19 @@ from collections.abc import Sequence
 
 import torch
 
-from grpo.attention import LAYOUT_KWARG, build_layout, checkpointing_is_wrappable, prefix_attention
+from grpo.attention import (
+    LAYOUT_KWARG,
+    build_block_mask,
+    build_layout,
+    checkpointing_is_wrappable,
+    flex_available,
+    prefix_attention,
+)
 
-__all__ = ["token_logprobs", "plan_micro_batches", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["token_logprobs", "plan_micro_batches", "SUPPORTED_MODEL_TYPES", "ATTENTION_KERNELS"]
+
+ATTENTION_KERNELS = ("auto", "grouped", "flex")
+_flex_failed: list[str] = []  # once flex has failed under 'auto', this process stays on 'grouped'
 
 # Model families whose decoder routes every attention layer through transformers' AttentionInterface, takes
 # explicit position_ids, and was checked token-for-token against the per-sequence forward in the tests.
@@ -273,11 +283,35 @@ def _forward_standard(lm, decoder, head, prompts, comps, temperature, want_entro
     return _logprobs(h, head, lm.config, tgt, temperature, want_entropy)
 
 
-def _forward_shared(lm, decoder, head, prompts, comps, temperature, want_entropy):
+def _resolve_kernel(kernel: str, lm) -> str:
+    """'grouped' or 'flex' for this call; see token_logprobs."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
+    device = _device(lm)
+    dropout = lm.training and (getattr(lm.config, "attention_dropout", 0.0) or 0.0) > 0
+    if kernel == "auto":
+        usable = device.type == "cuda" and flex_available() and not dropout and not _flex_failed
+        return "flex" if usable else "grouped"
+    if kernel == "flex":
+        if not flex_available():
+            raise ValueError(f"attention_kernel='flex' needs torch.nn.attention.flex_attention (torch {torch.__version__} "
+                             "has none); use 'grouped' or 'auto'")
+        if device.type == "cpu" and torch.is_grad_enabled():
+            raise ValueError("attention_kernel='flex' cannot run backward on CPU (PyTorch's FlexAttention has no CPU "
+                             "backward); use 'grouped' or 'auto' there, or call under torch.no_grad()")
+        if dropout:
+            raise ValueError("attention_kernel='flex' has no attention dropout and the model trains with "
+                             "attention_dropout > 0; use 'grouped' or 'auto'")
+    return kernel
+
+
+def _forward_shared(lm, decoder, head, prompts, comps, temperature, want_entropy, kernel="grouped"):
     device = _device(lm)
     if not any(len(r) for cs in comps for r in cs):
         return _empty(device), _empty(device)
     layout = build_layout(prompts, comps, device)
+    if kernel == "flex":
+        layout.block_mask = build_block_mask(layout)
     # A 4-D mask is passed through untouched by transformers; our attention ignores it. Its shape broadcasts
     # against nothing, so if any foreign code path ever ran the stock eager/sdpa attention on this packed row
     # it would fail loudly instead of attending across completions.
@@ -315,6 +349,7 @@ def token_logprobs(
     temperature: float = 1.0,
     max_tokens_per_micro_batch: int | None = None,
     return_entropy: bool = False,
+    attention_kernel: str = "auto",
 ):
     """Per-token log p(completion token | prompt, earlier completion tokens) for GRPO groups.
 
@@ -326,6 +361,10 @@ def token_logprobs(
     ``shared_prefix=True`` encodes each prompt once per group (exact; see docs/prefix-engine.md);
     ``shared_prefix=False`` is the standard right-padded layout. Models the shared layout cannot serve exactly
     fall back to the standard one with a warning.
+
+    ``attention_kernel`` picks how the shared layout's attention is computed: ``grouped`` (any device),
+    ``flex`` (FlexAttention block mask; on CPU only without grad) or ``auto`` (flex on CUDA, grouped elsewhere;
+    if flex fails to compile or run it warns once and continues with grouped, which is equally exact).
     """
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completion groups")
@@ -338,6 +377,7 @@ def token_logprobs(
             raise ValueError(f"group {g} has an empty prompt: the first completion token needs a context")
 
     lm, decoder, head = _unwrap(model)
+    kernel = _resolve_kernel(attention_kernel, lm)
     shared = shared_prefix
     if shared:
         max_len = max([len(p) + max([0] + [len(r) for r in cs]) for p, cs in zip(prompts, comps)] + [0])
@@ -357,7 +397,18 @@ def token_logprobs(
         sub_c = [comps[g][sl] for g, sl in mb]
         res = None
         if shared:
-            res = _forward_shared(lm, decoder, head, sub_p, sub_c, temperature, return_entropy)
+            try:
+                res = _forward_shared(lm, decoder, head, sub_p, sub_c, temperature, return_entropy, kernel)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:
+                if kernel != "flex" or attention_kernel != "auto":
+                    raise
+                warnings.warn(f"flex attention kernel failed ({type(e).__name__}: {str(e)[:200]}); "
+                              "continuing with the grouped kernel", stacklevel=2)
+                _flex_failed.append(repr(e))
+                kernel = "grouped"
+                res = _forward_shared(lm, decoder, head, sub_p, sub_c, temperature, return_entropy, kernel)
             if res is None:
                 warnings.warn(
                     "shared-prefix forward disabled, using the standard layout: some attention layers of "

@@ -84,6 +84,9 @@ def build_run(cfg: Config) -> Run:
     if not cfg.trainer.output_dir:
         raise SetupError("trainer.output_dir is not set")
     runtime = make_runtime(cfg)
+    if cfg.engine.attention_kernel == "flex" and runtime.device.type != "cuda":
+        raise SetupError(f"engine.attention_kernel=flex needs a CUDA device (this run is on {runtime.device.type}: "
+                         "PyTorch's FlexAttention has no CPU backward); use auto or grouped")
     set_seed(cfg.trainer.seed + runtime.rank)
     try:
         rewards = build_rewards(cfg.reward.functions, cfg.reward.timeout_s)

@@ -45,7 +45,8 @@ def nested_logprobs(model, batch: Batch, ecfg, temperature: float, context=None)
         for mb in plan:
             lps = token_logprobs(model, [batch.prompt_ids[g] for g, _ in mb],
                                  [batch.completion_ids[g][s] for g, s in mb],
-                                 shared_prefix=ecfg.shared_prefix, temperature=temperature)
+                                 shared_prefix=ecfg.shared_prefix, temperature=temperature,
+                                 attention_kernel=ecfg.attention_kernel)
             for (g, s), group_lps in zip(mb, lps):
                 for j, lp in zip(range(*s.indices(len(batch.completion_ids[g]))), group_lps):
                     out[g][j] = lp.detach()
@@ -66,7 +67,8 @@ def _most_micro_batches(n: int) -> int:
 
 def _idle_forward(model, ecfg, temperature: float) -> None:
     """A one-token forward through the same path as a real micro-batch, for a rank with fewer of them."""
-    token_logprobs(model, [[0]], [[[0]]], shared_prefix=ecfg.shared_prefix, temperature=temperature)
+    token_logprobs(model, [[0]], [[[0]]], shared_prefix=ecfg.shared_prefix, temperature=temperature,
+                   attention_kernel=ecfg.attention_kernel)
 
 
 def _plan(batch: Batch, ecfg):
@@ -116,7 +118,8 @@ def policy_update(runtime, batch: Batch, acfg, ecfg, *, temperature: float, max_
             comps = [batch.completion_ids[g][s] for g, s in mb]
             flat = [batch.flat_index(g, j) for g, s in mb for j in range(*s.indices(len(batch.completion_ids[g])))]
         logps, ents = token_logprobs(model, prompts, comps, shared_prefix=ecfg.shared_prefix,
-                                     temperature=temperature, return_entropy=True)
+                                     temperature=temperature, return_entropy=True,
+                                     attention_kernel=ecfg.attention_kernel)
         lp, mask = pad([t for group in logps for t in group])
         mask = mask * torch.tensor([float(keep[i]) for i in flat] if mb else [0.0], device=mask.device)[:, None]
         old = _gather(batch.old_logps, batch, flat, lp) if batch.old_logps is not None and mb else None

@@ -259,3 +259,9 @@ def test_eval_with_no_scored_sample_prints_na_not_a_traceback(cfg_factory, fault
                                   "max_failed_steps": 5}, "trainer": {"max_steps": 1}})
     train(cfg)
     assert "n/a (no sample scored)" in capsys.readouterr().err
+
+
+def test_flex_kernel_on_cpu_is_refused_before_the_model_loads(tmp_path):
+    err = _cli_error(tmp_path, "engine.attention_kernel=flex", "trainer.device=cpu")
+    assert "engine.attention_kernel=flex needs a CUDA device" in err
+    assert "engine.attention_kernel='fast' is not allowed" in _cli_error(tmp_path, "engine.attention_kernel=fast")
