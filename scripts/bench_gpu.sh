@@ -1,20 +1,38 @@
 #!/usr/bin/env bash
-# The whole-GRPO-step comparison (scripts/bench_trl.py) on one GPU, prepared for an H200, under 8 minutes:
-# SmolLM2-135M and a Qwen2-0.5B-shaped random model (151936 vocab), bf16, this framework with the shared
-# prefix on and off vs TRL's GRPOTrainer; tokens/s, peak GPU memory and the model FLOPs utilisation of the
-# training forward/backward (nominal standard-layout FLOPs / update time / PEAK_TFLOPS).
+# GPU benchmarks, prepared for one H200.
 #
-#   make bench-env && scripts/bench_gpu.sh            # on the GPU machine
-#   scripts/bench_gpu.sh --dry-run                    # print the plan (runs on CPU; what the tests do)
+#   scripts/bench_gpu.sh [--dry-run]          # step: the whole-GRPO-step comparison, under 8 minutes
+#   scripts/bench_gpu.sh [--dry-run] prefix   # prefix: the shared-prefix engine's kernels, under 4 minutes
+#
+# step: scripts/bench_trl.py on SmolLM2-135M and a Qwen2-0.5B-shaped random model (151936 vocab), bf16, this
+# framework with the shared prefix on and off vs TRL's GRPOTrainer; tokens/s, peak GPU memory and the model
+# FLOPs utilisation of the training forward/backward (nominal standard-layout FLOPs / update time / PEAK_TFLOPS).
+# Needs `make bench-env` first (TRL lives only in .venv-bench).
+# prefix: scripts/bench_prefix.py (forward+backward of token_logprobs, standard vs shared layout) in bf16 with
+# the FlexAttention kernel, then the grouped kernel, on the tiny 49k-vocab Llama shapes and SmolLM2.
+# --dry-run prints the plan and runs nothing (works on CPU; the tests run it).
 #
 # Env: PEAK_TFLOPS (default 989, H200 dense bf16), STEPS (2), PROMPTS (8 prompts/step), OUT (bench_gpu.json),
-# BENCH_PY (.venv-bench/bin/python).
+# BENCH_PY (.venv-bench/bin/python, else python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${BENCH_PY:-.venv-bench/bin/python}
 [ -x "$PY" ] || PY=$(command -v python3)
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+MODE=step
+if [ "${1:-}" = "prefix" ] || [ "${1:-}" = "step" ]; then MODE=$1; shift; fi
+
+if [ "$MODE" = "prefix" ]; then
+  for KERNEL in flex grouped; do
+    CMD=("$PY" scripts/bench_prefix.py --device cuda --dtype bfloat16 --kernel "$KERNEL" --repeats 5 "$@")
+    if [ "$DRY" = 1 ]; then echo "timeout 110 ${CMD[*]}"; else timeout --signal=INT 110 "${CMD[@]}"; fi
+  done
+  exit 0
+fi
+
 EXTRA=()
-if [ "${1:-}" = "--dry-run" ]; then EXTRA=(--dry-run); shift; fi
+[ "$DRY" = 1 ] && EXTRA=(--dry-run)
 # 2 models x 2 shapes x 3 systems = 12 worker processes of ~20-35 s each (start-up, warm-up step, STEPS steps).
 exec timeout --signal=INT 470 "$PY" scripts/bench_trl.py --device cuda --dtype bfloat16 \
   --peak-tflops "${PEAK_TFLOPS:-989}" --models smollm2,qwen05 --shapes 64x64x8,1024x32x8 \

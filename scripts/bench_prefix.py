@@ -4,10 +4,11 @@
     python scripts/bench_prefix.py                  # tiny Llama (49152 vocab) + embedded SmolLM2 if available
     python scripts/bench_prefix.py --model DIR      # SmolLM2 (or any Llama-like) from a local HF directory
     python scripts/bench_prefix.py --quick          # seconds; what the test suite runs
+    python scripts/bench_prefix.py --device cuda --dtype bfloat16 --kernel flex   # GPU (scripts/bench_gpu.sh)
 
 Time: median of --repeats after one warm-up, both layouts alternating in one worker process (same machine
 load); on CPU the process CPU time with 1 thread (wall-clock speedup shown too). Memory: CUDA
-max_memory_allocated; on CPU the peak resident set (VmHWM) growth of one step in a fresh worker process,
+max_memory_allocated (in the timing process, after the warm-up); on CPU the peak resident set (VmHWM) growth of one step in a fresh worker process,
 reset after the model is built.
 Ceilings are analytic FLOP ratios standard/shared: linear layers G(P+S)/(P+G*S), causal attention
 G(P+S)^2/(P^2+G*S*(2P+S)), and the combined one weighting the model's own per-token linear FLOPs, attention
@@ -66,7 +67,7 @@ def _rss_kb(field: str) -> int:
     return 0
 
 
-def load_model(spec: dict, device: str):
+def load_model(spec: dict, device: str, dtype: str = "float32"):
     import torch
     import transformers
 
@@ -76,15 +77,15 @@ def load_model(spec: dict, device: str):
     else:
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**spec["config"], attn_implementation="sdpa"))
-    return model.to(device).train()
+    return model.to(device=device, dtype=getattr(torch, dtype)).train()
 
 
-def _setup(spec: dict, P: int, S: int, G: int, device: str):
+def _setup(spec: dict, P: int, S: int, G: int, device: str, kernel: str = "auto", dtype: str = "float32"):
     import torch
 
     from grpo.prefix_engine import token_logprobs
 
-    model = load_model(spec, device)
+    model = load_model(spec, device, dtype)
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = [torch.randint(0, V, (P,), generator=g).tolist()]
@@ -93,7 +94,7 @@ def _setup(spec: dict, P: int, S: int, G: int, device: str):
 
     def step(shared: bool):
         model.zero_grad(set_to_none=True)
-        lps = token_logprobs(model, prompt, comps, shared_prefix=shared)
+        lps = token_logprobs(model, prompt, comps, shared_prefix=shared, attention_kernel=kernel)
         (torch.stack(lps[0]) * weights).sum().backward()
         if device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -101,10 +102,21 @@ def _setup(spec: dict, P: int, S: int, G: int, device: str):
     return model, step
 
 
-def measure_time(spec: dict, P: int, S: int, G: int, repeats: int, device: str) -> dict:
-    """Both layouts in one process, alternating, so that both see the same machine load."""
-    _, step = _setup(spec, P, S, G, device)
-    step(False), step(True)  # warm-up
+def measure_time(spec: dict, P: int, S: int, G: int, repeats: int, device: str, **opts) -> dict:
+    """Both layouts in one process, alternating, so that both see the same machine load. On CUDA also the peak
+    memory of one step of each (CUDA's allocator statistics need no fresh process)."""
+    import torch
+
+    model, step = _setup(spec, P, S, G, device, **opts)
+    step(False), step(True)  # warm-up (and FlexAttention's compilation)
+    mem = {}
+    if device.startswith("cuda"):
+        for shared in (False, True):
+            model.zero_grad(set_to_none=True)
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step(shared)
+            mem[shared] = (torch.cuda.max_memory_allocated() - base) / 2**20
     res = {False: {"wall": [], "cpu": []}, True: {"wall": [], "cpu": []}}
     for _ in range(repeats):
         for shared in (False, True):
@@ -112,22 +124,13 @@ def measure_time(spec: dict, P: int, S: int, G: int, repeats: int, device: str) 
             step(shared)
             res[shared]["wall"].append(time.perf_counter() - w0)
             res[shared]["cpu"].append(time.process_time() - c0)
-    return {name: {k: statistics.median(v) for k, v in res[shared].items()}
+    return {name: {**{k: statistics.median(v) for k, v in res[shared].items()}, "mib": mem.get(shared)}
             for name, shared in (("standard", False), ("shared", True))}
 
 
-def measure_memory(spec: dict, P: int, S: int, G: int, shared: bool, device: str) -> float:
-    """Peak memory (MiB) of one forward+backward above what the model and its inputs already hold."""
-    import torch
-
-    model, step = _setup(spec, P, S, G, device)
-    if device.startswith("cuda"):
-        step(shared)
-        model.zero_grad(set_to_none=True)
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step(shared)
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
+def measure_memory(spec: dict, P: int, S: int, G: int, shared: bool, device: str, **opts) -> float:
+    """Peak resident memory (MiB, CPU) of one forward+backward above what the model and its inputs hold."""
+    _, step = _setup(spec, P, S, G, device, **opts)
     try:  # reset VmHWM so that building the model does not count
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -176,6 +179,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-smollm2", action="store_true", help="skip the SmolLM2 rows")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--kernel", default="auto", choices=["auto", "grouped", "flex"],
+                    help="attention kernel of the shared layout (auto: flex on CUDA, grouped elsewhere)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1: stable timings on a shared machine; 0 = torch default)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -190,6 +196,8 @@ def main(argv=None) -> int:
         print(json.dumps(measure_time(**job) if kind == "time" else measure_memory(**job)))
         return 0
 
+    if args.kernel == "flex" and args.device == "cpu":
+        ap.error("--kernel flex needs --device cuda (PyTorch's FlexAttention has no CPU backward)")
     if args.quick:
         cases = [("tiny-llama-quick", {"config": QUICK_LLAMA}, (64, 8, 4))]
     else:
@@ -201,7 +209,8 @@ def main(argv=None) -> int:
             print("# SmolLM2 not found (pass --model DIR); its row is skipped", file=sys.stderr)
     repeats = 1 if args.quick else args.repeats
 
-    print(f"# device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} fp32, "
+    print(f"# device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} {args.dtype}, "
+          f"shared-layout kernel={args.kernel}, "
           f"forward+backward of token_logprobs; time = median of {repeats} after a warm-up, layouts alternating "
           f"in one process{'; CPU seconds (process_time)' if args.device == 'cpu' else ''}")
     cols = ["model", "P", "S", "G", "standard s", "shared s", "speedup", "ceiling", "speedup/ceiling",
@@ -210,10 +219,13 @@ def main(argv=None) -> int:
     print("|" + "---|" * len(cols))
     for name, spec, (P, S, G) in cases:
         cfg = spec.get("config") or _config_dict(spec["path"])
-        job = {"spec": spec, "P": P, "S": S, "G": G, "device": args.device}
+        job = {"spec": spec, "P": P, "S": S, "G": G, "device": args.device, "kernel": args.kernel, "dtype": args.dtype}
         t = run_worker("time", {**job, "repeats": repeats}, args.threads)
-        mem = ["-", "-"] if args.quick else [
-            f"{run_worker('memory', {**job, 'shared': sh}, args.threads):.0f}" for sh in (False, True)]
+        if t["standard"]["mib"] is not None:
+            mem = [f"{t[k]['mib']:.0f}" for k in ("standard", "shared")]
+        else:
+            mem = ["-", "-"] if args.quick else [
+                f"{run_worker('memory', {**job, 'shared': sh}, args.threads):.0f}" for sh in (False, True)]
         key = "cpu" if args.device == "cpu" else "wall"
         std, sh = t["standard"][key], t["shared"][key]
         c = ceilings(cfg, P, S, G)

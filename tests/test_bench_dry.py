@@ -21,6 +21,10 @@ def test_bench_gpu_script_dry_run():
     p = subprocess.run(["bash", str(ROOT / "scripts" / "bench_gpu.sh"), "--dry-run"], capture_output=True,
                        text=True, check=True, env={"PATH": "/usr/bin:/bin", "BENCH_PY": sys.executable})
     assert "cuda, bfloat16" in p.stdout and "qwen05" in p.stdout and p.stdout.count("trl") == 4
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "bench_gpu.sh"), "--dry-run", "prefix"], capture_output=True,
+                       text=True, check=True, env={"PATH": "/usr/bin:/bin", "BENCH_PY": sys.executable})
+    kernels = [ln.split("--kernel ")[1].split()[0] for ln in p.stdout.splitlines()]
+    assert kernels == ["flex", "grouped"] and p.stdout.count("--device cuda --dtype bfloat16") == 2
 
 
 def test_bench_quick_ours_whole_step(tmp_path):
