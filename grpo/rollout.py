@@ -6,6 +6,7 @@ Completions end at the first EOS (kept: the model must learn to stop) or at ``ma
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from tqdm.auto import tqdm
@@ -18,22 +19,27 @@ def _unwrap(model):
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 8,
-             greedy: bool = False, desc: str = "rollout", progress: bool = True, share_prompt: bool = True):
+             greedy: bool = False, desc: str = "rollout", progress: bool = True, share_prompt: bool = True,
+             min_new_tokens: int = 0):
     """Returns ``(completion_ids, truncated)``: per prompt, ``group_size`` token lists and flags.
 
     With ``share_prompt`` each prompt is prefilled once and its KV cache forked for the G samples
-    (``num_return_sequences`` would prefill G copies)."""
+    (HF ``generate`` with ``num_return_sequences`` prefills G copies). Sampling is exactly softmax(logits / T)
+    (with top-k / top-p when set): no other logits processor, whatever the checkpoint's generation_config
+    says, so the rollout stays on-policy for the loss. ``min_new_tokens`` forbids EOS before that many tokens
+    (benchmarks use it for fixed-length completions; it biases sampling, so training leaves it at 0)."""
     # A multi-process runtime may need every rank in every decoding step (DeepSpeed ZeRO-3: partitioned
     # weights): its model carries a context that prepares it and yields extra generate kwargs.
     ready = getattr(model, "grpo_generation_context", None)
     with ready() if ready is not None else contextlib.nullcontext({}) as extra:
         return _generate(_unwrap(model), tokenizer, prompt_ids, group_size=group_size, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_p=top_p, top_k=top_k, batch_size=batch_size, greedy=greedy,
-                         desc=desc, progress=progress, extra=extra, share_prompt=share_prompt)
+                         desc=desc, progress=progress, extra=extra, share_prompt=share_prompt,
+                         min_new_tokens=min_new_tokens)
 
 
 def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, temperature, top_p, top_k, batch_size,
-              greedy, desc, progress, extra, share_prompt):
+              greedy, desc, progress, extra, share_prompt, min_new_tokens=0):
     device = next(model.parameters()).device
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -41,6 +47,8 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
     model.eval()
     completions, truncated = [], []
     n_samples = 1 if greedy else group_size
+    pick = greedy_pick if greedy else functools.partial(sample_tokens, temperature=temperature, top_p=top_p,
+                                                          top_k=top_k)
     bar = tqdm(total=len(prompt_ids) * n_samples, desc=desc, unit="seq", leave=False, disable=not progress)
     for start in range(0, len(prompt_ids), batch_size):
         chunk = prompt_ids[start:start + batch_size]
@@ -50,17 +58,15 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
         for i, p in enumerate(chunk):  # left padding
             input_ids[i, width - len(p):] = torch.tensor(p, device=device)
             attention[i, width - len(p):] = 1
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) \
-            if not greedy else dict(do_sample=False)
-        if not greedy and share_prompt and group_size > 1 and width > 1 and not extra:
-            input_ids, attention, cache = prefill_shared(model, input_ids, attention, group_size)
-            sampling[_cache_kwarg(model)] = cache
-        elif not greedy:
-            sampling["num_return_sequences"] = group_size
-        out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos, pad_token_id=pad_id, use_cache=True, **PURE_SAMPLING, **sampling,
-                             **extra)
-        new = out[:, width:].tolist()
+        if not (share_prompt or greedy):  # the baseline: G copies of each prompt, each prefilled
+            input_ids, attention = input_ids.repeat_interleave(n_samples, 0), attention.repeat_interleave(n_samples, 0)
+        cache = prefill(model, input_ids, attention)
+        if share_prompt and not greedy and n_samples > 1:  # prefilled once, forked G times
+            input_ids, attention = input_ids.repeat_interleave(n_samples, 0), attention.repeat_interleave(n_samples, 0)
+            if width > 1:
+                cache.batch_repeat_interleave(n_samples)
+        new = decode(model, input_ids[:, -1], attention, cache, pick, max_new_tokens=max_new_tokens, eos=eos,
+                     pad_id=pad_id, min_new_tokens=min_new_tokens, synced=bool(extra.get("synced_gpus"))).tolist()
         for i, p in enumerate(chunk):
             group, flags = [], []
             for j in range(n_samples):
@@ -76,29 +82,83 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
     return completions, truncated
 
 
-# The loss scores samples with softmax(logits / T) only; every other logits processor a checkpoint's
-# generation_config.json may switch on (Qwen ships repetition_penalty 1.05) would make the rollout
-# off-policy without anything noticing. Turn them all off explicitly (explicit kwargs win).
-PURE_SAMPLING = dict(repetition_penalty=1.0, no_repeat_ngram_size=0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0,
-                     eta_cutoff=0.0, encoder_repetition_penalty=1.0, bad_words_ids=None, suppress_tokens=None,
-                     begin_suppress_tokens=None, min_new_tokens=None, min_length=0, forced_bos_token_id=None,
-                     forced_eos_token_id=None, sequence_bias=None, renormalize_logits=False)
-
-
-def prefill_shared(model, input_ids, attention, group_size: int):
-    """Run every prompt but its last token once, then fork the KV cache ``group_size`` times.
-
-    Returns the G-fold repeated inputs and the cache; ``generate`` then feeds only the last prompt
-    token per row. Rows are ordered like ``num_return_sequences`` (each prompt's G samples adjacent).
-    """
+def prefill(model, input_ids, attention):
+    """Run every prompt token but the last through the model; returns the KV cache (empty for 1-token prompts)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    model(input_ids=input_ids[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
-          use_cache=True, **{_cache_kwarg(model): cache})
-    cache.batch_repeat_interleave(group_size)
-    return input_ids.repeat_interleave(group_size, 0), attention.repeat_interleave(group_size, 0), cache
+    if input_ids.shape[1] > 1:
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        model(input_ids=input_ids[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
+              use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
+    return cache
+
+
+def decode(model, last, attention, cache, pick, *, max_new_tokens: int, eos: list[int], pad_id: int,
+           min_new_tokens: int = 0, synced: bool = False) -> torch.Tensor:
+    """Autoregressive decoding from a prefilled cache: ``last`` (rows,) is each row's last prompt token,
+    ``attention`` (rows, width) its left-padded mask. ``pick(logits) -> tokens`` chooses each next token from
+    the model's raw next-token logits. Rows stop at their first EOS (then padded); the loop ends when every
+    row has stopped or after ``max_new_tokens``. ``synced``: keep stepping until every process is done
+    (DeepSpeed ZeRO-3 needs every rank in every forward). Returns (rows, n) new tokens, n <= max_new_tokens."""
+    rows, device = last.shape[0], last.device
+    eos_t = torch.tensor(eos, device=device)
+    position = attention.sum(-1, keepdim=True) - 1  # position of the last prompt token
+    out = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    step_ids = last[:, None]
+    key = _cache_kwarg(model)
+    for t in range(max_new_tokens):
+        logits = model(input_ids=step_ids, attention_mask=attention, position_ids=position, use_cache=True,
+                       logits_to_keep=1, **{key: cache}).logits[:, -1]
+        if t < min_new_tokens:
+            logits = logits.index_fill(-1, eos_t, float("-inf"))
+        token = pick(logits).masked_fill(done, pad_id)
+        out[:, t] = token
+        done |= torch.isin(token, eos_t)
+        if _all_done(done, synced):
+            return out[:, : t + 1]
+        step_ids, position = token[:, None], position + 1
+        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+    return out
+
+
+def _all_done(done: torch.Tensor, synced: bool) -> bool:
+    if not synced:
+        return bool(done.all())
+    import torch.distributed as dist
+
+    flag = done.all().to(torch.float32).reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
+
+
+def sample_tokens(logits: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row from softmax(logits / temperature), optionally restricted to the top-k tokens and then
+    to the smallest set of most likely tokens whose mass reaches top_p (the order HF applies them in).
+
+    Inverse-CDF sampling: one uniform number per row against the cumulative distribution (float64), instead of
+    ``torch.multinomial``'s one exponential draw per vocabulary entry (a fifth of a short CPU step)."""
+    z = logits.float() / temperature
+    if 0 < top_k < z.shape[-1]:
+        kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    probs = torch.softmax(z, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass of the more likely tokens
+        sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # the most likely token always stays
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, dtype=torch.float64, device=cdf.device, generator=generator) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # strictly below the total mass
+    return torch.searchsorted(cdf, u, right=True)[:, 0]
 
 
 def _cache_kwarg(model) -> str:

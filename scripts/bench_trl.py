@@ -149,13 +149,12 @@ def worker_ours(spec: dict) -> dict:
     assert [rf.fn.__name__ for rf in run.rewards] == ["bench_reward"], [rf.name for rf in run.rewards]
     run.splits.train = [{"prompt": p["text"], "prompt_ids": p["ids"], "answer": ""} for p in spec["prompts"]]
     run.sampler = PromptSampler(len(run.splits.train), seed=0)
+    import functools
+
     import grpo.rollout
 
-    # exactly S new tokens, as in the TRL run (generation_kwargs min_new_tokens): the rollout passes its
-    # PURE_SAMPLING kwargs explicitly (min_new_tokens=None), so the benchmark overrides that one entry
-    grpo.rollout.PURE_SAMPLING = {**getattr(grpo.rollout, "PURE_SAMPLING", {}), "min_new_tokens": S}
-    gen_model = getattr(run.runtime.model, "module", run.runtime.model)
-    gen_model.generation_config.min_new_tokens = S
+    # exactly S new tokens, as in the TRL run (generation_kwargs min_new_tokens)
+    experience.generate = functools.partial(grpo.rollout.generate, min_new_tokens=S)
     times, upd, lens, roll = [], [], [], []
     for _ in range(spec["steps"] + 1):
         _sync(spec["device"])

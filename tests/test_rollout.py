@@ -48,3 +48,64 @@ def test_checkpoint_generation_config_does_not_change_sampling():
         torch.manual_seed(3)
         outs.append(generate(model, tok, prompts, group_size=4, max_new_tokens=12, progress=False))
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_greedy_decode_matches_hf_generate(family):
+    """The decode loop (prefill, positions under left padding, cache, EOS stop) against HF's own generate."""
+    tok = char_tokenizer()
+    model = tiny_model(family, len(tok), seed=0)
+    prompts = [tok("What is 12 + 7?")["input_ids"], tok("Hi")["input_ids"], tok("x")["input_ids"]]
+    comps, trunc = generate(model, tok, prompts, group_size=3, max_new_tokens=12, greedy=True, progress=False)
+    eos = tok.eos_token_id
+    for p, (c,), cut in zip(prompts, comps, trunc):
+        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             do_sample=False, max_new_tokens=12, eos_token_id=eos, pad_token_id=eos)[0, len(p):].tolist()
+        want = ref[: ref.index(eos) + 1] if eos in ref else ref
+        assert c == want and cut == [eos not in ref]
+
+
+def test_eos_stops_rows_and_min_new_tokens_forbids_it():
+    tok = char_tokenizer()
+    model = tiny_model("llama", len(tok), seed=0)
+    eos = tok.eos_token_id
+    with torch.no_grad():  # make EOS by far the most likely token everywhere
+        model.lm_head.bias = torch.nn.Parameter(torch.zeros(len(tok)))
+        model.lm_head.bias[eos] = 30.0
+    prompts = [tok("abc")["input_ids"], tok("hello")["input_ids"]]
+    comps, trunc = generate(model, tok, prompts, group_size=3, max_new_tokens=6, progress=False)
+    assert all(c == [eos] for g in comps for c in g) and not any(f for fl in trunc for f in fl)
+    comps, trunc = generate(model, tok, prompts, group_size=3, max_new_tokens=6, progress=False, min_new_tokens=4)
+    assert all(len(c) == 5 and c[-1] == eos and eos not in c[:4] for g in comps for c in g)
+
+
+def _hf_warped_probs(logits, temperature, top_k, top_p):
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    z = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        z = TopKLogitsWarper(top_k)(None, z)
+    if top_p < 1:
+        z = TopPLogitsWarper(top_p)(None, z)
+    return torch.softmax(z, -1)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8),
+                                                     (0.9, 6, 0.7)])
+def test_sampler_matches_the_warped_distribution(temperature, top_k, top_p):
+    """Inverse-CDF sampling reproduces HF's temperature / top-k / top-p distribution (independent reference)."""
+    from grpo.rollout import sample_tokens
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 12, generator=g) * 2
+    want = _hf_warped_probs(logits, temperature, top_k, top_p)
+    n = 40000
+    draws = sample_tokens(logits.repeat_interleave(n, 0), temperature=temperature, top_k=top_k, top_p=top_p,
+                          generator=g).view(3, n)
+    freq = torch.stack([torch.bincount(r, minlength=12) for r in draws]).float() / n
+    assert torch.all(freq[want == 0] == 0)  # never a token outside the support
+    assert (freq - want).abs().max() < 4.5 * (want * (1 - want) / n).sqrt().max() + 1e-9
