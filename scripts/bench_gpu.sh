@@ -13,7 +13,9 @@
 # --dry-run prints the plan and runs nothing (works on CPU; the tests run it).
 #
 # Env: PEAK_TFLOPS (default 989, H200 dense bf16), STEPS (2), PROMPTS (8 prompts/step), OUT (bench_gpu.json),
-# BENCH_PY (.venv-bench/bin/python, else python3).
+# BENCH_PY (.venv-bench/bin/python, else python3), MODELS (smollm2,qwen05; smollm2-shape = SmolLM2's architecture
+# with random weights, for a machine without the embedded weights), TOKENIZER (a tokenizer directory for the
+# random-init models; default: the embedded SmolLM2's). docs/benchmarks.md says how to run it on a lent GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${BENCH_PY:-.venv-bench/bin/python}
@@ -33,8 +35,9 @@ fi
 
 EXTRA=()
 [ "$DRY" = 1 ] && EXTRA=(--dry-run)
+[ -n "${TOKENIZER:-}" ] && EXTRA+=(--tokenizer "$TOKENIZER")
 # 2 models x 2 shapes x 3 systems = 12 worker processes of ~20-35 s each (start-up, warm-up step, STEPS steps).
 exec timeout --signal=INT 470 "$PY" scripts/bench_trl.py --device cuda --dtype bfloat16 \
-  --peak-tflops "${PEAK_TFLOPS:-989}" --models smollm2,qwen05 --shapes 64x64x8,1024x32x8 \
+  --peak-tflops "${PEAK_TFLOPS:-989}" --models "${MODELS:-smollm2,qwen05}" --shapes 64x64x8,1024x32x8 \
   --prompts-per-step "${PROMPTS:-8}" --steps "${STEPS:-2}" --repeats 1 --timeout 200 \
   --json "${OUT:-bench_gpu.json}" "${EXTRA[@]}" "$@"

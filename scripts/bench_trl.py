@@ -40,8 +40,13 @@ QUICK_LLAMA = dict(TINY_LLAMA, hidden_size=64, intermediate_size=128, num_hidden
 QWEN05 = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
               num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6,
               rms_norm_eps=1e-6)
+# SmolLM2-135M's architecture with random weights: the same step time as the real model when completions have a
+# fixed length (the benchmark forces S tokens), for machines where the embedded weights cannot be prepared.
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                     tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5)
 MODELS = {"tiny": ("llama", TINY_LLAMA), "quick": ("llama", QUICK_LLAMA), "qwen05": ("qwen2", QWEN05),
-          "smollm2": None}
+          "smollm2-shape": ("llama", SMOLLM2_SHAPE), "smollm2": None}
 DEFAULT_SHAPES = "64x64x8,1024x32x8"
 SYSTEMS = ("ours", "ours-noshare", "trl")
 
@@ -56,13 +61,16 @@ def bench_reward(prompts, completions, **kwargs):
 
 
 # ------------------------------------------------------------------------------------------------ setup
-def prepare_model(name: str, workdir: Path) -> str:
-    """A local HF directory for ``name``: SmolLM2 (embedded) or a random-init model with SmolLM2's tokenizer."""
-    from grpo.models import prepare_embedded
+def prepare_model(name: str, workdir: Path, tokenizer: str | None = None) -> str:
+    """A local HF directory for ``name``: SmolLM2 (embedded) or a random-init model with ``tokenizer`` (default:
+    the embedded SmolLM2's)."""
+    if MODELS[name] is None or tokenizer is None:
+        from grpo.models import prepare_embedded
 
-    smol = prepare_embedded()
-    if MODELS[name] is None:
-        return str(smol)
+        smol = prepare_embedded()
+        if MODELS[name] is None:
+            return str(smol)
+        tokenizer = str(smol)
     out = workdir / name
     if (out / "config.json").exists():
         return str(out)
@@ -70,7 +78,7 @@ def prepare_model(name: str, workdir: Path) -> str:
     import transformers
 
     family, cfg = MODELS[name]
-    tok = transformers.AutoTokenizer.from_pretrained(smol)
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
     conf_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
     config = conf_cls(**cfg, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id)
@@ -316,6 +324,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds (one process per system per round)")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="PxSxG,... prompt tokens x new tokens x group size")
     ap.add_argument("--models", default="tiny,smollm2", help=f"comma list of {', '.join(MODELS)}")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer directory for the random-init models (default: the "
+                    "embedded SmolLM2's, prepared on demand)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of ours, ours-noshare, trl")
     ap.add_argument("--prompts-per-step", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = torch's default); 1 keeps "
@@ -391,7 +401,7 @@ def _warn_if_busy() -> None:
 
 def _run_all(a, models, shapes, systems, python, workdir, raw, table) -> None:
     for m in models:
-        model_dir = prepare_model(m, workdir)
+        model_dir = prepare_model(m, workdir, args.tokenizer)
         cfg = MODELS[m][1] if MODELS[m] else json.loads((Path(model_dir) / "config.json").read_text())
         for P, S, G in shapes:
             prompts = make_prompts(model_dir, P, a.prompts_per_step * (a.steps + 1) * 2)
