@@ -401,7 +401,7 @@ def _warn_if_busy() -> None:
 
 def _run_all(a, models, shapes, systems, python, workdir, raw, table) -> None:
     for m in models:
-        model_dir = prepare_model(m, workdir, args.tokenizer)
+        model_dir = prepare_model(m, workdir, a.tokenizer)
         cfg = MODELS[m][1] if MODELS[m] else json.loads((Path(model_dir) / "config.json").read_text())
         for P, S, G in shapes:
             prompts = make_prompts(model_dir, P, a.prompts_per_step * (a.steps + 1) * 2)
