@@ -272,6 +272,59 @@ def prefix_attention_forward(module, query, key, value, attention_mask, scaling=
     return out.view(1, T, H, Dv), None
 
 
+# --------------------------------------------------------------------------------------------- decoding
+DECODE_ATTN_NAME = "grpo_prefix_decode"
+DECODE_KWARG = "grpo_shared_prompt"
+
+
+@dataclass
+class SharedPromptKV:
+    """The rollout's prompt K/V, stored once per prompt while its G samples decode (cascade attention).
+
+    keys/values: per layer (B, Hkv, W, D), the prefilled prompt tokens but the last, left-padded to W;
+    valid: (B, W) bool, False at padding. Each decoding row r belongs to prompt r // group."""
+
+    keys: list
+    values: list
+    valid: torch.Tensor
+    group: int
+    calls: int = 0
+
+
+def shared_decode_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """One decoding step of B*G rows: each row attends to its prompt's shared K/V and to its own tokens (the
+    last prompt token and what it generated so far, held in the ordinary cache), one joint softmax.
+
+    query: (B*G, H, 1, D); key/value: (B*G, Hkv, t, D), the row's own tokens. Returns ((B*G, 1, H, Dv), None)."""
+    shared: SharedPromptKV | None = kwargs.get(DECODE_KWARG)
+    if shared is None:
+        raise RuntimeError(f"attention implementation {DECODE_ATTN_NAME!r} was called without the shared prompt K/V")
+    if query.shape[2] != 1:
+        raise RuntimeError(f"{DECODE_ATTN_NAME!r} decodes one token per row, got {query.shape[2]}")
+    shared.calls += 1
+    layer = module.layer_idx
+    kp, vp = shared.keys[layer], shared.values[layer]  # (B, Hkv, W, D)
+    R, H, _, D = query.shape
+    B, Hkv, W, Dv = kp.shape[0], kp.shape[1], kp.shape[2], vp.shape[-1]
+    G, rep = shared.group, H // Hkv
+    if scaling is None:
+        scaling = D ** -0.5
+    q = query.view(B, G, Hkv, rep, D)
+    # scores against the prompt: all G rows of a prompt in one matmul against its single K
+    s_p = torch.matmul(q.permute(0, 2, 1, 3, 4).reshape(B, Hkv, G * rep, D), kp.transpose(-1, -2)).float() * scaling
+    s_p = s_p.masked_fill(~shared.valid[:, None, None, :], float("-inf")).view(B, Hkv, G, rep, W)
+    s_p = s_p.permute(0, 2, 1, 3, 4).reshape(R, Hkv, rep, W)
+    # scores against its own tokens
+    s_o = torch.matmul(query.view(R, Hkv, rep, D), key.transpose(-1, -2)).float() * scaling  # (R, Hkv, rep, t)
+    m = torch.maximum(s_p.amax(-1), s_o.amax(-1)).unsqueeze(-1)
+    e_p, e_o = torch.exp(s_p - m), torch.exp(s_o - m)
+    denom = (e_p.sum(-1) + e_o.sum(-1)).unsqueeze(-1)
+    a_p = (e_p / denom).to(vp.dtype).view(B, G, Hkv, rep, W).permute(0, 2, 1, 3, 4).reshape(B, Hkv, G * rep, W)
+    o_p = torch.matmul(a_p, vp).view(B, Hkv, G, rep, Dv).permute(0, 2, 1, 3, 4).reshape(R, Hkv, rep, Dv)
+    o_o = torch.matmul((e_o / denom).to(value.dtype), value)  # (R, Hkv, rep, Dv)
+    return (o_p + o_o).reshape(R, 1, H, Dv), None
+
+
 _registered = False
 
 
@@ -282,6 +335,7 @@ def register() -> None:
         from transformers import AttentionInterface
 
         AttentionInterface.register(ATTN_NAME, prefix_attention_forward)
+        AttentionInterface.register(DECODE_ATTN_NAME, shared_decode_attention_forward)
         _registered = True
 
 
@@ -308,13 +362,13 @@ def _set_impl(configs, values) -> None:
             cfg._attn_implementation = val
 
 
-def _with_impl(fn, configs):
-    """Run ``fn`` with ``grpo_prefix`` active: used for the recompute of gradient checkpointing, which happens
+def _with_impl(fn, configs, name):
+    """Run ``fn`` with attention ``name`` active: used for the recompute of gradient checkpointing, which happens
     in backward, after ``prefix_attention`` has restored the configs."""
 
     def run(*args, **kwargs):
         saved = [c._attn_implementation for c in configs]
-        _set_impl(configs, [ATTN_NAME] * len(configs))
+        _set_impl(configs, [name] * len(configs))
         try:
             return fn(*args, **kwargs)
         finally:
@@ -332,9 +386,10 @@ def checkpointing_is_wrappable(model) -> bool:
 
 
 @contextlib.contextmanager
-def prefix_attention(model):
-    """Switch every config of ``model`` to ``grpo_prefix`` for the duration, and make gradient-checkpointing
-    recomputes switch too. Everything is restored on exit, also on exception."""
+def prefix_attention(model, name: str = ATTN_NAME):
+    """Switch every config of ``model`` to attention ``name`` (``grpo_prefix``, or ``grpo_prefix_decode`` for the
+    rollout) for the duration, and make gradient-checkpointing recomputes switch too. Everything is restored on
+    exit, also on exception."""
     register()
     configs = _configs(model)
     saved = [c._attn_implementation for c in configs]
@@ -346,9 +401,9 @@ def prefix_attention(model):
                 had_own = "_gradient_checkpointing_func" in vars(m)
                 wrapped.append((m, func, had_own))
                 m._gradient_checkpointing_func = (
-                    lambda fn, *a, _f=func, **kw: _f(_with_impl(fn, configs), *a, **kw)
+                    lambda fn, *a, _f=func, **kw: _f(_with_impl(fn, configs, name), *a, **kw)
                 )
-        _set_impl(configs, [ATTN_NAME] * len(configs))
+        _set_impl(configs, [name] * len(configs))
         yield
     finally:
         _set_impl(configs, saved)

@@ -11,6 +11,8 @@ import functools
 import torch
 from tqdm.auto import tqdm
 
+from grpo.attention import DECODE_ATTN_NAME, DECODE_KWARG, SharedPromptKV, prefix_attention
+
 
 def _unwrap(model):
     return getattr(model, "module", model)
@@ -61,12 +63,17 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
         if not (share_prompt or greedy):  # the baseline: G copies of each prompt, each prefilled
             input_ids, attention = input_ids.repeat_interleave(n_samples, 0), attention.repeat_interleave(n_samples, 0)
         cache = prefill(model, input_ids, attention)
-        if share_prompt and not greedy and n_samples > 1:  # prefilled once, forked G times
+        shared = None
+        if share_prompt and not greedy and n_samples > 1:  # prefilled once; G rows decode from it
+            if width > 1 and _cascade_ok(model, width + max_new_tokens):
+                shared = _shared_prompt(cache, attention[:, :-1], n_samples)
+                cache = type(cache)(config=model.config)  # each row's own tokens only
+            elif width > 1:
+                cache.batch_repeat_interleave(n_samples)  # fork: G copies of the prompt's K/V
             input_ids, attention = input_ids.repeat_interleave(n_samples, 0), attention.repeat_interleave(n_samples, 0)
-            if width > 1:
-                cache.batch_repeat_interleave(n_samples)
         new = decode(model, input_ids[:, -1], attention, cache, pick, max_new_tokens=max_new_tokens, eos=eos,
-                     pad_id=pad_id, min_new_tokens=min_new_tokens, synced=bool(extra.get("synced_gpus"))).tolist()
+                     pad_id=pad_id, min_new_tokens=min_new_tokens, synced=bool(extra.get("synced_gpus")),
+                     shared=shared).tolist()
         for i, p in enumerate(chunk):
             group, flags = [], []
             for j in range(n_samples):
@@ -94,13 +101,46 @@ def prefill(model, input_ids, attention):
     return cache
 
 
+def _cascade_ok(model, max_len: int) -> bool:
+    """Whether decoding can attend to one shared copy of each prompt's K/V (the prefix engine's families)."""
+    from grpo.prefix_engine import _shared_unsupported_reason, _unwrap
+
+    return _shared_unsupported_reason(_unwrap(model)[0], max_len) is None
+
+
+def _shared_prompt(cache, valid, group: int) -> SharedPromptKV:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
+    else:  # transformers releases before the per-layer cache
+        keys, values = list(cache.key_cache), list(cache.value_cache)
+    valid = valid.bool()
+    pad = ~valid[:, None, :, None]  # left padding: zero it, so that no stray non-finite value reaches a sum
+    keys = [k.masked_fill(pad, 0.0) for k in keys]
+    values = [v.masked_fill(pad, 0.0) for v in values]
+    return SharedPromptKV(keys=keys, values=values, valid=valid, group=group)
+
+
 def decode(model, last, attention, cache, pick, *, max_new_tokens: int, eos: list[int], pad_id: int,
-           min_new_tokens: int = 0, synced: bool = False) -> torch.Tensor:
+           min_new_tokens: int = 0, synced: bool = False, shared: SharedPromptKV | None = None) -> torch.Tensor:
     """Autoregressive decoding from a prefilled cache: ``last`` (rows,) is each row's last prompt token,
     ``attention`` (rows, width) its left-padded mask. ``pick(logits) -> tokens`` chooses each next token from
     the model's raw next-token logits. Rows stop at their first EOS (then padded); the loop ends when every
     row has stopped or after ``max_new_tokens``. ``synced``: keep stepping until every process is done
-    (DeepSpeed ZeRO-3 needs every rank in every forward). Returns (rows, n) new tokens, n <= max_new_tokens."""
+    (DeepSpeed ZeRO-3 needs every rank in every forward). ``shared``: the prompts' K/V held once per prompt
+    (cascade attention); ``cache`` then holds each row's own tokens only. Returns (rows, n) new tokens,
+    n <= max_new_tokens."""
+    if shared is None:
+        return _decode(model, last, attention, cache, pick, max_new_tokens, eos, pad_id, min_new_tokens, synced, {})
+    # the 4-D mask passes through transformers untouched and is ignored by the shared attention; any stock
+    # attention that saw it would fail on its shape rather than attend wrongly
+    kwargs = {DECODE_KWARG: shared, "attention_mask": torch.ones(1, 1, 1, 0, dtype=torch.bool, device=last.device)}
+    with prefix_attention(model, DECODE_ATTN_NAME):
+        return _decode(model, last, attention, cache, pick, max_new_tokens, eos, pad_id, min_new_tokens, synced,
+                       kwargs)
+
+
+def _decode(model, last, attention, cache, pick, max_new_tokens, eos, pad_id, min_new_tokens, synced, kwargs):
     rows, device = last.shape[0], last.device
     eos_t = torch.tensor(eos, device=device)
     position = attention.sum(-1, keepdim=True) - 1  # position of the last prompt token
@@ -108,9 +148,13 @@ def decode(model, last, attention, cache, pick, *, max_new_tokens: int, eos: lis
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     step_ids = last[:, None]
     key = _cache_kwarg(model)
+    n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", 0)
     for t in range(max_new_tokens):
-        logits = model(input_ids=step_ids, attention_mask=attention, position_ids=position, use_cache=True,
-                       logits_to_keep=1, **{key: cache}).logits[:, -1]
+        logits = model(**{"attention_mask": attention, **kwargs}, input_ids=step_ids, position_ids=position,
+                       use_cache=True, logits_to_keep=1, **{key: cache}).logits[:, -1]
+        shared = kwargs.get(DECODE_KWARG)
+        if shared is not None and t == 0 and shared.calls < n_layers:
+            raise RuntimeError(f"only {shared.calls} of {n_layers} attention layers used the shared prompt K/V")
         if t < min_new_tokens:
             logits = logits.index_fill(-1, eos_t, float("-inf"))
         token = pick(logits).masked_fill(done, pad_id)

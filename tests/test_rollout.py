@@ -109,3 +109,35 @@ def test_sampler_matches_the_warped_distribution(temperature, top_k, top_p):
     freq = torch.stack([torch.bincount(r, minlength=12) for r in draws]).float() / n
     assert torch.all(freq[want == 0] == 0)  # never a token outside the support
     assert (freq - want).abs().max() < 4.5 * (want * (1 - want) / n).sqrt().max() + 1e-9
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_cascade_decode_holds_the_prompt_once_and_matches_the_fork(family, monkeypatch):
+    """Shared-prompt decoding keeps one copy of each prompt's K/V (the per-row cache holds only the row's own
+    tokens) and samples the same tokens as G forked copies of the prefilled cache; ragged prompts with a
+    1-token prompt (a fully padded prefill row) included."""
+    import grpo.rollout as rollout
+
+    tok = char_tokenizer()
+    model = tiny_model(family, len(tok), seed=0)
+    prompts = [tok("What is 12 + 7?")["input_ids"], tok("x")["input_ids"], tok("Hello")["input_ids"]]
+    seen = []
+    real_decode = rollout.decode
+
+    def spy(model, last, attention, cache, pick, **kw):
+        out = real_decode(model, last, attention, cache, pick, **kw)
+        seen.append((kw["shared"], cache.get_seq_length(), attention.shape[1]))
+        return out
+
+    monkeypatch.setattr(rollout, "decode", spy)
+    torch.manual_seed(5)
+    cascade = generate(model, tok, prompts, group_size=4, max_new_tokens=8, batch_size=3, progress=False)
+    shared, own_len, width = seen[-1]
+    assert shared is not None and shared.calls >= model.config.num_hidden_layers
+    assert shared.keys[0].shape[0] == 3 and shared.keys[0].shape[2] == width - 1  # B prompts, once each
+    assert own_len <= 8  # last prompt token + generated tokens, never the prompt
+    monkeypatch.setattr(rollout, "_cascade_ok", lambda model, n: False)
+    torch.manual_seed(5)
+    fork = generate(model, tok, prompts, group_size=4, max_new_tokens=8, batch_size=3, progress=False)
+    assert seen[-1][0] is None and seen[-1][1] >= width - 1
+    assert cascade == fork
