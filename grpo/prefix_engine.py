@@ -145,6 +145,11 @@ def _shared_unsupported_reason(lm, max_seq_len: int) -> str | None:
     return None
 
 
+def shared_prefix_unsupported(model, max_seq_len: int) -> str | None:
+    """Why the shared layout cannot serve ``model`` (plain, peft or engine-wrapped) exactly, or None."""
+    return _shared_unsupported_reason(_unwrap(model)[0], max_seq_len)
+
+
 def _device(lm) -> torch.device:
     emb = lm.get_input_embeddings()
     return emb.weight.device if emb is not None else next(lm.parameters()).device

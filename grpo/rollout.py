@@ -103,9 +103,9 @@ def prefill(model, input_ids, attention):
 
 def _cascade_ok(model, max_len: int) -> bool:
     """Whether decoding can attend to one shared copy of each prompt's K/V (the prefix engine's families)."""
-    from grpo.prefix_engine import _shared_unsupported_reason, _unwrap
+    from grpo.prefix_engine import shared_prefix_unsupported
 
-    return _shared_unsupported_reason(_unwrap(model)[0], max_len) is None
+    return shared_prefix_unsupported(model, max_len) is None
 
 
 def _shared_prompt(cache, valid, group: int) -> SharedPromptKV:
@@ -130,40 +130,37 @@ def decode(model, last, attention, cache, pick, *, max_new_tokens: int, eos: lis
     (DeepSpeed ZeRO-3 needs every rank in every forward). ``shared``: the prompts' K/V held once per prompt
     (cascade attention); ``cache`` then holds each row's own tokens only. Returns (rows, n) new tokens,
     n <= max_new_tokens."""
-    if shared is None:
-        return _decode(model, last, attention, cache, pick, max_new_tokens, eos, pad_id, min_new_tokens, synced, {})
-    # the 4-D mask passes through transformers untouched and is ignored by the shared attention; any stock
-    # attention that saw it would fail on its shape rather than attend wrongly
-    kwargs = {DECODE_KWARG: shared, "attention_mask": torch.ones(1, 1, 1, 0, dtype=torch.bool, device=last.device)}
-    with prefix_attention(model, DECODE_ATTN_NAME):
-        return _decode(model, last, attention, cache, pick, max_new_tokens, eos, pad_id, min_new_tokens, synced,
-                       kwargs)
-
-
-def _decode(model, last, attention, cache, pick, max_new_tokens, eos, pad_id, min_new_tokens, synced, kwargs):
     rows, device = last.shape[0], last.device
     eos_t = torch.tensor(eos, device=device)
     position = attention.sum(-1, keepdim=True) - 1  # position of the last prompt token
     out = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     step_ids = last[:, None]
-    key = _cache_kwarg(model)
-    n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", 0)
-    for t in range(max_new_tokens):
-        logits = model(**{"attention_mask": attention, **kwargs}, input_ids=step_ids, position_ids=position,
-                       use_cache=True, logits_to_keep=1, **{key: cache}).logits[:, -1]
-        shared = kwargs.get(DECODE_KWARG)
-        if shared is not None and t == 0 and shared.calls < n_layers:
-            raise RuntimeError(f"only {shared.calls} of {n_layers} attention layers used the shared prompt K/V")
-        if t < min_new_tokens:
-            logits = logits.index_fill(-1, eos_t, float("-inf"))
-        token = pick(logits).masked_fill(done, pad_id)
-        out[:, t] = token
-        done |= torch.isin(token, eos_t)
-        if _all_done(done, synced):
-            return out[:, : t + 1]
-        step_ids, position = token[:, None], position + 1
-        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+    inputs = {_cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
+    ctx = contextlib.nullcontext()
+    if shared is not None:
+        # the 4-D mask passes through transformers untouched and is ignored by the shared attention; a stock
+        # attention that saw it would fail on its shape rather than attend wrongly
+        inputs.update({DECODE_KWARG: shared, "attention_mask": torch.ones(1, 1, 1, 0, dtype=torch.bool, device=device)})
+        ctx = prefix_attention(model, DECODE_ATTN_NAME)
+    with ctx:
+        for t in range(max_new_tokens):
+            if shared is None:
+                inputs["attention_mask"] = attention
+            logits = model(input_ids=step_ids, position_ids=position, **inputs).logits[:, -1]
+            if shared is not None and t == 0 and shared.calls < model.config.num_hidden_layers:
+                raise RuntimeError(f"only {shared.calls} of {model.config.num_hidden_layers} attention layers "
+                                   "used the shared prompt K/V")
+            if t < min_new_tokens:
+                logits = logits.index_fill(-1, eos_t, float("-inf"))
+            token = pick(logits).masked_fill(done, pad_id)
+            out[:, t] = token
+            done |= torch.isin(token, eos_t)
+            if _all_done(done, synced):
+                return out[:, : t + 1]
+            step_ids, position = token[:, None], position + 1
+            if shared is None:
+                attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
     return out
 
 
