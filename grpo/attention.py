@@ -56,7 +56,7 @@ class PrefixLayout:
     targets: torch.Tensor  # (M,) the completion tokens, same order
     segment: torch.Tensor  # (T,) one id per prompt and per completion, unique in the row
     prompt_segment: torch.Tensor  # (T,) the segment id of the token's group prompt
-    block_mask: object = None  # FlexAttention BlockMask: set by use_flex(), selects the flex kernel
+    block_mask: object = None  # FlexAttention BlockMask over the row padded to a bucket length; selects flex
     calls: int = 0  # attention calls seen in forward (to verify every layer went through us)
 
 
@@ -130,9 +130,8 @@ def flex_available() -> bool:
     return True
 
 
-def layout_mask_mod(layout: PrefixLayout):
+def segment_mask_mod(seg: torch.Tensor, pseg: torch.Tensor):
     """mask_mod of the packed row: a token sees earlier tokens of its own segment and its group's prompt."""
-    seg, pseg = layout.segment, layout.prompt_segment
 
     def mask_mod(b, h, q, kv):
         return (kv <= q) & ((seg[kv] == seg[q]) | (seg[kv] == pseg[q]))
@@ -153,24 +152,32 @@ def build_block_mask(layout: PrefixLayout, block: int = 128, band_elements: int 
     partial, so the kernel applies the mask there."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    T, device = layout.n_tokens, layout.segment.device
+    n, device = layout.n_tokens, layout.segment.device
+    T = flex_length(n, block)  # padding tokens: a segment of their own, after every real token
+    seg = F.pad(layout.segment, (0, T - n), value=-1)
+    pseg = F.pad(layout.prompt_segment, (0, T - n), value=-1)
+    mask_mod = segment_mask_mod(seg, pseg)
     nb = -(-T // block)
-    seg, pseg = layout.segment, layout.prompt_segment
     kv = torch.arange(T, device=device)
     rows = max(1, band_elements // (nb * block * block)) * block  # query rows per band, a multiple of block
     partial, full = [], []
     for s in range(0, T, rows):
         q = torch.arange(s, min(T, s + rows), device=device)
-        m = (kv[None] <= q[:, None]) & ((seg[None] == seg[q, None]) | (seg[None] == pseg[q, None]))
+        m = mask_mod(0, 0, q[:, None], kv[None])
         m = F.pad(m, (0, nb * block - T, 0, -(-len(q) // block) * block - len(q)))
         count = m.view(-1, block, nb, block).sum((1, 3))
         full.append(count == block * block)
         partial.append((count > 0) & (count < block * block))
     partial, full = torch.cat(partial), torch.cat(full)
-    n, idx = _ordered(partial)
-    fn, fidx = _ordered(full)
-    return BlockMask.from_kv_blocks(n, idx, fn, fidx, BLOCK_SIZE=block, mask_mod=layout_mask_mod(layout),
-                                    seq_lengths=(T, T))
+    count, idx = _ordered(partial)
+    fcount, fidx = _ordered(full)
+    return BlockMask.from_kv_blocks(count, idx, fcount, fidx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(T, T))
+
+
+def flex_length(n: int, block: int = 128) -> int:
+    """The packed row's length for the flex kernel: the next power of two (at least one block), so that
+    micro-batches of every size compile to a handful of kernels; padding costs only the diagonal blocks."""
+    return max(block, 1 << (n - 1).bit_length())
 
 
 _compiled_flex = None
@@ -212,9 +219,11 @@ def prefix_attention_forward(module, query, key, value, attention_mask, scaling=
     if layout.block_mask is not None:
         if dropout > 0.0:
             raise RuntimeError("the flex kernel has no attention dropout; use attention_kernel='grouped'")
-        out = _flex_fn(query.device)(query, key, value, block_mask=layout.block_mask, scale=scaling,
+        pad = (0, 0, 0, layout.block_mask.seq_lengths[0] - query.shape[2])
+        out = _flex_fn(query.device)(F.pad(query, pad), F.pad(key, pad), F.pad(value, pad),
+                                     block_mask=layout.block_mask, scale=scaling,
                                      enable_gqa=query.shape[1] != key.shape[1])
-        return out.transpose(1, 2), None
+        return out[:, :, : query.shape[2]].transpose(1, 2), None
 
     _, H, T, D = query.shape
     Hkv, Dv = key.shape[1], value.shape[-1]

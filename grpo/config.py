@@ -99,7 +99,7 @@ class AlgorithmConfig:
 class EngineConfig:
     shared_prefix: bool = True       # encode each prompt once per group
     max_tokens_per_micro_batch: int = 4096  # tokens per forward/backward chunk; gradients accumulate into one step
-    attention_kernel: str = "auto"   # auto | grouped | flex: shared-layout attention (auto = flex on CUDA)
+    attention_kernel: str = "auto"   # auto | grouped | flex: shared-layout attention (flex: CUDA, opt-in; auto = grouped)
 
 
 @dataclass

@@ -22,7 +22,6 @@ from grpo.attention import (
 __all__ = ["token_logprobs", "plan_micro_batches", "SUPPORTED_MODEL_TYPES", "ATTENTION_KERNELS"]
 
 ATTENTION_KERNELS = ("auto", "grouped", "flex")
-_flex_failed: list[str] = []  # once flex has failed under 'auto', this process stays on 'grouped'
 
 # Model families whose decoder routes every attention layer through transformers' AttentionInterface, takes
 # explicit position_ids, and was checked token-for-token against the per-sequence forward in the tests.
@@ -294,9 +293,8 @@ def _resolve_kernel(kernel: str, lm) -> str:
         raise ValueError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
     device = _device(lm)
     dropout = lm.training and (getattr(lm.config, "attention_dropout", 0.0) or 0.0) > 0
-    if kernel == "auto":
-        usable = device.type == "cuda" and flex_available() and not dropout and not _flex_failed
-        return "flex" if usable else "grouped"
+    if kernel == "auto":  # flex stays opt-in until it has been measured on a GPU (docs/prefix-engine.md)
+        return "grouped"
     if kernel == "flex":
         if not flex_available():
             raise ValueError(f"attention_kernel='flex' needs torch.nn.attention.flex_attention (torch {torch.__version__} "
@@ -368,8 +366,8 @@ def token_logprobs(
     fall back to the standard one with a warning.
 
     ``attention_kernel`` picks how the shared layout's attention is computed: ``grouped`` (any device),
-    ``flex`` (FlexAttention block mask; on CPU only without grad) or ``auto`` (flex on CUDA, grouped elsewhere;
-    if flex fails to compile or run it warns once and continues with grouped, which is equally exact).
+    ``flex`` (FlexAttention block mask, compiled; CUDA, or CPU without grad) or ``auto`` (grouped for now:
+    flex becomes the CUDA default once it has been measured on a GPU).
     """
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completion groups")
@@ -402,18 +400,7 @@ def token_logprobs(
         sub_c = [comps[g][sl] for g, sl in mb]
         res = None
         if shared:
-            try:
-                res = _forward_shared(lm, decoder, head, sub_p, sub_c, temperature, return_entropy, kernel)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as e:
-                if kernel != "flex" or attention_kernel != "auto":
-                    raise
-                warnings.warn(f"flex attention kernel failed ({type(e).__name__}: {str(e)[:200]}); "
-                              "continuing with the grouped kernel", stacklevel=2)
-                _flex_failed.append(repr(e))
-                kernel = "grouped"
-                res = _forward_shared(lm, decoder, head, sub_p, sub_c, temperature, return_entropy, kernel)
+            res = _forward_shared(lm, decoder, head, sub_p, sub_c, temperature, return_entropy, kernel)
             if res is None:
                 warnings.warn(
                     "shared-prefix forward disabled, using the standard layout: some attention layers of "

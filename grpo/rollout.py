@@ -62,7 +62,7 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
             attention[i, width - len(p):] = 1
         if not (share_prompt or greedy):  # the baseline: G copies of each prompt, each prefilled
             input_ids, attention = input_ids.repeat_interleave(n_samples, 0), attention.repeat_interleave(n_samples, 0)
-        cache = prefill(model, input_ids, attention)
+        cache = prefill(model, input_ids, attention, synced=bool(extra.get("synced_gpus")))
         shared = None
         if share_prompt and not greedy and n_samples > 1:  # prefilled once; G rows decode from it
             if width > 1 and _cascade_ok(model, width + max_new_tokens):
@@ -89,8 +89,9 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
     return completions, truncated
 
 
-def prefill(model, input_ids, attention):
-    """Run every prompt token but the last through the model; returns the KV cache (empty for 1-token prompts)."""
+def prefill(model, input_ids, attention, synced: bool = False):
+    """Run every prompt token but the last through the model; returns the KV cache (empty for 1-token prompts).
+    ``synced``: every process must run the same forwards (ZeRO-3), so 1-token prompts still run one, discarded."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -98,6 +99,8 @@ def prefill(model, input_ids, attention):
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         model(input_ids=input_ids[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
               use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
+    elif synced:
+        model(input_ids=input_ids, attention_mask=attention, use_cache=False, logits_to_keep=1)
     return cache
 
 
@@ -105,7 +108,10 @@ def _cascade_ok(model, max_len: int) -> bool:
     """Whether decoding can attend to one shared copy of each prompt's K/V (the prefix engine's families)."""
     from grpo.prefix_engine import shared_prefix_unsupported
 
-    return shared_prefix_unsupported(model, max_len) is None
+    try:
+        return shared_prefix_unsupported(model, max_len) is None
+    except NotImplementedError:  # e.g. prompt-learning PEFT: the fork path serves it
+        return False
 
 
 def _shared_prompt(cache, valid, group: int) -> SharedPromptKV:
@@ -116,8 +122,8 @@ def _shared_prompt(cache, valid, group: int) -> SharedPromptKV:
         keys, values = list(cache.key_cache), list(cache.value_cache)
     valid = valid.bool()
     pad = ~valid[:, None, :, None]  # left padding: zero it, so that no stray non-finite value reaches a sum
-    keys = [k.masked_fill(pad, 0.0) for k in keys]
-    values = [v.masked_fill(pad, 0.0) for v in values]
+    for t in keys + values:
+        t.masked_fill_(pad, 0.0)
     return SharedPromptKV(keys=keys, values=values, valid=valid, group=group)
 
 
@@ -197,6 +203,9 @@ def sample_tokens(logits: torch.Tensor, *, temperature: float = 1.0, top_p: floa
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:]
+    if not bool(torch.isfinite(total).all() & (total > 0).all()):
+        raise RuntimeError("the policy's next-token logits are not finite (NaN/inf) while sampling: the model has "
+                           "diverged or its weights are broken; lower trainer.lr or resume an earlier checkpoint")
     u = torch.rand(total.shape, dtype=torch.float64, device=cdf.device, generator=generator) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # strictly below the total mass
     return torch.searchsorted(cdf, u, right=True)[:, 0]

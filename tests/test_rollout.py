@@ -141,3 +141,33 @@ def test_cascade_decode_holds_the_prompt_once_and_matches_the_fork(family, monke
     fork = generate(model, tok, prompts, group_size=4, max_new_tokens=8, batch_size=3, progress=False)
     assert seen[-1][0] is None and seen[-1][1] >= width - 1
     assert cascade == fork
+
+
+def test_rows_stop_at_their_own_eos_and_the_loop_runs_for_the_rest():
+    """decode() with a scripted picker: row r says EOS at step r; finished rows get padding, the loop runs until
+    the last row stops."""
+    from grpo.rollout import decode, prefill
+
+    tok = char_tokenizer()
+    model = tiny_model("llama", len(tok), seed=0)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    ids = torch.tensor([tok("abcd")["input_ids"]] * 3)
+    attention = torch.ones_like(ids)
+    steps = []
+
+    def pick(logits):
+        t = len(steps)
+        steps.append(t)
+        return torch.tensor([eos if r == t else 7 for r in range(3)])
+
+    out = decode(model, ids[:, -1], attention, prefill(model, ids, attention), pick, max_new_tokens=10, eos=[eos],
+                 pad_id=pad)
+    assert len(steps) == 3 and out.shape == (3, 3)
+    assert out.tolist() == [[eos, pad, pad], [7, eos, pad], [7, 7, eos]]
+
+
+def test_non_finite_logits_fail_clearly():
+    from grpo.rollout import sample_tokens
+
+    with pytest.raises(RuntimeError, match="not finite"):
+        sample_tokens(torch.tensor([[0.0, float("nan"), 1.0]]))
