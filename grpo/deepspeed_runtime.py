@@ -287,7 +287,7 @@ class DeepSpeedRuntime:
     # ---------------------------------------------------------------------------- generation
     @contextlib.contextmanager
     def generation_context(self):
-        """Around `model.generate`: yields extra generate kwargs. ZeRO-3: every rank keeps stepping until
+        """Around the rollout: yields extra rollout options. ZeRO-3: every rank keeps stepping until
         all are done (synced_gpus), on fully gathered weights when distributed.gather_for_generation."""
         offload = _param_offload(self.engine) if self.stage == 3 else None
         if offload is None:
