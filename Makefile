@@ -58,7 +58,7 @@ $(BENCH_STAMP): pyproject.toml
 
 bench-env: $(BENCH_STAMP)
 
-# The commands behind docs/benchmarks.md (about 30 minutes on 2 CPU cores): tiny Llama (49k vocab) and SmolLM2,
+# The commands behind docs/benchmarks.md (about 45 minutes on 2 CPU cores): tiny Llama (49k vocab) and SmolLM2,
 # P=64/S=64/G=8 and P=1024/S=32/G=8, one torch thread per worker (sane timings on a shared CPU).
 # `make bench BENCH_ARGS="--quick"` runs that one command instead.
 bench: bench-env model
