@@ -147,25 +147,25 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_block_mask(layout: PrefixLayout, block: int = 128, band_elements: int = 1 << 25):
-    """The layout's BlockMask, exact and in bounded memory: the token mask is evaluated a band of query rows at
-    a time (never T x T at once) and reduced to empty / partial / full blocks; blocks padded past T count as
-    partial, so the kernel applies the mask there."""
+    """The layout's BlockMask over its row padded to ``flex_length``, exact and in bounded memory: the token mask
+    is evaluated a band of query rows at a time (never T x T at once) and reduced to empty / partial / full
+    blocks. ``block`` is a power of two, so the padded length is a whole number of blocks."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
     n, device = layout.n_tokens, layout.segment.device
     T = flex_length(n, block)  # padding tokens: a segment of their own, after every real token
     seg = F.pad(layout.segment, (0, T - n), value=-1)
     pseg = F.pad(layout.prompt_segment, (0, T - n), value=-1)
     mask_mod = segment_mask_mod(seg, pseg)
-    nb = -(-T // block)
+    nb = T // block
     kv = torch.arange(T, device=device)
-    rows = max(1, band_elements // (nb * block * block)) * block  # query rows per band, a multiple of block
+    rows = max(1, band_elements // (T * block)) * block  # query rows per band, a whole number of blocks
     partial, full = [], []
     for s in range(0, T, rows):
         q = torch.arange(s, min(T, s + rows), device=device)
-        m = mask_mod(0, 0, q[:, None], kv[None])
-        m = F.pad(m, (0, nb * block - T, 0, -(-len(q) // block) * block - len(q)))
-        count = m.view(-1, block, nb, block).sum((1, 3))
+        count = mask_mod(0, 0, q[:, None], kv[None]).view(-1, block, nb, block).sum((1, 3))
         full.append(count == block * block)
         partial.append((count > 0) & (count < block * block))
     partial, full = torch.cat(partial), torch.cat(full)
