@@ -18,10 +18,12 @@ Two kernels compute it (``attention_kernel``):
 
 * ``grouped`` (above; any device): the prompt K/V is never copied, but the completion-to-prompt scores of a
   layer are materialised (H x G*S x P).
-* ``flex`` (PyTorch FlexAttention on the packed row, compiled on CUDA): a block-sparse mask in which a
-  completion token sees its group's prompt and its own earlier tokens; blocks of one completion against
-  another are skipped and no score matrix is stored. On CPU PyTorch's FlexAttention has no backward, so
-  there it only serves no-grad forwards (old policy, reference) and tests.
+* ``flex`` (grpo/flex_kernel.py: PyTorch FlexAttention on the packed row, compiled on CUDA): a block-sparse
+  mask in which a completion token sees its group's prompt and its own earlier tokens; blocks of one
+  completion against another are skipped and no score matrix is stored.
+
+This module also switches a model's attention implementation for the duration of a call
+(``prefix_attention``), for this layout and for the rollout's shared-prompt decoding (grpo/decode_attention.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from grpo.decode_attention import DECODE_ATTN_NAME, shared_decode_attention_forward
+from grpo.flex_kernel import flex_fn
 
 ATTN_NAME = "grpo_prefix"
 LAYOUT_KWARG = "grpo_prefix_layout"
@@ -121,80 +126,6 @@ def build_layout(prompts: list[list[int]], completions: list[list[list[int]]], d
     )
 
 
-# --------------------------------------------------------------------------------------------- flex kernel
-def flex_available() -> bool:
-    try:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def segment_mask_mod(seg: torch.Tensor, pseg: torch.Tensor):
-    """mask_mod of the packed row: a token sees earlier tokens of its own segment and its group's prompt."""
-
-    def mask_mod(b, h, q, kv):
-        return (kv <= q) & ((seg[kv] == seg[q]) | (seg[kv] == pseg[q]))
-
-    return mask_mod
-
-
-def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(nQ, nK) bool block matrix -> (count per row, column indices with the set ones first), BlockMask's form."""
-    count = blocks.sum(-1, dtype=torch.int32)
-    order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return count[None, None], order[None, None]
-
-
-def build_block_mask(layout: PrefixLayout, block: int = 128, band_elements: int = 1 << 25):
-    """The layout's BlockMask over its row padded to ``flex_length``, exact and in bounded memory: the token mask
-    is evaluated a band of query rows at a time (never T x T at once) and reduced to empty / partial / full
-    blocks. ``block`` is a power of two, so the padded length is a whole number of blocks."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    if block < 1 or block & (block - 1):
-        raise ValueError(f"block must be a power of two, got {block}")
-    n, device = layout.n_tokens, layout.segment.device
-    T = flex_length(n, block)  # padding tokens: a segment of their own, after every real token
-    seg = F.pad(layout.segment, (0, T - n), value=-1)
-    pseg = F.pad(layout.prompt_segment, (0, T - n), value=-1)
-    mask_mod = segment_mask_mod(seg, pseg)
-    nb = T // block
-    kv = torch.arange(T, device=device)
-    rows = max(1, band_elements // (T * block)) * block  # query rows per band, a whole number of blocks
-    partial, full = [], []
-    for s in range(0, T, rows):
-        q = torch.arange(s, min(T, s + rows), device=device)
-        count = mask_mod(0, 0, q[:, None], kv[None]).view(-1, block, nb, block).sum((1, 3))
-        full.append(count == block * block)
-        partial.append((count > 0) & (count < block * block))
-    partial, full = torch.cat(partial), torch.cat(full)
-    count, idx = _ordered(partial)
-    fcount, fidx = _ordered(full)
-    return BlockMask.from_kv_blocks(count, idx, fcount, fidx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(T, T))
-
-
-def flex_length(n: int, block: int = 128) -> int:
-    """The packed row's length for the flex kernel: the next power of two (at least one block), so that
-    micro-batches of every size compile to a handful of kernels; padding costs only the diagonal blocks."""
-    return max(block, 1 << (n - 1).bit_length())
-
-
-_compiled_flex = None
-
-
-def _flex_fn(device: torch.device):
-    """flex_attention, compiled (once, lazily) on CUDA; eager elsewhere (PyTorch's reference implementation)."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if device.type != "cuda":
-        return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=True)
-    return _compiled_flex
-
-
 def prefix_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention function with the signature of transformers' AttentionInterface.
 
@@ -220,7 +151,7 @@ def prefix_attention_forward(module, query, key, value, attention_mask, scaling=
         if dropout > 0.0:
             raise RuntimeError("the flex kernel has no attention dropout; use attention_kernel='grouped'")
         pad = (0, 0, 0, layout.block_mask.seq_lengths[0] - query.shape[2])
-        out = _flex_fn(query.device)(F.pad(query, pad), F.pad(key, pad), F.pad(value, pad),
+        out = flex_fn(query.device)(F.pad(query, pad), F.pad(key, pad), F.pad(value, pad),
                                      block_mask=layout.block_mask, scale=scaling,
                                      enable_gqa=query.shape[1] != key.shape[1])
         return out[:, :, : query.shape[2]].transpose(1, 2), None
@@ -279,59 +210,6 @@ def prefix_attention_forward(module, query, key, value, attention_mask, scaling=
 
     out = torch.cat([out_p, out_c.to(out_p.dtype)], dim=0).index_select(0, layout.src)
     return out.view(1, T, H, Dv), None
-
-
-# --------------------------------------------------------------------------------------------- decoding
-DECODE_ATTN_NAME = "grpo_prefix_decode"
-DECODE_KWARG = "grpo_shared_prompt"
-
-
-@dataclass
-class SharedPromptKV:
-    """The rollout's prompt K/V, stored once per prompt while its G samples decode (cascade attention).
-
-    keys/values: per layer (B, Hkv, W, D), the prefilled prompt tokens but the last, left-padded to W;
-    valid: (B, W) bool, False at padding. Each decoding row r belongs to prompt r // group."""
-
-    keys: list
-    values: list
-    valid: torch.Tensor
-    group: int
-    calls: int = 0
-
-
-def shared_decode_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """One decoding step of B*G rows: each row attends to its prompt's shared K/V and to its own tokens (the
-    last prompt token and what it generated so far, held in the ordinary cache), one joint softmax.
-
-    query: (B*G, H, 1, D); key/value: (B*G, Hkv, t, D), the row's own tokens. Returns ((B*G, 1, H, Dv), None)."""
-    shared: SharedPromptKV | None = kwargs.get(DECODE_KWARG)
-    if shared is None:
-        raise RuntimeError(f"attention implementation {DECODE_ATTN_NAME!r} was called without the shared prompt K/V")
-    if query.shape[2] != 1:
-        raise RuntimeError(f"{DECODE_ATTN_NAME!r} decodes one token per row, got {query.shape[2]}")
-    shared.calls += 1
-    layer = module.layer_idx
-    kp, vp = shared.keys[layer], shared.values[layer]  # (B, Hkv, W, D)
-    R, H, _, D = query.shape
-    B, Hkv, W, Dv = kp.shape[0], kp.shape[1], kp.shape[2], vp.shape[-1]
-    G, rep = shared.group, H // Hkv
-    if scaling is None:
-        scaling = D ** -0.5
-    q = query.view(B, G, Hkv, rep, D)
-    # scores against the prompt: all G rows of a prompt in one matmul against its single K
-    s_p = torch.matmul(q.permute(0, 2, 1, 3, 4).reshape(B, Hkv, G * rep, D), kp.transpose(-1, -2)).float() * scaling
-    s_p = s_p.masked_fill(~shared.valid[:, None, None, :], float("-inf")).view(B, Hkv, G, rep, W)
-    s_p = s_p.permute(0, 2, 1, 3, 4).reshape(R, Hkv, rep, W)
-    # scores against its own tokens
-    s_o = torch.matmul(query.view(R, Hkv, rep, D), key.transpose(-1, -2)).float() * scaling  # (R, Hkv, rep, t)
-    m = torch.maximum(s_p.amax(-1), s_o.amax(-1)).unsqueeze(-1)
-    e_p, e_o = torch.exp(s_p - m), torch.exp(s_o - m)
-    denom = (e_p.sum(-1) + e_o.sum(-1)).unsqueeze(-1)
-    a_p = (e_p / denom).to(vp.dtype).view(B, G, Hkv, rep, W).permute(0, 2, 1, 3, 4).reshape(B, Hkv, G * rep, W)
-    o_p = torch.matmul(a_p, vp).view(B, Hkv, G, rep, Dv).permute(0, 2, 1, 3, 4).reshape(R, Hkv, rep, Dv)
-    o_o = torch.matmul((e_o / denom).to(value.dtype), value)  # (R, Hkv, rep, Dv)
-    return (o_p + o_o).reshape(R, 1, H, Dv), None
 
 
 _registered = False

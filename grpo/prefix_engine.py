@@ -10,14 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from grpo.attention import (
-    LAYOUT_KWARG,
-    build_block_mask,
-    build_layout,
-    checkpointing_is_wrappable,
-    flex_available,
-    prefix_attention,
-)
+from grpo.attention import LAYOUT_KWARG, build_layout, checkpointing_is_wrappable, prefix_attention
+from grpo.flex_kernel import build_block_mask, flex_available
 
 __all__ = ["token_logprobs", "plan_micro_batches", "SUPPORTED_MODEL_TYPES", "ATTENTION_KERNELS"]
 

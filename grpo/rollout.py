@@ -11,7 +11,8 @@ import functools
 import torch
 from tqdm.auto import tqdm
 
-from grpo.attention import DECODE_ATTN_NAME, DECODE_KWARG, SharedPromptKV, prefix_attention
+from grpo.attention import prefix_attention
+from grpo.decode_attention import DECODE_ATTN_NAME, DECODE_KWARG, SharedPromptKV
 
 
 def _unwrap(model):

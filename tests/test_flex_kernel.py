@@ -9,9 +9,9 @@ import warnings
 import pytest
 import torch
 
-import grpo.attention as attention
 import grpo.prefix_engine as engine
-from grpo.attention import build_block_mask, build_layout, flex_length, segment_mask_mod
+from grpo.attention import build_layout
+from grpo.flex_kernel import build_block_mask, flex_available, flex_length, segment_mask_mod
 from grpo.prefix_engine import token_logprobs
 from tests.test_prefix_engine import (
     FAMILIES,
@@ -24,7 +24,7 @@ from tests.test_prefix_engine import (
     weights_like,
 )
 
-pytestmark = pytest.mark.skipif(not attention.flex_available(), reason="this torch has no FlexAttention")
+pytestmark = pytest.mark.skipif(not flex_available(), reason="this torch has no FlexAttention")
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
 # long enough for several 128-token blocks: skipped completion-vs-completion blocks, full prompt blocks

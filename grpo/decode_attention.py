@@ -1,0 +1,64 @@
+"""Cascade attention for sampling: G rows decode against one shared copy of their prompt's K/V.
+
+Registered (by grpo.attention.register) as ``grpo_prefix_decode`` and switched on around the rollout's decode
+loop (grpo/rollout.py). Each row attends to its prompt's K/V, held once per prompt, and to its own tokens (the
+last prompt token and what it generated), held in the ordinary per-row cache, with one joint softmax: the same
+keys and the same softmax as decoding from G copies of the prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DECODE_ATTN_NAME = "grpo_prefix_decode"
+DECODE_KWARG = "grpo_shared_prompt"
+
+
+@dataclass
+class SharedPromptKV:
+    """The rollout's prompt K/V, stored once per prompt while its G samples decode (cascade attention).
+
+    keys/values: per layer (B, Hkv, W, D), the prefilled prompt tokens but the last, left-padded to W;
+    valid: (B, W) bool, False at padding. Each decoding row r belongs to prompt r // group."""
+
+    keys: list
+    values: list
+    valid: torch.Tensor
+    group: int
+    calls: int = 0
+
+
+def shared_decode_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """One decoding step of B*G rows: each row attends to its prompt's shared K/V and to its own tokens (the
+    last prompt token and what it generated so far, held in the ordinary cache), one joint softmax.
+
+    query: (B*G, H, 1, D); key/value: (B*G, Hkv, t, D), the row's own tokens. Returns ((B*G, 1, H, Dv), None)."""
+    shared: SharedPromptKV | None = kwargs.get(DECODE_KWARG)
+    if shared is None:
+        raise RuntimeError(f"attention implementation {DECODE_ATTN_NAME!r} was called without the shared prompt K/V")
+    if query.shape[2] != 1:
+        raise RuntimeError(f"{DECODE_ATTN_NAME!r} decodes one token per row, got {query.shape[2]}")
+    shared.calls += 1
+    layer = module.layer_idx
+    kp, vp = shared.keys[layer], shared.values[layer]  # (B, Hkv, W, D)
+    R, H, _, D = query.shape
+    B, Hkv, W, Dv = kp.shape[0], kp.shape[1], kp.shape[2], vp.shape[-1]
+    G, rep = shared.group, H // Hkv
+    if scaling is None:
+        scaling = D ** -0.5
+    q = query.view(B, G, Hkv, rep, D)
+    # scores against the prompt: all G rows of a prompt in one matmul against its single K
+    s_p = torch.matmul(q.permute(0, 2, 1, 3, 4).reshape(B, Hkv, G * rep, D), kp.transpose(-1, -2)).float() * scaling
+    s_p = s_p.masked_fill(~shared.valid[:, None, None, :], float("-inf")).view(B, Hkv, G, rep, W)
+    s_p = s_p.permute(0, 2, 1, 3, 4).reshape(R, Hkv, rep, W)
+    # scores against its own tokens
+    s_o = torch.matmul(query.view(R, Hkv, rep, D), key.transpose(-1, -2)).float() * scaling  # (R, Hkv, rep, t)
+    m = torch.maximum(s_p.amax(-1), s_o.amax(-1)).unsqueeze(-1)
+    e_p, e_o = torch.exp(s_p - m), torch.exp(s_o - m)
+    denom = (e_p.sum(-1) + e_o.sum(-1)).unsqueeze(-1)
+    a_p = (e_p / denom).to(vp.dtype).view(B, G, Hkv, rep, W).permute(0, 2, 1, 3, 4).reshape(B, Hkv, G * rep, W)
+    o_p = torch.matmul(a_p, vp).view(B, Hkv, G, rep, Dv).permute(0, 2, 1, 3, 4).reshape(R, Hkv, rep, Dv)
+    o_o = torch.matmul((e_o / denom).to(value.dtype), value)  # (R, Hkv, rep, Dv)
+    return (o_p + o_o).reshape(R, 1, H, Dv), None
