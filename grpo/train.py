@@ -32,8 +32,15 @@ def _train(run, cfg: Config) -> dict:
     log = logger.MetricsLogger(cfg.trainer.output_dir, asdict(cfg), cfg.logging.wandb, enabled=run.runtime.is_main)
     start = restore(run, cfg, log)
     if start >= cfg.trainer.max_steps and start > 0:
-        _say(run, f"run already reached trainer.max_steps={cfg.trainer.max_steps} (checkpoint step {start}); nothing to do")
-        return {"steps": start, "resumed": True}
+        if os.path.isdir(os.path.join(cfg.trainer.output_dir, "final")):
+            _say(run, f"run already reached trainer.max_steps={cfg.trainer.max_steps} (checkpoint step {start}); "
+                      "nothing to do")
+            return {"steps": start, "resumed": True}
+        _say(run, f"run reached trainer.max_steps={cfg.trainer.max_steps} but stopped before its final model was "
+                  "saved; saving it from the last checkpoint")
+        save_final(run, cfg)
+        log.finish()
+        return {"steps": start, "resumed": True, "final_saved": True}
     summary = {"eval_before": evaluate(run, cfg, "before")} if start == 0 else {}
     if start == 0:
         log.truncate_after(-1)  # a fresh run in a used directory starts a fresh metrics.jsonl
