@@ -1,0 +1,117 @@
+"""log p(target) and entropy from decoder hidden states and the output head, without storing vocabulary logits.
+
+Used by grpo.prefix_engine at the positions that predict completion tokens only. A plain ``nn.Linear`` head
+goes through a fused autograd function that works in row chunks and recomputes each chunk's logits in
+backward; other heads (LoRA on lm_head, DeepSpeed ZeRO-3 partitioned weights) use ordinary autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["head_logprobs"]
+
+_CHUNK_ELEMENTS = 1 << 24  # logits materialised at once (rows x vocab), forward and backward
+
+
+def _head_transform(cfg):
+    """(multiplier, soft-cap) the model applies to ``lm_head`` outputs before they are logits."""
+    mult = 1.0
+    if getattr(cfg, "logits_scaling", None):  # granite divides
+        mult /= cfg.logits_scaling
+    if getattr(cfg, "logit_scale", None) and cfg.model_type.startswith("cohere"):
+        mult *= cfg.logit_scale
+    return mult, getattr(cfg, "final_logit_softcapping", None) or None
+
+
+class _FusedLogProb(torch.autograd.Function):
+    """log p(target) (and entropy) from hidden states and a linear head, in row chunks; the (M, vocab) logits
+    are never stored: backward recomputes them chunk by chunk (one extra matmul, far fewer full-vocab passes,
+    and no vocab-sized activation memory)."""
+
+    @staticmethod
+    def _logits(h, weight, bias, mult, cap, temperature):
+        u = torch.nn.functional.linear(h, weight, bias).float()
+        if mult != 1.0:
+            u = u * mult
+        t = torch.tanh(u / cap) if cap else None
+        z = t * cap if cap else u
+        return (z / temperature if temperature != 1.0 else z), t
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, mult, cap, temperature, want_entropy):
+        M = hidden.shape[0]
+        rows = max(1, _CHUNK_ELEMENTS // weight.shape[0])
+        logp = torch.empty(M, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if want_entropy else logp.new_empty(0)
+        for s in range(0, M, rows):
+            z, _ = _FusedLogProb._logits(hidden[s : s + rows], weight, bias, mult, cap, temperature)
+            lse[s : s + rows] = torch.logsumexp(z, dim=-1)
+            logp[s : s + rows] = z.gather(1, targets[s : s + rows, None])[:, 0] - lse[s : s + rows]
+            if want_entropy:
+                z.sub_(lse[s : s + rows, None])  # log p
+                ent[s : s + rows] = -(z.exp() * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        ctx.args = (mult, cap, temperature, rows)
+        if not want_entropy:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        mult, cap, temperature, rows = ctx.args
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        g_h = torch.empty_like(hidden) if need_h else None
+        g_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        g_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        use_ent = g_ent is not None and ent.numel() > 0
+        for s in range(0, hidden.shape[0], rows):
+            sl = slice(s, s + rows)
+            z, t = _FusedLogProb._logits(hidden[sl], weight, bias, mult, cap, temperature)
+            z.sub_(lse[sl, None])  # log p
+            p = z.exp()
+            if use_ent:  # dH/dz = -p (log p + H)
+                g = (z.add_(ent[sl, None])).mul_(p).mul_(-g_ent[sl, None])
+                g.sub_(p.mul_(g_lp[sl, None]))
+            else:
+                g = p.mul_(-g_lp[sl, None])
+            g[torch.arange(g.shape[0], device=g.device), targets[sl]] += g_lp[sl]
+            scale = mult / temperature
+            if cap:
+                g.mul_(1 - t * t)
+            if scale != 1.0:
+                g.mul_(scale)
+            g = g.to(weight.dtype)
+            if need_h:
+                g_h[sl] = g @ weight
+            if need_w:
+                g_w.addmm_(g.t().float(), hidden[sl].float())
+            if need_b:
+                g_b += g.float().sum(0)
+        g_w = g_w.to(weight.dtype) if need_w else None
+        g_b = g_b.to(bias.dtype) if need_b else None
+        return g_h, g_w, g_b, None, None, None, None, None
+
+
+def head_logprobs(hidden, head, cfg, targets, temperature, want_entropy):
+    """hidden (M, h) at predicting positions -> (log p(target), entropy or None), both (M,) float32."""
+    mult, cap = _head_transform(cfg)
+    weight = getattr(head, "weight", None)
+    if type(head) is torch.nn.Linear and not hasattr(weight, "ds_id"):  # plain head (not LoRA, not ZeRO-3)
+        logp, ent = _FusedLogProb.apply(hidden, weight, head.bias, targets, mult, cap, temperature, want_entropy)
+        return logp, (ent if want_entropy else None)
+    logits = head(hidden).float()
+    if mult != 1.0:
+        logits = logits * mult
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    if temperature != 1.0:
+        logits = logits / temperature
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
+    entropy = None
+    if want_entropy:
+        entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
