@@ -26,13 +26,14 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
              min_new_tokens: int = 0):
     """Returns ``(completion_ids, truncated)``: per prompt, ``group_size`` token lists and flags.
 
-    With ``share_prompt`` each prompt is prefilled once and its KV cache forked for the G samples
-    (HF ``generate`` with ``num_return_sequences`` prefills G copies). Sampling is exactly softmax(logits / T)
+    With ``share_prompt`` each prompt is prefilled once and its G samples decode against one copy of its K/V
+    (families the prefix engine does not serve: the cache is forked G times); without it every sample
+    prefills its own copy, as HF ``generate`` with ``num_return_sequences`` does. Sampling is exactly softmax(logits / T)
     (with top-k / top-p when set): no other logits processor, whatever the checkpoint's generation_config
     says, so the rollout stays on-policy for the loss. ``min_new_tokens`` forbids EOS before that many tokens
     (benchmarks use it for fixed-length completions; it biases sampling, so training leaves it at 0)."""
     # A multi-process runtime may need every rank in every decoding step (DeepSpeed ZeRO-3: partitioned
-    # weights): its model carries a context that prepares it and yields extra generate kwargs.
+    # weights): its model carries a context that prepares it and yields options ({"synced_gpus": True}).
     ready = getattr(model, "grpo_generation_context", None)
     with ready() if ready is not None else contextlib.nullcontext({}) as extra:
         return _generate(_unwrap(model), tokenizer, prompt_ids, group_size=group_size, max_new_tokens=max_new_tokens,
@@ -42,8 +43,9 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
 
 
 def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, temperature, top_p, top_k, batch_size,
-              greedy, desc, progress, extra, share_prompt, min_new_tokens=0):
+              greedy, desc, progress, extra, share_prompt, min_new_tokens):
     device = next(model.parameters()).device
+    synced = bool(extra.get("synced_gpus"))
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     was_training = model.training
@@ -63,7 +65,7 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
             attention[i, width - len(p):] = 1
         if not (share_prompt or greedy):  # the baseline: G copies of each prompt, each prefilled
             input_ids, attention = input_ids.repeat_interleave(n_samples, 0), attention.repeat_interleave(n_samples, 0)
-        cache = prefill(model, input_ids, attention, synced=bool(extra.get("synced_gpus")))
+        cache = prefill(model, input_ids, attention, synced=synced)
         shared = None
         if share_prompt and not greedy and n_samples > 1:  # prefilled once; G rows decode from it
             if width > 1 and _cascade_ok(model, width + max_new_tokens):
@@ -73,8 +75,7 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
                 cache.batch_repeat_interleave(n_samples)  # fork: G copies of the prompt's K/V
             input_ids, attention = input_ids.repeat_interleave(n_samples, 0), attention.repeat_interleave(n_samples, 0)
         new = decode(model, input_ids[:, -1], attention, cache, pick, max_new_tokens=max_new_tokens, eos=eos,
-                     pad_id=pad_id, min_new_tokens=min_new_tokens, synced=bool(extra.get("synced_gpus")),
-                     shared=shared).tolist()
+                     pad_id=pad_id, min_new_tokens=min_new_tokens, synced=synced, shared=shared).tolist()
         for i, p in enumerate(chunk):
             group, flags = [], []
             for j in range(n_samples):
