@@ -12,6 +12,7 @@ Run by torchrun, this file is also the worker (``python tests/test_distributed.p
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -224,7 +225,10 @@ def test_impossible_settings_fail_at_start_on_every_rank(tmp_path):
                  "rollout.prompts_per_step=3", cwd=tmp_path, timeout=120)
     assert p.returncode != 0
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 2 and all("rollout.prompts_per_step=3 must be divisible" in e for e in errors), p.stderr[-3000:]
+    # each rank stops with the one line; torchrun may SIGTERM the slower rank before it prints its own
+    assert 1 <= len(errors) <= 2, p.stderr[-3000:]
+    assert all("rollout.prompts_per_step=3 must be divisible" in e for e in errors), p.stderr[-3000:]
+    assert not re.search(r'grpo/[a-z_]+\.py"', p.stderr), p.stderr[-3000:]  # no traceback through our code
     # without a launcher there is no world to join: one line, exit 2
     p = subprocess.run([sys.executable, "-m", "grpo.train", *SMOKE, "distributed=zero3",
                         f"trainer.output_dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=tmp_path,
