@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpo.decode_attention import DECODE_ATTN_NAME, shared_decode_attention_forward
 from grpo.flex_kernel import flex_fn
 
 ATTN_NAME = "grpo_prefix"
@@ -126,6 +125,16 @@ def build_layout(prompts: list[list[int]], completions: list[list[list[int]]], d
     )
 
 
+def joint_softmax(s_a: torch.Tensor, s_b: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax over the last dims of two score blocks taken together (shared max and denominator, in the
+    scores' precision); returns both blocks' attention weights in ``dtype``. At least one score per row must be
+    finite."""
+    m = torch.maximum(s_a.amax(-1), s_b.amax(-1)).detach().unsqueeze(-1)
+    e_a, e_b = torch.exp(s_a - m), torch.exp(s_b - m)
+    denom = (e_a.sum(-1) + e_b.sum(-1)).unsqueeze(-1)
+    return (e_a / denom).to(dtype), (e_b / denom).to(dtype)
+
+
 def prefix_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention function with the signature of transformers' AttentionInterface.
 
@@ -193,12 +202,7 @@ def prefix_attention_forward(module, query, key, value, attention_mask, scaling=
     causal_c = torch.ones(Smax, Smax, dtype=torch.bool, device=q.device).tril()
     s_c = s_c.masked_fill(~causal_c, float("-inf"))
     s_c = s_c.permute(0, 2, 3, 1, 4, 5)  # (B, Hkv, rep, Gmax, Smax, Smax), a view
-    m = torch.maximum(s_p.amax(-1), s_c.amax(-1)).detach().unsqueeze(-1)  # finite: P >= 1
-    e_p = torch.exp(s_p - m)
-    e_c = torch.exp(s_c - m)
-    denom = (e_p.sum(-1) + e_c.sum(-1)).unsqueeze(-1)
-    a_p = (e_p / denom).to(value.dtype)
-    a_c = (e_c / denom).to(value.dtype)
+    a_p, a_c = joint_softmax(s_p, s_c, value.dtype)  # finite: P >= 1
     if dropout > 0.0:
         a_p = F.dropout(a_p, p=dropout, training=True)
         a_c = F.dropout(a_c, p=dropout, training=True)
@@ -220,6 +224,8 @@ def register() -> None:
     global _registered
     if not _registered:
         from transformers import AttentionInterface
+
+        from grpo.decode_attention import DECODE_ATTN_NAME, shared_decode_attention_forward
 
         AttentionInterface.register(ATTN_NAME, prefix_attention_forward)
         AttentionInterface.register(DECODE_ATTN_NAME, shared_decode_attention_forward)

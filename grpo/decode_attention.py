@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo.attention import joint_softmax
+
 DECODE_ATTN_NAME = "grpo_prefix_decode"
 DECODE_KWARG = "grpo_shared_prompt"
 
@@ -55,10 +57,8 @@ def shared_decode_attention_forward(module, query, key, value, attention_mask, s
     s_p = s_p.permute(0, 2, 1, 3, 4).reshape(R, Hkv, rep, W)
     # scores against its own tokens
     s_o = torch.matmul(query.view(R, Hkv, rep, D), key.transpose(-1, -2)).float() * scaling  # (R, Hkv, rep, t)
-    m = torch.maximum(s_p.amax(-1), s_o.amax(-1)).unsqueeze(-1)
-    e_p, e_o = torch.exp(s_p - m), torch.exp(s_o - m)
-    denom = (e_p.sum(-1) + e_o.sum(-1)).unsqueeze(-1)
-    a_p = (e_p / denom).to(vp.dtype).view(B, G, Hkv, rep, W).permute(0, 2, 1, 3, 4).reshape(B, Hkv, G * rep, W)
+    a_p, a_o = joint_softmax(s_p, s_o, value.dtype)  # finite: every row has its own last prompt token
+    a_p = a_p.view(B, G, Hkv, rep, W).permute(0, 2, 1, 3, 4).reshape(B, Hkv, G * rep, W)
     o_p = torch.matmul(a_p, vp).view(B, Hkv, G, rep, Dv).permute(0, 2, 1, 3, 4).reshape(R, Hkv, rep, Dv)
-    o_o = torch.matmul((e_o / denom).to(value.dtype), value)  # (R, Hkv, rep, Dv)
+    o_o = torch.matmul(a_o, value)  # (R, Hkv, rep, Dv)
     return (o_p + o_o).reshape(R, 1, H, Dv), None
