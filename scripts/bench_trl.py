@@ -34,17 +34,12 @@ for p in (str(ROOT), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-TINY_LLAMA = dict(vocab_size=49152, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
+from bench_prefix import SMOLLM2_SHAPE, TINY_LLAMA  # noqa: E402  (the same model shapes in both benchmarks)
+
 QUICK_LLAMA = dict(TINY_LLAMA, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
 QWEN05 = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
               num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6,
               rms_norm_eps=1e-6)
-# SmolLM2-135M's architecture with random weights: the same step time as the real model when completions have a
-# fixed length (the benchmark forces S tokens), for machines where the embedded weights cannot be prepared.
-SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                     tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5)
 MODELS = {"tiny": ("llama", TINY_LLAMA), "quick": ("llama", QUICK_LLAMA), "qwen05": ("qwen2", QWEN05),
           "smollm2-shape": ("llama", SMOLLM2_SHAPE), "smollm2": None}
 DEFAULT_SHAPES = "64x64x8,1024x32x8"
