@@ -1,31 +1,13 @@
 """Command-line checks that run before Hydra, so that a typo costs one clear line, not a traceback."""
 from __future__ import annotations
 
-from dataclasses import fields, is_dataclass
 from pathlib import Path
 
-from grpo.config import Config, ConfigError, suggest
+from grpo.config import ConfigError, open_dict_keys, schema_keys, suggest
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "configs"
 RECIPE_DIR = ROOT / "recipes"
-
-
-def _dict_fields(cls=Config, prefix: str = "") -> tuple[set[str], set[str]]:
-    """(leaf keys, keys of free-form dict fields whose sub-keys are open)."""
-    leaves, open_dicts = set(), set()
-    for f in fields(cls):
-        key = f"{prefix}{f.name}"
-        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-        if is_dataclass(default):
-            sub_leaves, sub_open = _dict_fields(type(default), key + ".")
-            leaves |= sub_leaves
-            open_dicts |= sub_open
-        else:
-            leaves.add(key)
-            if isinstance(default, dict):
-                open_dicts.add(key)
-    return leaves, open_dicts
 
 
 def groups() -> dict[str, list[str]]:
@@ -39,7 +21,7 @@ def groups() -> dict[str, list[str]]:
 
 def check_argv(argv: list[str]) -> None:
     """Reject unknown keys and unknown group options in ``key=value`` overrides."""
-    leaves, open_dicts = _dict_fields()
+    leaves, open_dicts = set(schema_keys()), open_dict_keys()
     options = groups()
     for arg in argv:
         if arg.startswith("-") or "=" not in arg:

@@ -198,6 +198,9 @@ _RANGES = {
     "trainer.keep_last": (lambda v: v >= 1, ">= 1"),
     "trainer.eval_every": (lambda v: v >= 0, ">= 0"),
     "trainer.max_bad_steps": (lambda v: v >= 1, ">= 1"),
+    "logging.log_every": (lambda v: v >= 1, ">= 1 (a console line every N steps)"),
+    "logging.sample_every": (lambda v: v >= 0, ">= 0 (0 = never)"),
+    "logging.num_samples": (lambda v: v >= 0, ">= 0"),
     "data.max_prompt_tokens": (lambda v: v >= 1, ">= 1"),
     "data.num_train": (lambda v: v >= 1, ">= 1"),
     "data.num_eval": (lambda v: v >= 0, ">= 0"),
@@ -207,17 +210,26 @@ _RANGES = {
 }
 
 
-def schema_keys(cls=Config, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema (``trainer.lr``, ...)."""
-    out = []
+def _walk(cls=Config, prefix: str = ""):
+    """(dotted key, default) of every leaf of the schema."""
     for f in fields(cls):
         key = f"{prefix}{f.name}"
         default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
         if is_dataclass(default):
-            out.extend(schema_keys(type(default), key + "."))
+            yield from _walk(type(default), key + ".")
         else:
-            out.append(key)
-    return out
+            yield key, default
+
+
+def schema_keys() -> list[str]:
+    """Every dotted key of the schema (``trainer.lr``, ...)."""
+    return [key for key, _ in _walk()]
+
+
+def open_dict_keys() -> set[str]:
+    """Free-form dict fields (``reward.functions``, ``data.task_kwargs``, ...): their sub-keys are open, and a
+    value given for one replaces the schema's default instead of being merged into it."""
+    return {key for key, default in _walk() if isinstance(default, dict)}
 
 
 def suggest(key: str) -> str:
@@ -249,6 +261,10 @@ def validate(cfg: Config) -> Config:
         w = spec.get("weight", 1.0)
         if not isinstance(w, (int, float)):
             raise ConfigError(f"reward.functions.{name}.weight={w!r} must be a number")
+    betas = cfg.trainer.adam_betas
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise ConfigError(f"trainer.adam_betas={list(betas)} must be two numbers in [0, 1), "
+                          "e.g. trainer.adam_betas=[0.9,0.99]")
     if not cfg.reward.functions:
         raise ConfigError("reward.functions is empty; give at least one reward function")
     mode = (cfg.logging.wandb or {}).get("mode", "disabled")
@@ -282,6 +298,14 @@ def _check_distributed(cfg: Config) -> None:
                           "use model.dtype=bfloat16 or distributed.bf16=true")
 
 
+_ABSENT = object()
+
+
+def _list_example(key: str) -> str:
+    default = dict(_walk()).get(key)
+    return ",".join(map(str, default)) if isinstance(default, list) else "a,b"
+
+
 def load(raw: DictConfig | dict) -> Config:
     """Merge ``raw`` onto the schema (type and unknown-key checks), then validate values."""
     if isinstance(raw, dict):
@@ -292,12 +316,19 @@ def load(raw: DictConfig | dict) -> Config:
             raise ConfigError(f"unknown config key '{k}'{suggest(str(k))}")
     raw = OmegaConf.masked_copy(raw, [k for k in raw.keys() if k in known])
     try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), raw))
+        merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
+        for key in open_dict_keys():  # a dict given replaces the default: a deleted reward stays deleted
+            given = OmegaConf.select(raw, key, default=_ABSENT)
+            if given is not _ABSENT:
+                OmegaConf.update(merged, key, given, merge=False)
+        cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
         msg = str(e).splitlines()[0]
         if "not in" in msg:
             raise ConfigError(f"unknown config key '{key}'{suggest(key)}") from None
+        if "is not a ListConfig" in msg:
+            raise ConfigError(f"{key} must be a list, e.g. {key}=[{_list_example(key)}]") from None
         raise ConfigError(f"bad value for '{key}': {msg}") from None
     assert isinstance(cfg, Config)
     return validate(cfg)

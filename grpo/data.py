@@ -22,24 +22,65 @@ def load_rows(dcfg, n: int | None = None, seed: int | None = None) -> list[dict]
     """Raw rows from ``data.source`` (before templating)."""
     src = dcfg.source
     if src.startswith("builtin:"):
-        from grpo.tasks import get_task
-
+        task, kwargs = builtin_task(dcfg)
         try:
-            task = get_task(src.split(":", 1)[1])
-        except KeyError as e:
-            raise DataError(f"data.source={src!r}: {e.args[0]}") from None
-        return task(n or dcfg.num_train + dcfg.num_eval, dcfg.seed if seed is None else seed, **dict(dcfg.task_kwargs))
-    suffix = Path(src).suffix.lower()
-    if suffix in _FILE_TYPES or Path(src).exists():
-        path = Path(src)
-        if not path.is_file():
-            raise DataError(f"data.source={src!r}: file not found")
-        if suffix not in _FILE_TYPES:
-            raise DataError(f"data.source={src!r}: unknown file type; use .jsonl, .parquet or .csv")
-        if path.stat().st_size == 0:
-            raise DataError(f"data.source={src!r}: the file is empty")
-        return _load_dataset(_FILE_TYPES[suffix], data_files=str(path), split="train", src=src)
+            return task(n or dcfg.num_train + dcfg.num_eval, dcfg.seed if seed is None else seed, **kwargs)
+        except (ValueError, TypeError) as e:
+            raise DataError(f"data.task_kwargs={kwargs} for {src}: {str(e).splitlines()[0]}") from None
+    path = _local_file(src)
+    if path is not None:
+        return _load_dataset(_FILE_TYPES[path.suffix.lower()], data_files=str(path), split="train", src=src)
     return _load_dataset(src, split=dcfg.split, src=src, **dict(dcfg.load_kwargs))
+
+
+def _local_file(src: str) -> Path | None:
+    """The local data file ``src`` names (checked), or None for a hub dataset name."""
+    path = Path(src)
+    if path.suffix.lower() not in _FILE_TYPES and not path.exists():
+        return None
+    if path.is_dir():
+        raise DataError(f"data.source={src!r} is a folder; give one .jsonl, .parquet or .csv file")
+    if not path.is_file():
+        raise DataError(f"data.source={src!r}: file not found")
+    if path.suffix.lower() not in _FILE_TYPES:
+        raise DataError(f"data.source={src!r}: unknown file type; use .jsonl, .parquet or .csv")
+    if path.stat().st_size == 0:
+        raise DataError(f"data.source={src!r}: the file is empty")
+    return path
+
+
+def builtin_task(dcfg):
+    """The task function of a ``builtin:<name>`` source and its ``data.task_kwargs``, checked against its
+    signature so that a misspelled or leftover argument is named instead of ignored or crashing later."""
+    import difflib
+    import inspect
+
+    from grpo.tasks import get_task
+
+    name = dcfg.source.split(":", 1)[1]
+    try:
+        task = get_task(name)
+    except KeyError as e:
+        raise DataError(f"data.source={dcfg.source!r}: {e.args[0]}") from None
+    kwargs = dict(dcfg.task_kwargs)
+    takes = list(inspect.signature(task).parameters)[2:]  # after (n, seed)
+    for key in kwargs:
+        if key not in takes:
+            close = difflib.get_close_matches(key, takes, n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise DataError(f"data.task_kwargs.{key}: builtin:{name} has no argument {key!r}{hint}; it takes "
+                            f"{', '.join(takes) or 'no arguments'} (switch tasks with data=<group>, which brings its "
+                            "own task_kwargs)")
+    return task, kwargs
+
+
+def check_source(dcfg) -> None:
+    """What can be checked before a model loads: a built-in task's arguments (one prompt is generated)
+    and that a local source is a file."""
+    if dcfg.source.startswith("builtin:"):
+        load_rows(dcfg, n=1)
+    else:
+        _local_file(dcfg.source)
 
 
 def _load_dataset(*args, src: str, **kwargs) -> list[dict]:

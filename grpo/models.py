@@ -94,9 +94,8 @@ def tiny_model(family: str, vocab_size: int, seed: int = 0, **overrides):
     """A randomly initialised decoder of ``family`` with a few layers (deterministic in ``seed``)."""
     import transformers
 
+    check_name(f"tiny:{family}")
     classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}
-    if family not in classes:
-        raise ModelError(f"tiny:{family} is not a known family; choose one of: {', '.join(classes)}")
     kw = {**TINY_DEFAULTS, **overrides, "vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 1,
           "eos_token_id": 2, "tie_word_embeddings": False}
     if family == "qwen3":
@@ -111,10 +110,40 @@ def tiny_model(family: str, vocab_size: int, seed: int = 0, **overrides):
 
 
 # ------------------------------------------------------------------------------------- loading
+_TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def check_name(name_or_path: str) -> None:
+    """Fail early and plainly on a name that cannot work: an unknown embedded or tiny model, or a local
+    path (``/...``, ``./...``, ``~/...``, ``a/b/c``) that does not exist or is a file. ``org/name`` is a hub id."""
+    kind, _, rest = name_or_path.partition(":")
+    if kind == "embedded" and rest not in EMBEDDED:
+        raise ModelError(f"model.name_or_path={name_or_path!r}: unknown embedded model; available: "
+                         + ", ".join(f"embedded:{k}" for k in EMBEDDED))
+    if kind == "tiny" and rest not in _TINY_FAMILIES:
+        raise ModelError(f"tiny:{rest} is not a known family; choose one of: {', '.join(_TINY_FAMILIES)}")
+    if kind in ("embedded", "tiny"):
+        return
+    problem = local_path_problem(name_or_path)
+    if problem:
+        raise ModelError(f"model.name_or_path={name_or_path!r} {problem}")
+
+
+def local_path_problem(name_or_path: str) -> str | None:
+    """Why ``name_or_path`` cannot be a model directory, or None (a directory, or a hub id ``org/name``)."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return None if path.is_dir() else "is a file; give the model's directory"
+    if name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") >= 2:
+        return "does not exist (a local model is a folder with config.json; a hub id looks like org/name)"
+    return None
+
+
 def resolve_path(name_or_path: str) -> str:
+    check_name(name_or_path)
     if name_or_path.startswith("embedded:"):
         return str(prepare_embedded(name_or_path.split(":", 1)[1]))
-    return name_or_path
+    return str(Path(name_or_path).expanduser()) if name_or_path.startswith("~") else name_or_path
 
 
 def load_tokenizer(name_or_path: str):

@@ -21,7 +21,7 @@ import torch
 from grpo import checkpoint, data
 from grpo.config import Config
 from grpo.data import PromptSampler, Splits
-from grpo.models import ModelError, load_model, load_reference, load_tokenizer
+from grpo.models import ModelError, check_name, load_model, load_reference, load_tokenizer
 from grpo.rewards import RewardSpecError
 from grpo.rewards.score import RewardFunction, build as build_rewards
 
@@ -80,13 +80,34 @@ def make_runtime(cfg: Config):
     return LocalRuntime(cfg.trainer.device)
 
 
-def build_run(cfg: Config) -> Run:
-    if not cfg.trainer.output_dir:
+def preflight(cfg: Config) -> None:
+    """Every check that needs no model, as one-line SetupErrors: the command line runs it before a run
+    directory exists (a mistake leaves nothing behind), and `build_run` runs it again."""
+    out = cfg.trainer.output_dir
+    if not out:
         raise SetupError("trainer.output_dir is not set")
-    runtime = make_runtime(cfg)
-    if cfg.engine.attention_kernel == "flex" and runtime.device.type != "cuda":
-        raise SetupError(f"engine.attention_kernel=flex needs a CUDA device (this run is on {runtime.device.type}: "
+    if Path(out).exists() and not Path(out).is_dir():
+        raise SetupError(f"trainer.output_dir={out!r} is an existing file; give a directory")
+    device = cfg.trainer.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise SetupError("trainer.device=cuda but this machine has no usable CUDA device "
+                         "(torch.cuda.is_available() is False); use trainer.device=auto or cpu")
+    if cfg.engine.attention_kernel == "flex" and device != "cuda":
+        raise SetupError(f"engine.attention_kernel=flex needs a CUDA device (this run is on {device}: "
                          "PyTorch's FlexAttention has no CPU backward); use auto or grouped")
+    try:
+        check_name(cfg.model.name_or_path)
+        build_rewards(cfg.reward.functions)  # resolves every fn and checks its arguments
+        data.check_source(cfg.data)
+    except (RewardSpecError, ModelError, data.DataError) as e:
+        raise SetupError(str(e)) from None
+
+
+def build_run(cfg: Config) -> Run:
+    preflight(cfg)
+    runtime = make_runtime(cfg)
     set_seed(cfg.trainer.seed + runtime.rank)
     try:
         rewards = build_rewards(cfg.reward.functions, cfg.reward.timeout_s)

@@ -1,18 +1,17 @@
 """Shared test helpers: compose recipes with Hydra exactly as the command line does."""
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from grpo.cli import CONFIG_DIR
+from grpo.compose import compose
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def compose_recipe(recipe: str, overrides: list[str] | None = None):
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=[f"recipe={recipe}", *(overrides or [])])
-    return cfg
+    """The config the command line ``recipe=<recipe> <overrides>`` trains with (without Hydra's own section)."""
+    cfg = compose([f"recipe={recipe}", *(overrides or [])])
+    return OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
 
 
 def smoke_raw():

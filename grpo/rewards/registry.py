@@ -40,6 +40,11 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def is_builtin(spec: str) -> bool:
+    _load_builtins()
+    return spec in _REGISTRY
+
+
 def _load_builtins() -> None:
     import grpo.rewards  # noqa: F401  (importing the package registers every built-in module)
 

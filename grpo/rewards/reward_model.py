@@ -80,6 +80,11 @@ def reward_model(prompts: list[str], completions: list[str], path: str | None = 
     """
     if not path:
         raise ValueError("reward_model needs path= (a hub id or a local directory)")
+    from grpo.models import local_path_problem
+
+    problem = local_path_problem(path)
+    if problem:
+        raise ValueError(f"path={path!r} {problem}")
     import torch
 
     model, tok, dev = load(path, device, dtype)

@@ -6,13 +6,15 @@ logged once. The total reward is the weighted sum over the functions that scored
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 import math
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from grpo.rewards.registry import resolve
+from grpo.rewards.registry import RewardSpecError, is_builtin, resolve
 
 log = logging.getLogger("grpo.rewards")
 
@@ -41,10 +43,39 @@ def build(functions: dict, timeout_s: float = 0.0) -> list[RewardFunction]:
     out = []
     for name, spec in functions.items():
         spec = dict(spec)
-        out.append(RewardFunction(name, resolve(spec["fn"]), float(spec.get("weight", 1.0)),
-                                  {k: v for k, v in spec.items() if k not in _RESERVED},
+        fn, kwargs = resolve(spec["fn"]), {k: v for k, v in spec.items() if k not in _RESERVED}
+        check_kwargs(name, spec["fn"], fn, kwargs)
+        out.append(RewardFunction(name, fn, float(spec.get("weight", 1.0)), kwargs,
                                   spec=spec["fn"], timeout_s=timeout_s, worker=worker))
     return out
+
+
+def check_kwargs(name: str, spec: str, fn: Callable, kwargs: dict) -> None:
+    """Config arguments against the function: a misspelled one (``wieght``, ``mdoe``) is an error, not a
+    silently ignored column. A built-in also runs once on an empty batch, so a missing or bad argument
+    (``overlong_penalty`` without ``max_len``, ``reward_model`` with a path that does not exist) fails now."""
+    target = getattr(fn, "verl_fn", fn)
+    params = inspect.signature(target).parameters
+    named = [p for p in params if params[p].kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                                         inspect.Parameter.VAR_KEYWORD)]
+    open_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    builtin = is_builtin(spec)
+    for key in kwargs:
+        if key not in named and (builtin or not open_kw):
+            close = difflib.get_close_matches(key, [*named, *_RESERVED], n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            takes = ", ".join(p for p in named if p not in ("prompts", "completions")) or "no arguments"
+            raise RewardSpecError(f"reward.functions.{name}.{key}: {spec!r} has no argument {key!r}{hint}; "
+                                  f"it takes {takes} (and fn, weight)")
+    if builtin:
+        required = {p: [] for p, v in params.items() if v.default is inspect.Parameter.empty
+                    and p not in ("prompts", "completions") and p in named and p not in kwargs}
+        try:
+            fn([], [], **required, **kwargs)
+        except Exception as e:  # noqa: BLE001 - whatever the built-in says about its arguments
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise RewardSpecError(f"reward.functions.{name} ({spec}) cannot run with these arguments: {first}") \
+                from None
 
 
 @dataclass
