@@ -6,6 +6,7 @@ so the training loop does not care which one it has.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -23,6 +24,10 @@ class LocalRuntime:
 
     def __init__(self, device: str = "auto"):
         self.device = pick_device(device)
+        if self.device.type == "cpu":
+            # transformers' save_pretrained imports deepspeed when it is installed (accelerate's unwrap), and
+            # deepspeed then prints "Setting accelerator to CPU" into the run's summary; name it up front.
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         self.model = self.optimizer = self.scheduler = None
 
     def setup(self, model, optimizer, scheduler):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 
+from grpo.logger import interactive
 from grpo.rollout import generate
 
 
@@ -19,7 +20,7 @@ def evaluate(run, cfg, label: str) -> dict:
     comps, trunc = generate(rt.model, run.tokenizer, [r["prompt_ids"] for r in padded], group_size=1,
                             max_new_tokens=cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens,
                             batch_size=max(cfg.rollout.batch_size * cfg.algorithm.group_size, 1), greedy=True,
-                            desc=f"eval {label}", progress=rt.is_main)
+                            desc=f"eval {label}", progress=rt.is_main and interactive())
     from grpo.experience import score_groups
 
     comps, trunc = comps[:len(shard)], trunc[:len(shard)]

@@ -6,6 +6,7 @@ import time
 import torch
 
 from grpo.advantages import compute_advantages, zero_std_groups
+from grpo.logger import interactive
 from grpo.loss import kl_estimate
 from grpo.rewards.score import score
 from grpo.rollout import generate
@@ -67,7 +68,8 @@ def _rollout(run, cfg, count_failures: bool = True) -> Batch:
     t0 = time.time()
     completion_ids, truncated = generate(rt.model, run.tokenizer, prompt_ids, group_size=G,
                                          max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                         top_k=r.top_k, batch_size=r.batch_size, progress=rt.is_main,
+                                         top_k=r.top_k, batch_size=r.batch_size,
+                                         progress=rt.is_main and interactive(),
                                          share_prompt=r.share_prompt)
     t1 = time.time()
     rewards, stats = score_groups(run, rows, completion_ids, truncated, count_failures)
@@ -144,7 +146,7 @@ def _track_failures(run, name: str, errors: float, n: float) -> None:
     run.failed_reward_steps[name] = run.failed_reward_steps.get(name, 0) + 1 if errors >= n else 0
     if run.failed_reward_steps[name] >= run.max_failed_reward_steps:
         raise SetupError(f"reward function {name!r} failed on every sample for {run.failed_reward_steps[name]} "
-                         "steps in a row; fix it (its traceback is logged above) or remove it with "
+                         "steps in a row; fix it (its error is shown above, once) or remove it with "
                          f"~reward.functions.{name}")
 
 
@@ -169,12 +171,13 @@ def _concat(a: Batch, b: Batch, limit: int) -> Batch:
 
 
 def sample_rows(run, batch: Batch, n: int) -> list[dict]:
-    """A few completions with their rewards, for the console and samples.jsonl."""
+    """``n`` completions with their rewards, for the console and samples.jsonl: the first of each group, then
+    the second of each, ... (a rank holding one group still shows ``n``)."""
     tok, out = run.tokenizer, []
-    for g, (row, comps) in enumerate(zip(batch.rows, batch.completion_ids)):
-        for j, c in enumerate(comps[:1]):
-            out.append({"prompt": row["prompt"][-200:], "completion": tok.decode(c, skip_special_tokens=True),
-                        "reward": float(batch.rewards[batch.flat_index(g, j)]), "answer": row.get("answer")})
-        if len(out) >= n:
-            break
+    order = sorted(((j, g) for g, comps in enumerate(batch.completion_ids) for j in range(len(comps))))
+    for j, g in order[:n]:
+        row = batch.rows[g]
+        out.append({"prompt": row["prompt"][-200:],
+                    "completion": tok.decode(batch.completion_ids[g][j], skip_special_tokens=True),
+                    "reward": float(batch.rewards[batch.flat_index(g, j)]), "answer": row.get("answer")})
     return out

@@ -13,6 +13,20 @@ CONSOLE_KEYS = [("reward_mean", "reward", "{:.3f}"), ("reward_std", "±", "{:.3f
                 ("grad_norm", "|g|", "{:.3f}"), ("step_time_s", "s/step", "{:.1f}")]
 
 
+def interactive() -> bool:
+    """Progress bars only on a terminal: in a log file their redraws are noise."""
+    return sys.stderr.isatty()
+
+
+def quiet_when_not_interactive() -> None:
+    """Turn off transformers' and the hub's own progress bars (``Loading weights``, ``Writing model shards``)
+    when stderr is not a terminal."""
+    if not interactive():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 class MetricsLogger:
     def __init__(self, output_dir: str, cfg_dict: dict | None = None, wandb_cfg: dict | None = None,
                  enabled: bool = True):
@@ -40,6 +54,13 @@ class MetricsLogger:
             if self.enabled and path.exists():
                 kept = [m for m in read_metrics(path) if m.get("step", 0) <= step]
                 path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+
+    def logged_eval(self, step: int) -> dict:
+        """The held-out evaluation logged at ``step`` (``eval/<name>`` keys, without the prefix); {} if none."""
+        if not (self.enabled and self.path.exists()):
+            return {}
+        rows = [m for m in read_metrics(self.path) if m.get("step") == step and any(k.startswith("eval/") for k in m)]
+        return {k[len("eval/"):]: v for k, v in rows[0].items() if k.startswith("eval/")} if rows else {}
 
     def log(self, metrics: dict, console: bool = True) -> None:
         if not self.enabled:
@@ -111,6 +132,15 @@ def ascii_curve(values: list[float], width: int = 60, height: int = 8, label: st
     return "\n".join(rows)
 
 
+def integer_steps(ax, steps: list) -> None:
+    """Whole-number step ticks, and a readable axis when there is a single step."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if steps and min(steps) == max(steps):
+        ax.set_xlim(min(steps) - 1, max(steps) + 1)
+
+
 def plot_curves(metrics: list[dict], path: str | Path, keys=("reward_mean", "kl", "completion_len_mean")) -> None:
     """PNG with one panel per metric against step."""
     import matplotlib
@@ -126,6 +156,7 @@ def plot_curves(metrics: list[dict], path: str | Path, keys=("reward_mean", "kl"
         pts = [(m["step"], m[k]) for m in metrics if m.get(k) is not None]
         ax.plot(*zip(*pts), marker=".", lw=1)
         ax.set_xlabel("step")
+        integer_steps(ax, [p[0] for p in pts])
         ax.set_title(k)
         ax.grid(alpha=0.3)
     fig.tight_layout()

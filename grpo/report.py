@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo.logger import read_metrics
+from grpo.logger import integer_steps, read_metrics
 
 PLOTS = ("reward.png", "heldout.png", "kl_length.png")
 _SKIP_DIRS = {"final", "checkpoints", ".hydra", ".tmp-final", "wandb", "__pycache__"}
@@ -172,26 +172,31 @@ def _series(run: Run, key: str, unit: float | None = None) -> tuple[list[float],
     return xs, ys
 
 
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+_DASHES = ("-", "--", ":", "-.")
+
+
 def _draw(path: Path, panels: list[tuple[str, str, object]], runs: list[Run]) -> None:
     """One figure, one panel per (title, x label, fn(run) -> (xs, ys)), one line per run."""
     plt = _plt()
-    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.6), squeeze=False)
     for ax, (title, xlabel, get) in zip(axes[0], panels):
-        drawn = False
+        drawn, all_x = False, []
         for i, run in enumerate(runs):
             xs, ys = get(run)
             if xs:
-                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, lw=1.4, color=f"C{i % 10}",
-                        label=run.label)
-                drawn = True
+                # each run its own marker and dash, later ones smaller: identical runs stay visible
+                ax.plot(xs, ys, marker=_MARKERS[i % len(_MARKERS)] if len(xs) < 30 else None,
+                        ms=max(7 - 1.5 * i, 2.5), mfc="none" if i else None, lw=1.4,
+                        ls=_DASHES[i % len(_DASHES)], color=f"C{i % 10}", label=run.label)
+                drawn, all_x = True, all_x + list(xs)
         if not drawn:
             ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes, color="0.5")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(xlabel)
         if xlabel == "step":
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            integer_steps(ax, all_x)
         ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     if not handles:
@@ -224,9 +229,10 @@ def write_plots(runs: list[Run], out: Path) -> list[str]:
                                ("training reward_mean", tlabel, lambda r: _series(r, "reward_mean", unit))], runs)
     _draw(out / "heldout.png", [(f"held-out {ename} (greedy)", "step", ev(None)),
                                 (f"held-out {ename} (greedy)", tlabel, ev(unit))], runs)
-    _draw(out / "kl_length.png", [("KL to the reference", "step", lambda r: _series(r, "kl")),
-                                  ("mean completion length (tokens)", "step",
-                                   lambda r: _series(r, "completion_len_mean"))], runs)
+    length = ("mean completion length (tokens)", "step", lambda r: _series(r, "completion_len_mean"))
+    kl = ("KL to the reference", "step", lambda r: _series(r, "kl"))
+    # beta = 0 everywhere: there is no reference, so no KL panel (a line at 0 would claim a measurement)
+    _draw(out / "kl_length.png", [kl, length] if any(_series(r, "kl")[0] for r in runs) else [length], runs)
     return list(PLOTS)
 
 
@@ -274,7 +280,7 @@ def table(runs: list[Run], out: Path) -> list[str]:
         lines.append("| " + " | ".join([
             f"`{_cell(r.label)}`", "finished" if r.finished else "running", steps,
             _fmt(_num(last.get("reward_mean"))), _fmt(before and before["value"]), after_s,
-            _fmt(_num(last.get("kl")), ".4f"), _fmt(mean_t, ".2f"),
+            _fmt(_num(last.get("kl")), ".4f") if _series(r, "kl")[0] else "n/a", _fmt(mean_t, ".2f"),
             _duration(total), f"`{_cell(rel)}`"]) + " |")
     return lines
 
@@ -293,12 +299,16 @@ def render(runs: list[Run], out: Path, common: list[str]) -> str:
     md += table(runs, out)
     md += ["", "*held-out*: greedy " + ("accuracy" if ekeys <= {"eval/accuracy"} else "accuracy (`eval/accuracy`)")
            + " on the held-out prompts, before training (step 0) and after the last step; "
-           "*wall-clock*: the sum of `step_time_s` (held-out evaluation not included)."]
+           "*wall-clock*: the sum of `step_time_s` (held-out evaluation not included); *final kl*: n/a for a run "
+           "without a reference model (`algorithm.beta=0`)."]
     if any(r.eval_key == "eval/reward_mean" for r in runs):
         md += ["¹ this run has no reward named `accuracy`; its held-out column is `eval/reward_mean`."]
+    has_kl = any(_series(r, "kl")[0] for r in runs)
     md += ["", "## Reward", "", "![reward](reward.png)", "",
            "## Held-out accuracy", "", "![held-out](heldout.png)", "",
-           "## KL and completion length", "", "![kl and length](kl_length.png)", ""]
+           "## KL and completion length" if has_kl else "## Completion length", "",
+           "![kl and length](kl_length.png)" if has_kl else
+           "![completion length](kl_length.png) (no KL panel: no run has a reference model, `algorithm.beta=0`)", ""]
     return "\n".join(md)
 
 

@@ -195,8 +195,10 @@ def close_run(run: Run) -> None:
 # ------------------------------------------------------------------------------- save / restore
 # Keys that define the run: resuming with any of them changed is refused unless trainer.force_resume.
 RUN_DEFINING = ["model.name_or_path", "model.lora", "data.source", "data.task_kwargs", "data.seed",
-                "data.num_train", "data.num_eval", "algorithm.group_size", "rollout.prompts_per_step",
-                "trainer.seed", "reward.functions"]
+                "data.num_train", "data.num_eval", "data.split", "data.load_kwargs", "data.prompt_column",
+                "data.answer_column", "data.system_prompt", "data.prompt_template", "data.chat_template",
+                "data.max_prompt_tokens", "algorithm.group_size", "rollout.prompts_per_step", "trainer.seed",
+                "reward.functions"]
 
 
 def fingerprint(cfg: Config) -> dict:
@@ -268,7 +270,8 @@ def restore(run: Run, cfg: Config, log) -> int:
         return 0
     state = checkpoint.load_state(ckpt)
     now = fingerprint(cfg)
-    changed = [k for k in RUN_DEFINING if state["fingerprint"].get(k) != now.get(k)]
+    # a key the checkpoint's version did not record is not compared (older checkpoints stay resumable)
+    changed = [k for k in RUN_DEFINING if k in state["fingerprint"] and state["fingerprint"][k] != now.get(k)]
     if changed and not cfg.trainer.force_resume:
         k = changed[0]
         raise SetupError(f"cannot resume from {ckpt}: {k} changed ({state['fingerprint'].get(k)!r} -> {now[k]!r}); "
@@ -293,7 +296,7 @@ def restore(run: Run, cfg: Config, log) -> int:
     if run.runtime.is_main:  # later checkpoints belong to the abandoned continuation; never resume them
         checkpoint.drop_after(cfg.trainer.output_dir, state["step"])
     if run.runtime.is_main:
-        print(f"[grpo] resumed from {ckpt} (step {state['step']})", flush=True)
+        print(f"[grpo] resumed from {ckpt} (step {state['step']})", file=sys.stderr, flush=True)
     return state["step"]
 
 

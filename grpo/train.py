@@ -15,12 +15,14 @@ import torch
 from grpo import checkpoint, data, experience, logger
 from grpo.config import Config, ConfigError, load
 from grpo.evaluate import evaluate
+from grpo.rewards import RewardSpecError
 from grpo.setup import SetupError, build_run, close_run, restore, save_checkpoint, save_final
 from grpo.update import policy_update
 
 
 def train(cfg: Config) -> dict:
     """Run GRPO as configured; returns the final summary (eval accuracy before/after, steps)."""
+    logger.quiet_when_not_interactive()
     run = build_run(cfg)  # runtime, tokenizer, policy, reference, data, rewards, optimizer, sampler
     try:
         return _train(run, cfg)
@@ -41,7 +43,8 @@ def _train(run, cfg: Config) -> dict:
         save_final(run, cfg)
         log.finish()
         return {"steps": start, "resumed": True, "final_saved": True}
-    summary = {"eval_before": evaluate(run, cfg, "before")} if start == 0 else {}
+    # a resumed run's "before" is the step-0 evaluation it logged when it started
+    summary = {"eval_before": evaluate(run, cfg, "before") if start == 0 else log.logged_eval(0)}
     if start == 0:
         log.truncate_after(-1)  # a fresh run in a used directory starts a fresh metrics.jsonl
         log.log({"step": 0, **{f"eval/{k}": v for k, v in summary["eval_before"].items()}}, console=False)
@@ -60,7 +63,7 @@ def _train(run, cfg: Config) -> dict:
         metrics = {"step": step, **batch.stats, **stats, "skipped_steps": run.skipped_steps,
                    "lr": run.scheduler.get_last_lr()[0], "step_time_s": time.time() - t0,
                    "time/experience_s": t1 - t0, "time/update_s": time.time() - t1}
-        metrics.setdefault("kl", batch.stats.get("kl", 0.0))
+        metrics.setdefault("kl", batch.stats.get("kl"))  # None with beta = 0: there is no reference
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.max_steps:
             metrics.update({f"eval/{k}": v for k, v in evaluate(run, cfg, f"step {step}").items()})
         log.log(metrics, console=step % cfg.logging.log_every == 0)
@@ -154,7 +157,7 @@ def _hydra_main():
             OmegaConf.save(OmegaConf.create(asdict(cfg)), saved)
         try:
             result = train(cfg)
-        except (SetupError, ConfigError, data.DataError, FileNotFoundError) as e:
+        except (SetupError, ConfigError, RewardSpecError, data.DataError, FileNotFoundError) as e:
             _fail(e)
         after = result.get("eval_after", {})
         return after.get("reward_mean")

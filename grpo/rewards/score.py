@@ -10,6 +10,8 @@ import difflib
 import inspect
 import logging
 import math
+import os
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,6 +19,7 @@ from typing import Callable
 from grpo.rewards.registry import RewardSpecError, is_builtin, resolve
 
 log = logging.getLogger("grpo.rewards")
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 _RESERVED = ("fn", "weight")
 
@@ -86,6 +89,11 @@ class Scores:
 
 
 _reported: set[str] = set()
+_MACHINERY = ("score.py", "worker.py", "adapters.py")  # this module's frames are not the user's
+
+
+class RewardCountError(RewardSpecError):
+    """A reward that returned a different number of scores than completions: a bug to fix, never retried."""
 
 
 def _call(rf: RewardFunction, prompts, completions, columns) -> list:
@@ -94,22 +102,32 @@ def _call(rf: RewardFunction, prompts, completions, columns) -> list:
     else:
         out = list(rf.fn(prompts, completions, **columns, **rf.kwargs))
     if len(out) != len(completions):
-        raise ValueError(f"reward {rf.name!r} returned {len(out)} scores for {len(completions)} completions")
+        raise RewardCountError(f"reward.functions.{rf.name} ({rf.spec}) returned {len(out)} scores for "
+                               f"{len(completions)} completions; return one score (or None) per completion")
     return [None if v is None else float(v) for v in out]
 
 
 def score_one(rf: RewardFunction, prompts, completions, columns) -> tuple[list, int]:
-    """Scores of one function and its error count; per-sample fallback when the batch call raises."""
-    errors = 0
+    """Scores of one function and its error count. When the batch call raises, each sample is retried alone
+    (one bad sample costs only its own score); a timeout is not retried (every sample would wait again)."""
+    from grpo.rewards.worker import RewardTimeout
+
     try:
-        vals = _call(rf, prompts, completions, columns)
+        vals, errors = _call(rf, prompts, completions, columns), 0
+    except RewardCountError:
+        raise
+    except RewardTimeout:
+        _report(rf.name)
+        vals, errors = [None] * len(completions), len(completions)
     except Exception:
         _report(rf.name)
-        vals = []
+        vals, errors = [], 0
         for i in range(len(completions)):
             cols = {k: v[i:i + 1] for k, v in columns.items()}
             try:
                 vals.extend(_call(rf, prompts[i:i + 1], completions[i:i + 1], cols))
+            except RewardCountError:
+                raise
             except Exception:
                 vals.append(None)
                 errors += 1
@@ -118,9 +136,16 @@ def score_one(rf: RewardFunction, prompts, completions, columns) -> tuple[list, 
 
 
 def _report(name: str) -> None:
-    if name not in _reported:
-        _reported.add(name)
-        log.warning("reward function %r raised (samples get no score; logged once):\n%s", name, traceback.format_exc())
+    """The first failure of a function, once, with the user's own frames (not the scoring machinery's)."""
+    if name in _reported:
+        return
+    _reported.add(name)
+    etype, err, tb = sys.exc_info()
+    frames = [f for f in traceback.extract_tb(tb) if os.path.basename(f.filename) not in _MACHINERY
+              or os.path.dirname(f.filename) != _HERE]
+    text = "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(etype, err))
+    log.warning("reward function %r raised (the samples it cannot score get no score; shown once):\n%s",
+                name, text.rstrip())
 
 
 def score(functions: list[RewardFunction], prompts: list[str], completions: list[str], columns: dict) -> Scores:
