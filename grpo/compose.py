@@ -1,17 +1,19 @@
 """What you compose is what runs: Hydra's composition plus the precedence a user expects.
 
 Hydra merges a recipe (``@package _global_``) after the config groups, so its values would beat a
-group the user names on the command line. The rules here, applied to every run, ``--cfg job`` and
-the tests alike:
+group the user names on the command line, and it merges dicts key by key, so a reward set or a task's
+arguments would keep leftovers of the layer below. The rules here apply to every run, ``--cfg job``
+and the tests alike:
 
 1. Defaults < the chosen group options < the recipe < what the command line names.
 2. A group named on the command line (``reward=math``) replaces its whole section, the recipe's
    values for it included; key overrides on the command line then apply on top.
-3. ``data.source=...`` on the command line that switches to another source starts ``data.task_kwargs``
-   afresh: only the ``data.task_kwargs.*`` given on the command line (a task's arguments never leak
-   into another task).
-4. ``key={...}`` on a free-form dict (``reward.functions``, ``data.task_kwargs``, ...) replaces it;
-   Hydra would merge (``+``/``++`` still add and merge).
+3. A free-form dict (``reward.functions``, ``data.task_kwargs``, ``model.tiny``, ...) comes whole from
+   the last layer that sets it (a recipe's reward set replaces its group's), then the command line's
+   overrides of it. ``data.task_kwargs`` belong to the source they were written for: a recipe or a
+   command line that switches ``data.source`` does not inherit the earlier layer's task arguments.
+4. ``key={...}`` on the command line replaces a free-form dict (Hydra would merge into it);
+   ``+``/``++`` still add and merge, ``~`` deletes.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo.cli import CONFIG_DIR, RECIPE_DIR, groups
 from grpo.config import ConfigError, open_dict_keys
+
+TASK_KWARGS = "data.task_kwargs"
 
 
 def _parse(overrides: list[str]):
@@ -47,6 +51,10 @@ def _is_group(key: str) -> bool:
     return "." not in key and key in groups()
 
 
+def _yaml(path) -> DictConfig:
+    return OmegaConf.load(path) if path.exists() else OmegaConf.create({})
+
+
 def apply_precedence(raw: DictConfig, overrides: list[str], choices: dict, compose_fn) -> DictConfig:
     """Rules 2 and 3 on Hydra's composed ``raw``. ``choices`` maps each group to the option Hydra chose;
     ``compose_fn(overrides)`` composes again (the recipe-less pass for the groups the user named)."""
@@ -67,38 +75,57 @@ def apply_precedence(raw: DictConfig, overrides: list[str], choices: dict, compo
         for g in named:
             if g in plain:
                 out[g] = plain[g]
-    sources = [o for o in parsed if o.key_or_group == "data.source" and not o.is_delete()]
-    if sources and out.get("data") is not None:
-        base = _base_source(choices, recipe)
-        if base is not None and str(sources[-1].value()) != base:
-            out.data.task_kwargs = _cli_task_kwargs(parsed)
+    rec = _yaml(RECIPE_DIR / f"{recipe}.yaml") if recipe else OmegaConf.create({})
+    for key in sorted(open_dict_keys()):
+        section = key.split(".")[0]
+        if section not in out:
+            continue
+        base = _dict_base(key, parsed, choices, None if section in named else rec)
+        if base is not None:
+            OmegaConf.update(out, key, _apply_overrides(base, key, parsed), merge=False)
     return out
 
 
-def _base_source(choices: dict, recipe: str | None) -> str | None:
-    """The data source before the command line: the recipe's, else the data group option's."""
-    if recipe and (RECIPE_DIR / f"{recipe}.yaml").exists():
-        src = OmegaConf.select(OmegaConf.load(RECIPE_DIR / f"{recipe}.yaml"), "data.source")
-        if src is not None:
-            return str(src)
-    option = choices.get("data")
-    path = CONFIG_DIR / "data" / f"{option}.yaml"
-    return str(OmegaConf.load(path).get("source")) if option and path.exists() else None
+def _dict_base(key: str, parsed, choices: dict, rec: DictConfig | None):
+    """Rule 3: the value of free-form dict ``key`` before the command line's overrides of it, when it is not
+    Hydra's key-by-key merge (None: keep that)."""
+    if key == TASK_KWARGS:
+        option = choices.get("data")
+        group_source = _yaml(CONFIG_DIR / "data" / f"{option}.yaml").get("source") if option else None
+        before = OmegaConf.select(rec, "data.source", default=group_source) if rec is not None else group_source
+        cli = [o for o in parsed if o.key_or_group == "data.source" and not o.is_delete()]
+        if cli and str(cli[-1].value()) != str(before):
+            return {}  # the command line switched the task: only its own task arguments
+    if rec is None:
+        return None
+    own = OmegaConf.select(rec, key, default=None)
+    if own is not None:
+        return OmegaConf.to_container(own)
+    if key == TASK_KWARGS and "source" in (rec.get("data") or {}):
+        option = choices.get("data")
+        if OmegaConf.select(rec, "data.source") != _yaml(CONFIG_DIR / "data" / f"{option}.yaml").get("source"):
+            return {}  # the recipe switched the task without arguments: the task's defaults
+    return None
 
 
-def _cli_task_kwargs(parsed) -> dict:
-    kwargs = OmegaConf.create({})
+def _apply_overrides(base: dict, key: str, parsed) -> DictConfig:
+    """The command line's overrides of ``key`` and its sub-keys, in order, applied to ``base``."""
+    value = OmegaConf.create(base)
     for o in parsed:
-        key = o.key_or_group
-        if key == "data.task_kwargs":
-            kwargs = OmegaConf.create({} if o.is_delete() else dict(o.value() or {}))
-        elif key.startswith("data.task_kwargs."):
-            sub = key[len("data.task_kwargs."):]
+        if o.is_sweep_override():
+            continue
+        if o.key_or_group == key:
+            value = OmegaConf.create({} if o.is_delete() else dict(o.value() or {}))
+        elif o.key_or_group.startswith(key + "."):
+            sub = o.key_or_group[len(key) + 1:]
             if o.is_delete():
-                kwargs.pop(sub, None)
+                parent, _, leaf = sub.rpartition(".")
+                node = OmegaConf.select(value, parent) if parent else value
+                if isinstance(node, DictConfig):
+                    node.pop(leaf, None)
             else:
-                OmegaConf.update(kwargs, sub, o.value(), force_add=True)
-    return kwargs
+                OmegaConf.update(value, sub, o.value(), merge=o.is_add() or o.is_force_add(), force_add=True)
+    return value
 
 
 def compose(overrides: list[str]) -> DictConfig:
