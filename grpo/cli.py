@@ -1,6 +1,9 @@
-"""Command-line checks that run before Hydra, so that a typo costs one clear line, not a traceback."""
+"""The command line before Hydra sees it: a typo costs one clear line, not a traceback, and a single run is
+composed and checked (grpo/compose.py, `setup.preflight`) before any run directory exists."""
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 from grpo.config import ConfigError, open_dict_keys, schema_keys, suggest
@@ -38,3 +41,86 @@ def check_argv(argv: list[str]) -> None:
         if key in leaves or any(key.startswith(d + ".") for d in open_dicts):
             continue
         raise ConfigError(f"unknown config key '{key}'{suggest(key)}")
+
+
+def prepare_argv(argv: list[str]) -> list[str]:
+    """``sys.argv`` as Hydra should see it, after every check that can run before Hydra. Raises the one-line
+    errors (ConfigError, SetupError, ...)."""
+    from grpo.compose import normalize
+
+    argv = _drop_local_rank(argv)
+    flags, overrides = _split_argv(argv[1:])
+    check_argv(overrides)
+    overrides = normalize(overrides)
+    single = not ({"-m", "--multirun", "-h", "--help", "--info", "-i"} & set(flags))
+    if single and _flag_value(flags, "--cfg", "-c") in (None, "job"):
+        overrides = _preflight(flags, overrides)
+    return [argv[0], *flags, *overrides]
+
+
+# Hydra's flags that take a value; everything else that is not a flag is an override.
+_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir",
+                "-cd", "--info", "-i", "--experimental-rerun"}
+
+
+def _split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(Hydra flags with their values, overrides)."""
+    flags, overrides, i = [], [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a in _VALUE_FLAGS and i + 1 < len(argv) and "=" not in argv[i + 1]:
+            flags += [a, argv[i + 1]]
+            i += 2
+            continue
+        (flags if a.startswith("-") else overrides).append(a)
+        i += 1
+    return flags, overrides
+
+
+def _preflight(flags: list[str], overrides: list[str]) -> list[str]:
+    """Compose and check a single run before Hydra creates its directory (a mistake leaves nothing behind);
+    answer ``--cfg job`` with the config that would run. Returns the overrides to hand to Hydra: the run
+    directory is ``trainer.output_dir`` when one is given (``.hydra/`` and ``train.log`` land beside the
+    metrics, nothing in ./outputs)."""
+    from omegaconf import OmegaConf
+
+    from grpo.compose import compose
+    from grpo.config import load
+    from grpo.setup import preflight
+
+    raw = compose(overrides)
+    job = {k: v for k, v in OmegaConf.to_container(raw, resolve=False).items() if k != "hydra"}
+    if _flag_value(flags, "--cfg", "-c") == "job":
+        print(OmegaConf.to_yaml(job, resolve=False), end="")
+        sys.exit(0)
+    out = raw.trainer.get("output_dir")
+    job["trainer"]["output_dir"] = out or "outputs"  # without one, Hydra's outputs/<date>/<time>
+    preflight(load(OmegaConf.to_container(OmegaConf.create(job), resolve=True)))
+    if out and not any(o.startswith("hydra.run.dir=") for o in overrides):
+        overrides = [*overrides, f"hydra.run.dir={_quote(os.path.abspath(out))}"]
+    return overrides
+
+
+def _flag_value(flags: list[str], *names: str) -> str | None:
+    for i, f in enumerate(flags[:-1]):
+        if f in names:
+            return flags[i + 1]
+    return None
+
+
+def _quote(path: str) -> str:
+    """A path as a quoted Hydra override value."""
+    return "'" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _drop_local_rank(argv: list[str]) -> list[str]:
+    """The deepspeed launcher appends ``--local_rank=N`` (LOCAL_RANK is in the environment as well)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--local_rank":
+            skip = True
+        elif not a.startswith("--local_rank="):
+            out.append(a)
+    return out

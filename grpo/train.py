@@ -10,9 +10,7 @@ import sys
 import time
 from dataclasses import asdict
 
-import torch
-
-from grpo import checkpoint, data, experience, logger
+from grpo import data, experience, logger
 from grpo.config import Config, ConfigError, load
 from grpo.evaluate import evaluate
 from grpo.rewards import RewardSpecError
@@ -110,25 +108,6 @@ def _say(run, msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ command line
-# Hydra's flags that take a value; everything else that is not a flag is an override.
-_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir",
-                "-cd", "--info", "-i", "--experimental-rerun"}
-
-
-def _split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(Hydra flags with their values, overrides)."""
-    flags, overrides, i = [], [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a in _VALUE_FLAGS and i + 1 < len(argv) and "=" not in argv[i + 1]:
-            flags += [a, argv[i + 1]]
-            i += 2
-            continue
-        (flags if a.startswith("-") else overrides).append(a)
-        i += 1
-    return flags, overrides
-
-
 def _hydra_main():
     import hydra
     from omegaconf import DictConfig
@@ -165,41 +144,6 @@ def _hydra_main():
     return _run
 
 
-def _preflight(flags: list[str], overrides: list[str]) -> list[str]:
-    """Compose and check a single run before Hydra creates its directory (a mistake leaves nothing behind);
-    answer ``--cfg job`` with the config that would run. Returns the overrides to hand to Hydra: the run
-    directory is ``trainer.output_dir`` when one is given (``.hydra/`` and ``train.log`` land beside the
-    metrics, nothing in ./outputs)."""
-    from omegaconf import OmegaConf
-
-    from grpo.compose import compose
-    from grpo.setup import preflight
-
-    raw = compose(overrides)
-    job = {k: v for k, v in OmegaConf.to_container(raw, resolve=False).items() if k != "hydra"}
-    if _flag_value(flags, "--cfg", "-c") == "job":
-        print(OmegaConf.to_yaml(job, resolve=False), end="")
-        sys.exit(0)
-    out = raw.trainer.get("output_dir")
-    job["trainer"]["output_dir"] = out or "outputs"  # without one, Hydra's outputs/<date>/<time>
-    preflight(load(OmegaConf.to_container(OmegaConf.create(job), resolve=True)))
-    if out and not any(o.startswith("hydra.run.dir=") for o in overrides):
-        overrides = [*overrides, f"hydra.run.dir={_quote(os.path.abspath(out))}"]
-    return overrides
-
-
-def _flag_value(flags: list[str], *names: str) -> str | None:
-    for i, f in enumerate(flags[:-1]):
-        if f in names:
-            return flags[i + 1]
-    return None
-
-
-def _quote(path: str) -> str:
-    """A path as a quoted Hydra override value."""
-    return "'" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 def _load_or_exit(raw: dict) -> Config:
     try:
         return load(raw)
@@ -214,36 +158,13 @@ def _fail(e: Exception):
     sys.exit(2)
 
 
-def _drop_local_rank(argv: list[str]) -> list[str]:
-    """The deepspeed launcher appends ``--local_rank=N`` (LOCAL_RANK is in the environment as well)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--local_rank":
-            skip = True
-        elif not a.startswith("--local_rank="):
-            out.append(a)
-    return out
-
-
 def main() -> None:
-    from grpo.cli import check_argv
-    from grpo.compose import normalize
-    from grpo.setup import SetupError as _SetupError
+    from grpo.cli import prepare_argv
 
-    argv = _drop_local_rank(sys.argv)
-    flags, overrides = _split_argv(argv[1:])
     try:
-        check_argv(overrides)
-        overrides = normalize(overrides)
-        multirun = "-m" in flags or "--multirun" in flags
-        if not multirun and (_flag_value(flags, "--cfg", "-c") in (None, "job")) and "--help" not in flags \
-                and "-h" not in flags and "--info" not in flags:
-            overrides = _preflight(flags, overrides)
-    except (ConfigError, _SetupError, data.DataError) as e:
+        sys.argv = prepare_argv(sys.argv)
+    except (ConfigError, SetupError, RewardSpecError, data.DataError) as e:
         _fail(e)
-    sys.argv = [argv[0], *flags, *overrides]
     _hydra_main()()
 
 

@@ -132,3 +132,36 @@ def test_no_runs_is_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "grpo.report", str(tmp_path)], capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2 and p.stderr.strip().startswith("error: no runs") and "Traceback" not in p.stderr
+
+
+def _fake_run(tmp_path: Path, name: str, steps: int) -> Path:
+    run = tmp_path / name
+    run.mkdir()
+    rows = [{"step": 0, "eval/accuracy": 0.5}]
+    rows += [{"step": s, "reward_mean": 0.5, "kl": None, "completion_len_mean": 4.0, "step_time_s": 1.0}
+             for s in range(1, steps + 1)]
+    rows += [{"step": steps, "eval/accuracy": 0.75}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_identical_runs_stay_visible_and_a_single_step_has_whole_ticks(tmp_path, monkeypatch):
+    """heldout.png: two identical runs are drawn with different markers and dashes (one would hide the other);
+    a one-step run gets integer step ticks, not 0.96, 0.98, ..."""
+    import matplotlib.figure
+
+    from grpo import report as rep
+
+    runs = [load_run(_fake_run(tmp_path, n, 1)) for n in ("a", "b")]
+    rep._label_runs(runs)
+    seen = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: seen.append(fig))
+    rep.write_plots(runs, tmp_path)
+    heldout = seen[1].axes[0]
+    styles = {(line.get_marker(), line.get_linestyle()) for line in heldout.get_lines()}
+    assert len(styles) == 2
+    for ax in (heldout, seen[0].axes[0]):  # reward.png has a single point at step 1
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    kl_length = seen[2]
+    assert [ax.get_title() for ax in kl_length.axes] == ["mean completion length (tokens)"]  # beta = 0: no KL panel

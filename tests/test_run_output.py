@@ -131,3 +131,27 @@ def test_a_hanging_reward_is_timed_out_once_per_batch(tmp_path):
     assert calls.read_text().split() == ["8"]  # one call with the whole batch, no per-sample retries
     rows = [r for r in read(out / "metrics.jsonl") if "loss" in r]
     assert rows[0]["reward/slow_errors"] == 8 and rows[0]["reward/slow"] is None
+
+
+def test_samples_come_from_every_group_first_then_fill_from_within_groups():
+    """A rank holding one group still shows num_samples completions (it showed one)."""
+    import torch
+
+    from grpo.experience import sample_rows
+    from grpo.update import Batch
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(str, ids))
+
+    class Run:
+        tokenizer = Tok()
+
+    one_group = Batch([{"prompt": "p", "answer": 1}], [[9]], [[[1], [2], [3], [4]]], [[False] * 4],
+                      torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.zeros(4))
+    assert [r["completion"] for r in sample_rows(Run(), one_group, 2)] == ["1", "2"]
+    two_groups = Batch([{"prompt": "p", "answer": 1}, {"prompt": "q", "answer": 2}], [[9], [8]],
+                       [[[1], [2]], [[5], [6]]], [[False] * 2] * 2, torch.tensor([0.1, 0.2, 0.5, 0.6]), torch.zeros(4))
+    rows = sample_rows(Run(), two_groups, 3)
+    assert [r["completion"] for r in rows] == ["1", "5", "2"] and [r["reward"] for r in rows] == \
+        pytest.approx([0.1, 0.5, 0.2])
