@@ -63,6 +63,9 @@ class RewardConfig:
     functions: dict = field(default_factory=lambda: {"accuracy": {"fn": "arithmetic", "weight": 1.0}})
     timeout_s: float = 0.0           # > 0: run rewards in a worker process, hard-killed after this
     max_failed_steps: int = 3        # stop when a function fails on every sample this many steps in a row
+    # what rewards receive (TRL's rule): messages = prompts as message lists and completions as
+    # [{"role": "assistant", "content": text}]; text = strings; auto = messages for a conversational dataset
+    completion_format: str = "auto"  # auto | text | messages
 
 
 @dataclass
@@ -170,6 +173,7 @@ _CHOICES = {
     "trainer.device": ("auto", "cpu", "cuda"),
     "distributed.backend": ("none", "deepspeed"),
     "engine.attention_kernel": ("auto", "grouped", "flex"),
+    "reward.completion_format": ("auto", "text", "messages"),
 }
 
 # key -> (predicate, what is allowed)

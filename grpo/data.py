@@ -95,27 +95,61 @@ def _load_dataset(*args, src: str, **kwargs) -> list[dict]:
     return [dict(r) for r in ds]
 
 
-def format_prompt(row: dict, dcfg, tokenizer) -> str:
-    """Template the row, add the system prompt, apply the chat template when the tokenizer has one."""
-    try:
-        text = dcfg.prompt_template.format(**{**row, "prompt": row[dcfg.prompt_column]})
-    except KeyError as e:
-        raise DataError(f"data.prompt_template uses column {e.args[0]!r}, which the data does not have") from None
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def messages_of(value, where: str) -> list[dict] | None:
+    """A conversational prompt (a list of ``{"role", "content"}`` messages, TRL's and verl's format) checked,
+    or None for a text prompt."""
+    if isinstance(value, str):
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(m, dict) for m in value):
+        raise DataError(f"{where}: the prompt is neither text nor a list of {{role, content}} messages")
+    for m in value:
+        if m.get("role") not in ROLES:
+            raise DataError(f"{where}: unknown role {m.get('role')!r} in the prompt messages; "
+                            f"use {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: a {m['role']} message has no text 'content'")
+    if not any(m["role"] == "user" for m in value):
+        raise DataError(f"{where}: the prompt messages have no 'user' turn")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def format_prompt(row: dict, dcfg, tokenizer, where: str = "data row") -> tuple[str, list[dict] | None]:
+    """(the text the model continues, the prompt's messages or None). A text prompt is templated
+    (``data.prompt_template``) and gets ``data.system_prompt``; a message list goes as it is (the system
+    prompt only when it has no system turn). The tokenizer's chat template applies when it has one;
+    without, the messages' contents are joined by blank lines."""
+    value = row[dcfg.prompt_column]
+    messages = messages_of(value, where)
+    if messages is None:
+        try:
+            text = dcfg.prompt_template.format(**{**row, "prompt": value})
+        except KeyError as e:
+            raise DataError(f"data.prompt_template uses column {e.args[0]!r}, which the data does not have") from None
+        turns = [{"role": "user", "content": text}]
+    else:
+        if dcfg.prompt_template != "{prompt}":
+            raise DataError(f"data.prompt_template={dcfg.prompt_template!r} applies to text prompts; {where}'s "
+                            "prompt is a list of messages (write the wording into the messages, or drop the template)")
+        turns = messages
+    if dcfg.system_prompt and not any(m["role"] == "system" for m in turns):
+        turns = [{"role": "system", "content": dcfg.system_prompt}, *turns]
     if dcfg.chat_template and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": dcfg.system_prompt}] if dcfg.system_prompt else [])
-        messages.append({"role": "user", "content": text})
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return (dcfg.system_prompt + "\n\n" + text) if dcfg.system_prompt else text
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True), messages
+    return "\n\n".join(m["content"] for m in turns), messages
 
 
 def prepare(rows: list[dict], dcfg, tokenizer) -> tuple[list[dict], int]:
-    """Template and tokenize rows; returns (kept rows, number dropped for length)."""
+    """Template and tokenize rows; returns (kept rows, number dropped for length). A conversational row
+    keeps its messages under ``prompt_messages`` (what conversational rewards receive as the prompt)."""
     out, dropped = [], 0
     for i, row in enumerate(rows):
-        if dcfg.prompt_column not in row or row[dcfg.prompt_column] in (None, ""):
+        if dcfg.prompt_column not in row or row[dcfg.prompt_column] is None or row[dcfg.prompt_column] == "":
             raise DataError(f"data row {i} has no '{dcfg.prompt_column}' value (data.prompt_column); "
                             f"its columns are: {', '.join(map(str, row))}")
-        text = format_prompt(row, dcfg, tokenizer)
+        text, messages = format_prompt(row, dcfg, tokenizer, where=f"data row {i}")
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > dcfg.max_prompt_tokens:
             dropped += 1
@@ -123,6 +157,8 @@ def prepare(rows: list[dict], dcfg, tokenizer) -> tuple[list[dict], int]:
         cols = {k: v for k, v in row.items() if k != dcfg.prompt_column}
         if dcfg.answer_column in row and dcfg.answer_column != "answer":
             cols["answer"] = row[dcfg.answer_column]
+        if messages is not None:
+            cols["prompt_messages"] = messages
         out.append({**cols, "prompt": text, "prompt_ids": ids})
     return out, dropped
 

@@ -8,7 +8,7 @@ import torch
 from grpo.advantages import compute_advantages, zero_std_groups
 from grpo.logger import interactive
 from grpo.loss import kl_estimate
-from grpo.rewards.score import score
+from grpo.rewards.score import reward_inputs, score
 from grpo.rollout import generate
 from grpo.update import Batch, nested_logprobs
 
@@ -105,12 +105,12 @@ def score_groups(run, rows, completion_ids, truncated, count_failures: bool = Tr
     rt, tok = run.runtime, run.tokenizer
     G = len(completion_ids[0]) if completion_ids else 0
     texts = [tok.decode(c, skip_special_tokens=True) for g in completion_ids for c in g]
-    prompts = [r["prompt"] for r in rows for _ in range(G)]
-    skip = {"prompt", "prompt_ids"}
+    prompts, completions = reward_inputs(rows, texts, G, run.completion_format)
+    skip = {"prompt", "prompt_ids", "prompt_messages"}
     columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k not in skip}
     columns["completion_ids"] = [c for g in completion_ids for c in g]
     columns["truncated"] = [t for g in truncated for t in g]
-    s = score(run.rewards, prompts, texts, columns)
+    s = score(run.rewards, prompts, completions, columns)
     rewards = torch.tensor(s.total, dtype=torch.float32)
     n = len(texts)
     lens = [len(c) for c in columns["completion_ids"]]

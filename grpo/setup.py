@@ -49,6 +49,7 @@ class Run:
     previous_handlers: dict = field(default_factory=dict)
     stop_signalled: bool = False          # many processes: a signal seen here, agreed on at the next step
     max_failed_reward_steps: int = 3
+    completion_format: str = "auto"       # what rewards receive: text | messages | auto (follow the data)
 
     @property
     def model(self):
@@ -145,7 +146,7 @@ def build_run(cfg: Config) -> Run:
     runtime.setup(policy, optimizer, scheduler)
     sampler = PromptSampler(len(splits.train), seed=cfg.trainer.seed)
     run = Run(runtime, tokenizer, policy, reference, splits, rewards, runtime.optimizer, runtime.scheduler, sampler,
-              max_failed_reward_steps=cfg.reward.max_failed_steps)
+              max_failed_reward_steps=cfg.reward.max_failed_steps, completion_format=cfg.reward.completion_format)
     if hasattr(runtime, "share_stop"):
         runtime.share_stop(run)
     _install_signal_handlers(run)

@@ -58,9 +58,9 @@ def test_system_prompt_and_chat_template(tok):
     tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
                          "{% if add_generation_prompt %}<assistant>{% endif %}")
     dcfg = DataConfig(system_prompt="Be brief.", prompt_template="{prompt}!")
-    assert format_prompt({"prompt": "Hi"}, dcfg, tok) == "<system>Be brief.<user>Hi!<assistant>"
+    assert format_prompt({"prompt": "Hi"}, dcfg, tok) == ("<system>Be brief.<user>Hi!<assistant>", None)
     plain = DataConfig(system_prompt="Be brief.", chat_template=False)
-    assert format_prompt({"prompt": "Hi"}, plain, tok) == "Be brief.\n\nHi"
+    assert format_prompt({"prompt": "Hi"}, plain, tok) == ("Be brief.\n\nHi", None)
 
 
 def test_data_errors(tmp_path, tok, monkeypatch):

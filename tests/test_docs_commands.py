@@ -177,6 +177,8 @@ CASES = {
     "grpo-train recipe=quickstart data.source=data/qa.jsonl '~reward.functions.accuracy' "
     "'+reward.functions.match={fn: exact_match, weight: 1.0, mode: contains}'":
         ([], check_rewards({"match": "exact_match", "format": "number_only"})),
+    "grpo-train recipe=quickstart data.source=train.parquet "
+    "'reward.functions={score: {fn: my_reward:compute_score}}'": ([], check_rewards({"score": "my_reward:compute_score"})),
     "grpo-train recipe=smoke data=countdown reward=countdown":
         ([], check_rewards({"accuracy": "countdown", "format": "format", "tags": "tag_count"})),
     "grpo-train recipe=smoke data.source=builtin:countdown +data.task_kwargs.max_numbers=3":
@@ -208,10 +210,23 @@ def ctx(tmp_path_factory):
     (cwd / "myrewards.py").write_text(block_starting_with("README.md", "# myrewards.py"))
     (cwd / "data").mkdir()
     (cwd / "data" / "qa.jsonl").write_text(block_starting_with("docs/data.md", '{"prompt"'))
+    _verl_parquet(cwd)
     recipe = ROOT / "recipes" / "my-first.yaml"  # the docs say: copy a recipe into recipes/ and edit it
     recipe.write_text(block_starting_with("docs/getting-started.md", "# @package _global_\n# recipes/my-first.yaml"))
     yield Context(cwd)
     recipe.unlink()
+
+
+def _verl_parquet(cwd: Path) -> None:
+    """data.md's verl example: a preprocessed parquet (messages, reward_model.ground_truth, ...) and a compute_score."""
+    import pandas as pd
+
+    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"What is {a} + {a}?"}],
+             "reward_model": {"style": "rule", "ground_truth": str(2 * a)}, "extra_info": {"index": a}}
+            for a in range(12)]
+    pd.DataFrame(rows).to_parquet(cwd / "train.parquet")
+    (cwd / "my_reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                      "    return float(str(ground_truth) in solution_str)\n")
 
 
 def argv(command: str, extra: list[str] | None) -> list[str]:

@@ -8,6 +8,8 @@ import logging
 import math
 from typing import Callable
 
+from grpo.rewards.registry import as_text
+
 log = logging.getLogger("grpo.rewards")
 
 _VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -84,7 +86,7 @@ def from_verl(fn: Callable) -> Callable:
         for i, solution in enumerate(completions):
             values = {
                 "data_source": _value(columns, "data_source", i, n, "unknown"),
-                "solution_str": solution,
+                "solution_str": as_text(solution),
                 "ground_truth": _ground_truth(columns, i, n),
                 "extra_info": _value(columns, "extra_info", i, n) or {},
             }

@@ -22,13 +22,28 @@ RewardFn = Callable[..., list]
 _REGISTRY: dict[str, RewardFn] = {}
 
 
+def as_text(value) -> str:
+    """The text of a prompt or completion in either of TRL's formats: a string, or a list of
+    ``{"role", "content"}`` messages (a completion's text is its assistant turns, a prompt's its contents)."""
+    if isinstance(value, str) or value is None:
+        return value or ""
+    turns = [m for m in value if m.get("role") == "assistant"] or list(value)
+    return "\n\n".join(str(m.get("content") or "") for m in turns)
+
+
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: make ``fn`` available as ``reward.functions.<key>.fn=<name>``."""
+    """Decorator: make ``fn`` available as ``reward.functions.<key>.fn=<name>``. Built-ins are written for
+    text; the registered function also accepts conversational prompts and completions (TRL's message lists)."""
 
     def deco(fn: RewardFn) -> RewardFn:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
+        if name in _REGISTRY and _REGISTRY[name].__wrapped__ is not fn:
             raise ValueError(f"reward {name!r} is registered twice")
-        _REGISTRY[name] = fn
+
+        @functools.wraps(fn)
+        def text_or_messages(prompts, completions, **columns):
+            return fn([as_text(p) for p in prompts], [as_text(c) for c in completions], **columns)
+
+        _REGISTRY[name] = text_or_messages
         return fn
 
     return deco

@@ -148,6 +148,18 @@ def _report(name: str) -> None:
                 name, text.rstrip())
 
 
+def reward_inputs(rows: list[dict], texts: list[str], group_size: int, completion_format: str) -> tuple[list, list]:
+    """(prompts, completions) as reward functions receive them, by TRL's rule: a conversational dataset (rows
+    with ``prompt_messages``) gives message lists and ``[{"role": "assistant", "content": text}]``, a text
+    dataset strings; ``completion_format`` text or messages forces one."""
+    conversational = any("prompt_messages" in r for r in rows)
+    if completion_format == "text" or (completion_format == "auto" and not conversational):
+        return [r["prompt"] for r in rows for _ in range(group_size)], texts
+    prompts = [r.get("prompt_messages") or [{"role": "user", "content": r["prompt"]}]
+               for r in rows for _ in range(group_size)]
+    return prompts, [[{"role": "assistant", "content": t}] for t in texts]
+
+
 def score(functions: list[RewardFunction], prompts: list[str], completions: list[str], columns: dict) -> Scores:
     per_fn, errors = {}, {}
     for rf in functions:
