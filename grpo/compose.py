@@ -88,24 +88,19 @@ def apply_precedence(raw: DictConfig, overrides: list[str], choices: dict, compo
 
 def _dict_base(key: str, parsed, choices: dict, rec: DictConfig | None):
     """Rule 3: the value of free-form dict ``key`` before the command line's overrides of it, when it is not
-    Hydra's key-by-key merge (None: keep that)."""
+    Hydra's key-by-key merge (None: keep that). ``rec`` is the recipe (None when its section is dropped)."""
+    own = OmegaConf.select(rec, key, default=None) if rec is not None else None
     if key == TASK_KWARGS:
         option = choices.get("data")
         group_source = _yaml(CONFIG_DIR / "data" / f"{option}.yaml").get("source") if option else None
-        before = OmegaConf.select(rec, "data.source", default=group_source) if rec is not None else group_source
+        recipe_source = OmegaConf.select(rec, "data.source", default=None) if rec is not None else None
+        before = recipe_source if recipe_source is not None else group_source
         cli = [o for o in parsed if o.key_or_group == "data.source" and not o.is_delete()]
         if cli and str(cli[-1].value()) != str(before):
             return {}  # the command line switched the task: only its own task arguments
-    if rec is None:
-        return None
-    own = OmegaConf.select(rec, key, default=None)
-    if own is not None:
-        return OmegaConf.to_container(own)
-    if key == TASK_KWARGS and "source" in (rec.get("data") or {}):
-        option = choices.get("data")
-        if OmegaConf.select(rec, "data.source") != _yaml(CONFIG_DIR / "data" / f"{option}.yaml").get("source"):
+        if own is None and recipe_source is not None and recipe_source != group_source:
             return {}  # the recipe switched the task without arguments: the task's defaults
-    return None
+    return OmegaConf.to_container(own) if own is not None else None
 
 
 def _apply_overrides(base: dict, key: str, parsed) -> DictConfig:
