@@ -73,18 +73,20 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
-def save(output_dir: str | Path, step: int, write_fn, keep_last: int = 2, is_main: bool = True) -> Path:
-    """Atomically create ``checkpoints/step_<step>``; ``write_fn(tmp_dir)`` writes the contents."""
+def save(output_dir: str | Path, step: int, write_fn, keep_last: int = 2, owner: bool = True) -> Path:
+    """Atomically create ``checkpoints/step_<step>``; ``write_fn(tmp_dir)`` writes the contents (every rank calls
+    this). The ``owner`` of the directory (rank 0; each node's first rank on a filesystem rank 0 does not share)
+    creates the temporary directory, marks it complete and renames it."""
     root = checkpoints_dir(output_dir)
     final = root / f"step_{step}"
     tmp = root / f".tmp-step_{step}"
-    if is_main:
+    if owner:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
     write_fn(tmp)
-    if not is_main:
+    if not owner:
         return final
     (tmp / MARKER).write_text(f"{step}\n")
     _fsync_tree(tmp)

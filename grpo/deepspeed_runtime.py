@@ -171,6 +171,7 @@ class DeepSpeedRuntime:
         deepspeed.init_distributed(dist_backend=self.backend, auto_mpi_discovery=False, verbose=False)
         self.engine = self.model = self.optimizer = self.scheduler = None
         self.reference_engine = None
+        self.node_local = False
         self._expected: int | None = None
         self._backwards = 0
 
@@ -180,6 +181,8 @@ class DeepSpeedRuntime:
         if cfg.distributed.offload_optimizer:
             optimizer, scheduler = self._cpu_adam(optimizer, scheduler)
         config = ds_config(cfg, self.world_size)
+        if self.node_local:
+            config["checkpoint"] = {**config.get("checkpoint", {}), "use_node_local_storage": True}
         if cfg.distributed.offload_optimizer and type(optimizer).__name__ != "DeepSpeedCPUAdam":
             config["zero_force_ds_cpu_optimizer"] = False
         self.engine, _, _, _ = self._ds.initialize(model=model, optimizer=optimizer, config=config,
@@ -280,6 +283,11 @@ class DeepSpeedRuntime:
     def barrier(self) -> None:
         torch.distributed.barrier()
 
+    def node_local_checkpoints(self, on: bool) -> None:
+        """Nodes without a shared filesystem: each node's first rank writes the model states DeepSpeed
+        otherwise writes once, on rank 0, and the checkpoint metadata (called before `setup`)."""
+        self.node_local = on
+
     def unwrap(self, model=None):
         model = model if model is not None else self.model
         return getattr(model, "module", model)
@@ -322,7 +330,7 @@ class DeepSpeedRuntime:
         """Weights, optimizer and ZeRO partitions of every rank under ``tmp/deepspeed`` (all ranks call this)."""
         self.barrier()  # rank 0 has created tmp
         self.engine.save_checkpoint(str(tmp), tag=TAG, save_latest=False)
-        if self.is_main:
+        if self.is_main or (self.node_local and self.local_rank == 0):
             (Path(tmp) / TAG / WORLD_FILE).write_text(json.dumps({"world_size": self.world_size,
                                                                   "zero_stage": self.stage}))
         self.barrier()  # every shard is on disk before rank 0 marks the checkpoint complete

@@ -19,6 +19,7 @@ def pick_device(name: str = "auto") -> torch.device:
 
 class LocalRuntime:
     rank = 0
+    local_rank = 0
     world_size = 1
     is_main = True
 
@@ -58,6 +59,9 @@ class LocalRuntime:
 
     def barrier(self) -> None:
         pass
+
+    def node_local_checkpoints(self, on: bool) -> None:
+        """One process: its output_dir is the only one."""
 
     def unwrap(self, model=None):
         return model if model is not None else self.model

@@ -12,6 +12,7 @@ import math
 import random
 import signal
 import sys
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +51,8 @@ class Run:
     stop_signalled: bool = False          # many processes: a signal seen here, agreed on at the next step
     max_failed_reward_steps: int = 3
     completion_format: str = "auto"       # what rewards receive: text | messages | auto (follow the data)
+    owns_output_dir: bool = True          # finalises checkpoints in its output_dir (rank 0; a node's first rank
+                                          # when that node's output_dir is not rank 0's, see `owns_output_dir`)
 
     @property
     def model(self):
@@ -109,6 +112,7 @@ def preflight(cfg: Config) -> None:
 def build_run(cfg: Config) -> Run:
     preflight(cfg)
     runtime = make_runtime(cfg)
+    owner = owns_output_dir(runtime, cfg.trainer.output_dir)
     set_seed(cfg.trainer.seed + runtime.rank)
     try:
         rewards = build_rewards(cfg.reward.functions, cfg.reward.timeout_s)
@@ -146,11 +150,33 @@ def build_run(cfg: Config) -> Run:
     runtime.setup(policy, optimizer, scheduler)
     sampler = PromptSampler(len(splits.train), seed=cfg.trainer.seed)
     run = Run(runtime, tokenizer, policy, reference, splits, rewards, runtime.optimizer, runtime.scheduler, sampler,
-              max_failed_reward_steps=cfg.reward.max_failed_steps, completion_format=cfg.reward.completion_format)
+              max_failed_reward_steps=cfg.reward.max_failed_steps, completion_format=cfg.reward.completion_format,
+              owns_output_dir=owner)
     if hasattr(runtime, "share_stop"):
         runtime.share_stop(run)
     _install_signal_handlers(run)
     return run
+
+
+def owns_output_dir(runtime, output_dir: str) -> bool:
+    """Whether this rank finalises the checkpoints in its ``output_dir``: rank 0 always; with many nodes and no
+    shared filesystem (each node its own ``output_dir``), also the first rank of every node whose directory is
+    not rank 0's, so that every node keeps a complete copy of what its ranks need to resume. A token that rank 0
+    writes and every rank looks for tells which directories are rank 0's."""
+    if runtime.world_size == 1:
+        return True
+    marker = Path(output_dir) / ".grpo-rank0"
+    token = None
+    if runtime.is_main:
+        token = uuid.uuid4().hex
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(token)
+    token = runtime.gather(token)[0]  # a collective: rank 0 has written the marker before anyone reads it
+    shared = marker.exists() and marker.read_text() == token
+    if not shared:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+    runtime.node_local_checkpoints(not shared)
+    return runtime.is_main or (not shared and runtime.local_rank == 0)
 
 
 def lr_lambda(tcfg):
@@ -221,7 +247,7 @@ def save_checkpoint(run: Run, cfg: Config, step: int) -> Path:
             run.runtime.barrier()       # rank 0 has created tmp
             torch.save({"rng": checkpoint.rng_state(), "buffer": run.buffer}, tmp / f"rank_{run.runtime.rank}.pt")
         run.runtime.save_model_state(tmp) if hasattr(run.runtime, "save_model_state") else _save_weights(run, tmp)
-        if run.runtime.is_main:
+        if run.owns_output_dir:  # every node's copy holds the state (the same on every rank)
             checkpoint.save_state(tmp, {
                 "step": step, "optimizer": run.optimizer.state_dict() if not hasattr(run.runtime, "save_model_state") else None,
                 "scheduler": run.scheduler.state_dict(), "sampler": run.sampler.state_dict(),
@@ -231,7 +257,7 @@ def save_checkpoint(run: Run, cfg: Config, step: int) -> Path:
             })
         run.runtime.barrier()  # every rank has written its files before rank 0 marks the checkpoint complete
 
-    path = checkpoint.save(cfg.trainer.output_dir, step, write, cfg.trainer.keep_last, is_main=run.runtime.is_main)
+    path = checkpoint.save(cfg.trainer.output_dir, step, write, cfg.trainer.keep_last, owner=run.owns_output_dir)
     run.runtime.barrier()
     return path
 
@@ -263,6 +289,8 @@ def restore(run: Run, cfg: Config, log) -> int:
     except FileNotFoundError as e:
         raise SetupError(str(e)) from None
     existing = checkpoint.complete_checkpoints(cfg.trainer.output_dir)
+    if run.runtime.world_size > 1:
+        ckpt, existing = _agree_on_checkpoint(run.runtime, cfg, ckpt, existing)
     if ckpt is None:
         if existing:
             raise SetupError(f"trainer.output_dir={cfg.trainer.output_dir} already holds checkpoints of another run "
@@ -294,11 +322,29 @@ def restore(run: Run, cfg: Config, log) -> int:
     run.skipped_steps, run.bad_steps = state["skipped_steps"], state["bad_steps"]
     run.failed_reward_steps = state["failed_reward_steps"]
     log.truncate_after(state["step"])
-    if run.runtime.is_main:  # later checkpoints belong to the abandoned continuation; never resume them
+    if run.owns_output_dir:  # later checkpoints belong to the abandoned continuation; never resume them
         checkpoint.drop_after(cfg.trainer.output_dir, state["step"])
     if run.runtime.is_main:
         print(f"[grpo] resumed from {ckpt} (step {state['step']})", file=sys.stderr, flush=True)
     return state["step"]
+
+
+def _agree_on_checkpoint(runtime, cfg: Config, ckpt: Path | None, existing: list[Path]):
+    """Every rank resumes the same step. With one output_dir per node each node reads its own copy, and a node
+    that died while finalising a checkpoint may hold one fewer: take the newest step complete on every rank.
+    Every rank decides from the same gathered view, so they all raise the same error or none does."""
+    views = runtime.gather((ckpt.name if ckpt else None, [p.name for p in existing]))
+    if len({v[0] for v in views}) == 1 and all(set(v[1]) == set(views[0][1]) for v in views):
+        return ckpt, existing
+    if not any(v[0] for v in views):  # a fresh start: refused if any rank's directory holds checkpoints
+        return None, existing or [Path(cfg.trainer.output_dir) / "checkpoints" / next(n for v in views for n in v[1])]
+    common = set.intersection(*(set(v[1]) for v in views))
+    if not common:
+        raise SetupError("the ranks have no checkpoint in common to resume from (each node reads its own "
+                         "trainer.output_dir; see docs/distributed.md); resume with trainer.resume=<a step every node "
+                         "holds> or start a new trainer.output_dir")
+    step = max(common, key=lambda name: int(name.split("_")[1]))
+    return checkpoint.checkpoints_dir(cfg.trainer.output_dir) / step, existing
 
 
 def _hash(obj) -> str:
