@@ -523,3 +523,20 @@ def test_rollout_temperature_reaches_every_log_prob(cfg_factory, spy, ragged, or
                                      "trainer": {"max_steps": 2, "lr": 0.05}})
     for call in oracle.calls:
         assert_matches_oracle(call, differs_from="t1")
+
+
+def test_scale_rewards_batch_through_collect(cfg_factory, spy, monkeypatch):
+    """collect with scale_rewards=batch: (r - group mean) / (std of every reward of the batch + adv_eps)."""
+    from grpo import experience
+    from grpo.setup import build_run
+
+    rewards = [0.0, 1.0, 3.0, 0.5, 2.0, 2.5, 0.0, 4.0]
+    _use_reward(monkeypatch, lambda prompts, completions, **kw: rewards[:len(completions)])
+    cfg = cfg_factory(_merge(FAST, {"algorithm": {"scale_rewards": "batch", "beta": 0.0}}))
+    batch = experience.collect(build_run(cfg), cfg)
+    r = torch.tensor(rewards, dtype=torch.float64)
+    groups = r.view(2, 4)
+    want = (groups - groups.mean(1, keepdim=True)).flatten() / (r.std() + cfg.algorithm.adv_eps)
+    assert torch.allclose(batch.advantages.double(), want, atol=1e-6)
+    per_group = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + cfg.algorithm.adv_eps)
+    assert not torch.allclose(batch.advantages.double(), per_group.flatten(), atol=1e-2)  # not the group std
