@@ -540,3 +540,23 @@ def test_scale_rewards_batch_through_collect(cfg_factory, spy, monkeypatch):
     assert torch.allclose(batch.advantages.double(), want, atol=1e-6)
     per_group = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + cfg.algorithm.adv_eps)
     assert not torch.allclose(batch.advantages.double(), per_group.flatten(), atol=1e-2)  # not the group std
+
+
+def test_top_p_top_k_warn_once_that_the_rollout_is_off_policy(monkeypatch):
+    """The sampler draws from the truncated distribution while every log-prob uses the full softmax: say so once."""
+    import warnings
+
+    from grpo import rollout
+    from grpo.models import char_tokenizer, tiny_model
+
+    monkeypatch.setattr(rollout, "_warned_truncated", False)
+    model, tok = tiny_model("llama", 100), char_tokenizer()
+    kw = dict(group_size=2, max_new_tokens=2, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rollout.generate(model, tok, [[5, 6]], **kw)  # top_p=1, top_k=0: on-policy, nothing to say
+        assert not [w for w in caught if "on-policy" in str(w.message)]
+        rollout.generate(model, tok, [[5, 6]], top_k=5, **kw)
+        rollout.generate(model, tok, [[5, 6]], top_p=0.9, **kw)
+    msgs = [str(w.message) for w in caught if "on-policy" in str(w.message)]
+    assert len(msgs) == 1 and msgs[0].startswith("rollout.top_p=1.0 / rollout.top_k=5: completions are sampled")
