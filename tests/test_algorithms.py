@@ -560,3 +560,29 @@ def test_top_p_top_k_warn_once_that_the_rollout_is_off_policy(monkeypatch):
         rollout.generate(model, tok, [[5, 6]], top_p=0.9, **kw)
     msgs = [str(w.message) for w in caught if "on-policy" in str(w.message)]
     assert len(msgs) == 1 and msgs[0].startswith("rollout.top_p=1.0 / rollout.top_k=5: completions are sampled")
+
+
+def test_a_failed_reward_counts_as_zero_in_its_group(cfg_factory, spy, monkeypatch):
+    """docs/algorithms.md: a sample a reward function failed on gets 0 from that function (TRL's nansum) and
+    still takes part in its group's mean and std."""
+    from grpo import experience
+    from grpo.setup import build_run
+
+    calls = {"n": 0}
+
+    def flaky(prompts, completions, **kw):  # the batch call raises; then sample by sample, odd ones raise
+        if len(completions) > 1:
+            raise RuntimeError("batch")
+        calls["n"] += 1
+        if calls["n"] % 2 == 0:
+            raise ValueError("this sample breaks the reward")
+        return [1.0 + calls["n"]]
+
+    _use_reward(monkeypatch, flaky)
+    cfg = cfg_factory(_merge(FAST, {"algorithm": {"beta": 0.0}}))
+    batch = experience.collect(build_run(cfg), cfg)
+    r = torch.tensor([2.0, 0.0, 4.0, 0.0, 6.0, 0.0, 8.0, 0.0])  # calls 1, 3, 5, 7 scored 1 + n; the others failed
+    assert torch.equal(batch.rewards, r) and batch.stats["reward/accuracy_errors"] == 4
+    groups = r.view(2, 4)
+    want = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + cfg.algorithm.adv_eps)
+    assert torch.allclose(batch.advantages, want.flatten(), atol=1e-6)
