@@ -29,13 +29,13 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
 
     With ``share_prompt`` each prompt is prefilled once and its G samples decode against one copy of its K/V
     (families the prefix engine does not serve: the cache is forked G times); without it every sample
-    prefills its own copy, as HF ``generate`` with ``num_return_sequences`` does. Sampling is exactly softmax(logits / T),
-    the distribution the loss, old and reference log-probs use: no other logits processor runs, whatever the
-    checkpoint's generation_config says. With ``top_k`` > 0 or ``top_p`` < 1 the sample comes from the truncated,
-    renormalised distribution while the log-probs stay those of the full softmax, so the rollout is then not
-    exactly on-policy (TRL does the same); a warning says so once per process. ``min_new_tokens`` forbids EOS
-    before that many tokens (benchmarks use it for fixed-length completions; it biases sampling, so training
-    leaves it at 0)."""
+    prefills its own copy, as HF ``generate`` with ``num_return_sequences`` does. Sampling is exactly
+    softmax(logits / T), the distribution the loss, old and reference log-probs use: no other logits processor
+    runs, whatever the checkpoint's generation_config says. With ``top_k`` > 0 or ``top_p`` < 1 the sample comes
+    from the truncated, renormalised distribution while the log-probs stay those of the full softmax, so the
+    rollout is then not exactly on-policy (TRL does the same); a warning says so once per process.
+    ``min_new_tokens`` forbids EOS before that many tokens (benchmarks use it for fixed-length completions; it
+    biases sampling, so training leaves it at 0)."""
     if not greedy:
         _warn_truncated_sampling(top_p, top_k)
     # A multi-process runtime may need every rank in every decoding step (DeepSpeed ZeRO-3: partitioned

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from grpo.advantages import compute_advantages
-from grpo.loss import BatchCounts, grpo_loss, pad, token_weights
+from grpo.loss import BatchCounts, grpo_loss, token_weights
 
 FAST = {"data": {"num_eval": 0}, "logging": {"sample_every": 0, "plot": False}, "rollout": {"max_new_tokens": 8}}
 

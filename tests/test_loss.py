@@ -113,7 +113,8 @@ def test_delta_below_one_plus_epsilon_high_would_zero_the_gradient_so_config_ref
     assert logp.grad.item() == 0.0
     with pytest.raises(ConfigError) as e:
         cfg_factory({"algorithm": {"delta": 1.1, "epsilon_high": 0.28}})
-    assert str(e.value).startswith("algorithm.delta=1.1 must be >= 1 + epsilon_high = 1.28 or null") and "\n" not in str(e.value)
+    msg = str(e.value)
+    assert msg.startswith("algorithm.delta=1.1 must be >= 1 + epsilon_high = 1.28 or null") and "\n" not in msg
     with pytest.raises(ConfigError, match=r"algorithm.delta=1.15 must be >= 1 \+ epsilon_high = 1.2 "):
         cfg_factory({"algorithm": {"delta": 1.15}})  # epsilon_high null: epsilon (0.2) is the upper clip
     assert cfg_factory({"algorithm": {"delta": 1.28, "epsilon_high": 0.28}}).algorithm.delta == 1.28
