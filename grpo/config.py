@@ -277,6 +277,11 @@ def validate(cfg: Config) -> Config:
     if cfg.algorithm.resample_zero_std and not cfg.algorithm.filter_zero_std_groups:
         raise ConfigError(f"algorithm.resample_zero_std={cfg.algorithm.resample_zero_std} needs "
                           "algorithm.filter_zero_std_groups=true (only filtered groups are resampled)")
+    a = cfg.algorithm  # a cap below 1 + epsilon_high zeroes the gradient of A > 0 tokens with ratio above it
+    high = a.epsilon if a.epsilon_high is None else a.epsilon_high
+    if a.delta is not None and a.delta < 1 + high:
+        raise ConfigError(f"algorithm.delta={a.delta} must be >= 1 + epsilon_high = {1 + high:g} or null (a smaller "
+                          "cap silently zeroes the gradient of positive-advantage tokens whose ratio is above delta)")
     _check_distributed(cfg)
     if cfg.trainer.resume not in (None, "auto", "") and not isinstance(cfg.trainer.resume, str):
         raise ConfigError("trainer.resume must be null, 'auto' or a checkpoint path")

@@ -47,11 +47,7 @@ def collect(run, cfg) -> Batch:
             batch.rewards = batch.rewards - a.beta * seq_kl
     if a.num_iterations == 1:
         batch.old_logps = None  # ratio is 1 with one pass: old = logp.detach()
-    batch_std = None
-    if a.scale_rewards == "batch" and rt.world_size > 1:  # the std of the whole batch, over every rank
-        s, s2, n = rt.all_reduce_sum([float(batch.rewards.sum()), float((batch.rewards.double() ** 2).sum()),
-                                      float(batch.rewards.numel())])
-        batch_std = _std(s, s2, n)
+    batch_std = _batch_std(rt, batch.rewards) if a.scale_rewards == "batch" else None
     batch.advantages = compute_advantages(batch.rewards, batch.group_sizes, a.scale_rewards, a.adv_eps,
                                           batch_std=batch_std)
     return batch
@@ -132,6 +128,14 @@ def score_groups(run, rows, completion_ids, truncated, count_failures: bool = Tr
         if count_failures:
             _track_failures(run, rf.name, err, n_all)
     return rewards, stats
+
+
+def _batch_std(rt, rewards: torch.Tensor) -> float:
+    """Unbiased std of every rank's rewards, two-pass in float64: the same formula for 1 and N processes."""
+    r = rewards.double()
+    s, n = rt.all_reduce_sum([float(r.sum()), float(r.numel())])
+    (dev2,) = rt.all_reduce_sum([float(((r - s / max(n, 1)) ** 2).sum())])
+    return (dev2 / (n - 1)) ** 0.5 if n > 1 else 0.0
 
 
 def _std(s: float, s2: float, n: float) -> float:

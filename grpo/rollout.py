@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 from tqdm.auto import tqdm
@@ -28,10 +29,15 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
 
     With ``share_prompt`` each prompt is prefilled once and its G samples decode against one copy of its K/V
     (families the prefix engine does not serve: the cache is forked G times); without it every sample
-    prefills its own copy, as HF ``generate`` with ``num_return_sequences`` does. Sampling is exactly softmax(logits / T)
-    (with top-k / top-p when set): no other logits processor, whatever the checkpoint's generation_config
-    says, so the rollout stays on-policy for the loss. ``min_new_tokens`` forbids EOS before that many tokens
-    (benchmarks use it for fixed-length completions; it biases sampling, so training leaves it at 0)."""
+    prefills its own copy, as HF ``generate`` with ``num_return_sequences`` does. Sampling is exactly
+    softmax(logits / T), the distribution the loss, old and reference log-probs use: no other logits processor
+    runs, whatever the checkpoint's generation_config says. With ``top_k`` > 0 or ``top_p`` < 1 the sample comes
+    from the truncated, renormalised distribution while the log-probs stay those of the full softmax, so the
+    rollout is then not exactly on-policy (TRL does the same); a warning says so once per process.
+    ``min_new_tokens`` forbids EOS before that many tokens (benchmarks use it for fixed-length completions; it
+    biases sampling, so training leaves it at 0)."""
+    if not greedy:
+        _warn_truncated_sampling(top_p, top_k)
     # A multi-process runtime may need every rank in every decoding step (DeepSpeed ZeRO-3: partitioned
     # weights): its model carries a context that prepares it and yields options ({"synced_gpus": True}).
     ready = getattr(model, "grpo_generation_context", None)
@@ -40,6 +46,19 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
                          temperature=temperature, top_p=top_p, top_k=top_k, batch_size=batch_size, greedy=greedy,
                          desc=desc, progress=progress, extra=extra, share_prompt=share_prompt,
                          min_new_tokens=min_new_tokens)
+
+
+_warned_truncated = False
+
+
+def _warn_truncated_sampling(top_p: float, top_k: int) -> None:
+    global _warned_truncated
+    if (top_p < 1.0 or top_k > 0) and not _warned_truncated:
+        _warned_truncated = True
+        warnings.warn(f"rollout.top_p={top_p} / rollout.top_k={top_k}: completions are sampled from the truncated "
+                      "distribution, but the loss, old and reference log-probs use the full softmax(logits / T), so "
+                      "the rollout is not exactly on-policy (as in TRL); top_p=1 and top_k=0 sample on-policy",
+                      stacklevel=3)
 
 
 def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, temperature, top_p, top_k, batch_size,

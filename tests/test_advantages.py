@@ -50,3 +50,53 @@ def test_constant_group_is_exactly_zero_even_when_float_mean_is_off():
     mixed = torch.cat([torch.full((16,), 0.7), torch.tensor([0.0, 1.0])])
     adv = compute_advantages(mixed, [16, 2], "group")
     assert torch.equal(adv[:16], torch.zeros(16)) and adv[16] < 0 < adv[17]
+
+
+class _ThreadWorld:
+    """Ranks as threads: all_reduce_sum sums every rank's list (enough for experience._batch_std)."""
+
+    def __init__(self, n: int):
+        import threading
+
+        self.n, self.slots, self.barrier = n, [None] * n, threading.Barrier(n)
+
+    def runtime(self, rank: int):
+        world = self
+
+        class Rt:
+            world_size = world.n
+
+            def all_reduce_sum(self, values):
+                world.slots[rank] = list(values)
+                world.barrier.wait()
+                out = [sum(col) for col in zip(*world.slots)]
+                world.barrier.wait()
+                return out
+
+        return Rt()
+
+
+def test_batch_std_is_the_same_for_one_and_two_processes():
+    """scale_rewards=batch: one process and two processes (each holding half the groups) get the same std, that of
+    all rewards, also for rewards far from 0 where a one-pass sum-of-squares formula loses digits."""
+    import threading
+
+    from grpo.experience import _batch_std
+
+    r = 1000.0 + torch.tensor([0.0, 0.25, 0.5, 0.125, 1.0, 0.75, 0.5, 0.0, 0.375, 0.625, 0.0, 0.5])
+    want = float(r.double().std())
+    one = _batch_std(_ThreadWorld(1).runtime(0), r)
+    world, got = _ThreadWorld(2), [None, None]
+    parts = [r[:8], r[8:]]  # uneven: 2 groups of 4 on rank 0, 1 on rank 1
+
+    def rank(k):
+        got[k] = _batch_std(world.runtime(k), parts[k])
+
+    threads = [threading.Thread(target=rank, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert abs(one - want) < 1e-12 * want and got[0] == got[1] and abs(got[0] - want) < 1e-12 * want
+    assert torch.allclose(compute_advantages(parts[1], [4], "batch", batch_std=got[1]),
+                          (parts[1] - parts[1].mean()) / (want + 1e-4), atol=1e-5)

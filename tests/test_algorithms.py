@@ -7,6 +7,7 @@ batch with the optimizer step replaced by a gradient capture.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from grpo.advantages import compute_advantages
-from grpo.loss import BatchCounts, grpo_loss, pad, token_weights
+from grpo.loss import BatchCounts, grpo_loss, token_weights
 
 FAST = {"data": {"num_eval": 0}, "logging": {"sample_every": 0, "plot": False}, "rollout": {"max_new_tokens": 8}}
 
@@ -99,6 +100,92 @@ def _use_reward(monkeypatch, fn):
     from grpo.rewards.score import RewardFunction
 
     monkeypatch.setattr(grpo.setup, "build_rewards", lambda spec, *args: [RewardFunction("accuracy", fn)])
+
+
+PATTERN = [0.0, 1.0, 3.0, 0.5]
+
+
+def pattern_reward(prompts, completions, **kwargs):
+    """Rewards 0, 1, 3, 0.5 in every group of 4: a spread whose std scaling and centring differ."""
+    return [PATTERN[i % 4] for i in range(len(completions))]
+
+
+@pytest.fixture
+def ragged(monkeypatch, spy):
+    """The real rollout, then completions cut to 1, 3 or 5 tokens followed by EOS (one in four left as sampled,
+    usually truncated): the random tiny model rarely stops by itself, and the switches that depend on lengths
+    or truncation need both kinds in every batch."""
+    import grpo.experience
+
+    gen = grpo.experience.generate
+
+    def generate(model, tokenizer, prompt_ids, **kw):
+        comps, truncated = gen(model, tokenizer, prompt_ids, **kw)
+        eos = tokenizer.eos_token_id
+        for g, group in enumerate(comps):
+            for j, c in enumerate(group):
+                n = [1, 3, 5, None][(g + j) % 4]
+                if n is not None:
+                    group[j] = [t for t in c if t != eos][:n] + [eos]
+                    truncated[g][j] = False
+        return comps, truncated
+
+    monkeypatch.setattr(grpo.experience, "generate", generate)
+
+
+@pytest.fixture
+def oracle(monkeypatch, spy):
+    """Wraps the loop's policy_update: before each call, the from-scratch loss (tests/oracle.py: plain HF forwards
+    of the policy, of pi_old = the weights at the batch's first pass, and of the reference) and its gradient norm,
+    for the run's config and for each of ``variants`` (name -> AlgorithmConfig fields, plus ``mask_truncated`` /
+    ``temperature``). ``calls``: one dict per optimizer step with the real ``stats`` and each variant's numbers."""
+    import grpo.train
+    from tests.oracle import flat, hf_logprobs, oracle_grads
+
+    o = SimpleNamespace(calls=[], variants={})
+    real = grpo.train.policy_update
+    held = {"batch": None, "old": None}
+
+    def policy_update(runtime, batch, acfg, ecfg, *, temperature, max_len, mask_truncated, max_grad_norm):
+        model = runtime.model
+        if batch is not held["batch"]:
+            held["batch"], held["old"] = batch, copy.deepcopy(model)
+        prompts = [p for p, g in zip(batch.prompt_ids, batch.completion_ids) for _ in g]
+        comps = flat(batch.completion_ids)
+        call = {}
+        for name, over in {"config": {}, **o.variants}.items():
+            over = dict(over)
+            t, masked = over.pop("temperature", temperature), over.pop("mask_truncated", mask_truncated)
+            a = dataclasses.replace(acfg, **over)
+            with torch.no_grad():
+                old = hf_logprobs(held["old"], prompts, comps, t) if a.num_iterations > 1 else None
+                ref = hf_logprobs(spy.run.reference, prompts, comps, t) if a.beta > 0 and not a.kl_in_reward else None
+            loss, grads, kl = oracle_grads(model, batch, a, temperature=t, max_len=max_len, mask_truncated=masked,
+                                           old=old, ref=ref)
+            norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
+            call[name] = {"loss": loss, "grad_norm": norm, "kl": kl}
+        call["batch"] = batch
+        call["stats"] = real(runtime, batch, acfg, ecfg, temperature=temperature, max_len=max_len,
+                             mask_truncated=mask_truncated, max_grad_norm=max_grad_norm)
+        o.calls.append(call)
+        return call["stats"]
+
+    monkeypatch.setattr(grpo.train, "policy_update", policy_update)
+    return o
+
+
+def assert_matches_oracle(call: dict, *, differs_from: str | None = None, margin: float = 1e-3) -> None:
+    """The step's logged loss and gradient norm are the oracle's for the config; and, so that a switch the
+    code ignored cannot pass, the variant ``differs_from`` (the switch off) would have given another update."""
+    stats, want = call["stats"], call["config"]
+    assert stats["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+    assert stats["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    if want["kl"] is not None:
+        assert stats["kl"] == pytest.approx(want["kl"], rel=1e-5, abs=1e-9)
+    if differs_from is not None:
+        other = call[differs_from]
+        assert (abs(other["loss"] - want["loss"]) > margin * max(abs(want["loss"]), 1e-2)
+                or abs(other["grad_norm"] - want["grad_norm"]) > margin * want["grad_norm"]), (want, other)
 
 
 # --------------------------------------------------------------------------------- pure functions
@@ -200,19 +287,30 @@ def _update(run, cfg, batch, acfg=None, ecfg=None, mask_truncated=False):
                          mask_truncated=mask_truncated, max_grad_norm=cfg.trainer.max_grad_norm)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"])
-def test_gradient_accumulation_does_not_change_the_gradient(fixed, monkeypatch, agg):
-    from grpo.update import _plan
+def test_gradient_accumulation_does_not_change_the_gradient(fixed, monkeypatch, agg, level):
+    """Whole batch vs micro-batches that split groups, beyond the defaults: old log-probs away from the current
+    ones (mu > 1: clipping acts), a reference (beta > 0), token or GSPO ratios, mask_truncated."""
+    from grpo.update import _plan, nested_logprobs
 
     run, cfg, batch = fixed
+    gen = torch.Generator().manual_seed(1)
+    now = nested_logprobs(run.model, batch, cfg.engine, cfg.rollout.temperature)
+    moved = lambda: [[lp + 0.3 * torch.randn(lp.shape, generator=gen) for lp in g] for g in now]  # noqa: E731
+    batch = dataclasses.replace(batch, old_logps=moved(), ref_logps=moved())
     grads = _capture_grads(monkeypatch, run)
-    acfg = dataclasses.replace(cfg.algorithm, loss_agg=agg)
+    acfg = dataclasses.replace(cfg.algorithm, loss_agg=agg, importance_sampling=level, beta=0.1,
+                               epsilon=0.05, epsilon_high=0.08)
     budget = max(len(p) for p in batch.prompt_ids) + 8
     small = dataclasses.replace(cfg.engine, max_tokens_per_micro_batch=budget)
     assert len(_plan(batch, small)) > 3  # groups split across micro-batches
-    whole = _update(run, cfg, batch, acfg, dataclasses.replace(cfg.engine, max_tokens_per_micro_batch=10_000))
-    split = _update(run, cfg, batch, acfg, small)
-    assert whole["loss"] == pytest.approx(split["loss"], abs=1e-6)
+    whole = _update(run, cfg, batch, acfg, dataclasses.replace(cfg.engine, max_tokens_per_micro_batch=10_000),
+                    mask_truncated=True)
+    split = _update(run, cfg, batch, acfg, small, mask_truncated=True)
+    assert whole["clip_ratio"] > 0  # clipping acts
+    for k in ("loss", "kl", "clip_ratio_low", "clip_ratio_high", "ratio_mean"):
+        assert whole[k] == pytest.approx(split[k], rel=1e-5, abs=1e-7), k
     for n in grads[0]:
         assert torch.allclose(grads[0][n], grads[1][n], atol=1e-6), n
 
@@ -307,13 +405,19 @@ def test_several_iterations_per_batch_move_the_ratio(cfg_factory, spy):
         assert r["entropy"] > 0 and 0 <= r["truncated_frac"] <= 1
 
 
-def test_gspo_end_to_end(cfg_factory, spy):
+def test_gspo_end_to_end(cfg_factory, spy, ragged, oracle, monkeypatch):
+    """Pass 2 of a batch (mu = 2): the update is the oracle's with one length-normalised ratio per completion,
+    not the per-token ratio."""
+    _use_reward(monkeypatch, pattern_reward)
+    oracle.variants = {"token": {"importance_sampling": "token"}}
     cfg, rows = _train(cfg_factory, {"algorithm": {"importance_sampling": "sequence", "num_iterations": 2,
-                                                   "epsilon": 3e-4, "epsilon_high": 4e-4, "beta": 0.0},
+                                                   "epsilon": 0.02, "epsilon_high": 0.03, "beta": 0.0},
                                      "trainer": {"max_steps": 2, "lr": 0.05}})
+    first, second = oracle.calls
     assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-    assert abs(rows[1]["ratio_mean"] - 1.0) > 1e-4 and rows[1]["clip_ratio"] > 0
-    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+    assert abs(rows[1]["ratio_mean"] - 1.0) > 1e-3
+    assert_matches_oracle(first)
+    assert_matches_oracle(second, differs_from="token")
 
 
 def test_logged_loss_is_zero_with_one_iteration_but_the_gradient_is_not(cfg_factory, spy):
@@ -336,24 +440,32 @@ def test_beta_zero_loads_no_reference_and_runs_no_reference_forward(cfg_factory,
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
-def test_kl_in_the_loss_each_estimator(cfg_factory, spy, estimator):
-    cfg, rows = _train(cfg_factory, {"algorithm": {"beta": 0.1, "kl_estimator": estimator},
-                                     "trainer": {"max_steps": 2, "lr": 0.02}})
+def test_kl_in_the_loss_each_estimator(cfg_factory, spy, ragged, oracle, monkeypatch, estimator):
+    """Step 2 (the policy has moved off the reference): the logged KL and the update are the oracle's with this
+    estimator; another estimator gives another KL."""
+    _use_reward(monkeypatch, pattern_reward)
+    oracle.variants = {"other": {"kl_estimator": {"k1": "k3", "k2": "k3", "k3": "k2"}[estimator]}}
+    cfg, rows = _train(cfg_factory, {"algorithm": {"beta": 0.5, "kl_estimator": estimator},
+                                     "trainer": {"max_steps": 2, "lr": 0.05}})
     assert spy.run.reference is not None
     assert spy.logprob_passes == 2  # the reference pass only (the update measures the KL itself)
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first step
-    assert rows[1]["kl"] != pytest.approx(0.0, abs=1e-7)
-    if estimator != "k1":
-        assert rows[1]["kl"] > 0
+    first, second = oracle.calls
+    assert_matches_oracle(first)
+    assert_matches_oracle(second)
+    kl, other = second["config"]["kl"], second["other"]["kl"]
+    assert rows[1]["kl"] == pytest.approx(kl, rel=1e-5)
+    assert abs(kl - other) > 1e-2 * abs(kl) and abs(kl) > 1e-4
 
 
 def test_kl_in_the_reward(cfg_factory, spy, monkeypatch):
-    """r_i - beta * sum_t KL_t replaces the reward before normalisation; the loss has no KL term."""
+    """r_i - beta * sum_t k3_t replaces the reward before normalisation; the loss has no KL term. The expectation
+    is computed from scratch (plain HF forwards of the policy and the reference, k3 and the group std written out)."""
     from grpo import experience
-    from grpo.loss import kl_estimate
     from grpo.setup import build_run
-    from grpo.update import nested_logprobs
+    from tests.oracle import flat, hf_logprobs
 
+    _use_reward(monkeypatch, pattern_reward)
     cfg = cfg_factory(_merge(FAST, {"algorithm": {"beta": 0.5, "kl_in_reward": True, "kl_estimator": "k3"},
                                     "trainer": {"lr": 0.05}}))
     run = build_run(cfg)
@@ -363,24 +475,115 @@ def test_kl_in_the_reward(cfg_factory, spy, monkeypatch):
     assert "kl" not in stats  # not in the loss
     batch = experience.collect(run, cfg)  # the policy has moved: KL > 0
     task = spy.scores[-1]
-    logps = nested_logprobs(run.model, batch, cfg.engine, cfg.rollout.temperature)
-    seq_kl = torch.tensor([float(kl_estimate(lp, ref, "k3").sum()) for gl, gr in zip(logps, batch.ref_logps)
-                           for lp, ref in zip(gl, gr)])
-    assert seq_kl.sum() > 0 and batch.stats["kl"] > 0
-    assert torch.allclose(batch.rewards, task - 0.5 * seq_kl, atol=1e-5)
-    assert torch.allclose(batch.advantages, compute_advantages(task - 0.5 * seq_kl, batch.group_sizes), atol=1e-4)
+    prompts = [p for p, g in zip(batch.prompt_ids, batch.completion_ids) for _ in g]
+    with torch.no_grad():
+        lp = hf_logprobs(run.model, prompts, flat(batch.completion_ids), cfg.rollout.temperature)
+        ref = hf_logprobs(run.reference, prompts, flat(batch.completion_ids), cfg.rollout.temperature)
+    k3 = [torch.exp(r - l) - (r - l) - 1 for l, r in zip(lp, ref)]
+    seq_kl = torch.tensor([float(k.sum()) for k in k3])
+    assert float(seq_kl.sum()) > 1e-4
+    assert batch.stats["kl"] == pytest.approx(float(seq_kl.sum()) / sum(len(k) for k in k3), rel=1e-4)
+    want = task - 0.5 * seq_kl
+    assert torch.allclose(batch.rewards, want, atol=1e-6)
+    groups = want.view(-1, cfg.algorithm.group_size).double()
+    adv = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + cfg.algorithm.adv_eps)
+    assert torch.allclose(batch.advantages, adv.flatten().float(), atol=1e-5)
 
 
-def test_dr_grpo_end_to_end(cfg_factory, spy):
-    cfg, rows = _train(cfg_factory, {"algorithm": {"loss_agg": "dr_grpo", "scale_rewards": "none"},
+def test_dr_grpo_end_to_end(cfg_factory, spy, ragged, oracle, monkeypatch):
+    """Advantages only centred (no std), and the loss summed over tokens / (N * max_new_tokens)."""
+    _use_reward(monkeypatch, pattern_reward)
+    oracle.variants = {"grpo": {"loss_agg": "seq_mean_token_mean"}}
+    cfg, rows = _train(cfg_factory, {"algorithm": {"loss_agg": "dr_grpo", "scale_rewards": "none", "beta": 0.0},
                                      "trainer": {"max_steps": 2}})
-    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+    centred = torch.tensor(PATTERN) - sum(PATTERN) / 4
+    for call in oracle.calls:
+        assert torch.allclose(call["batch"].advantages, centred.repeat(2), atol=1e-6)
+        assert_matches_oracle(call, differs_from="grpo")
 
 
-def test_mask_truncated_end_to_end(cfg_factory, spy):
-    # 8 new tokens: the random tiny model rarely stops, so most (often all) completions are truncated
-    cfg, rows = _train(cfg_factory, {"algorithm": {"mask_truncated": True}, "trainer": {"max_steps": 2}})
-    for r in rows:
-        assert r["empty_batch"] == (r["truncated_frac"] == 1.0)
-        assert r["empty_batch"] or (math.isfinite(r["loss"]) and r["grad_norm"] > 0)
+def test_mask_truncated_end_to_end(cfg_factory, spy, ragged, oracle, monkeypatch):
+    """Batches with truncated and finished completions: the update is the oracle's without the truncated ones."""
+    from tests.oracle import flat
 
+    _use_reward(monkeypatch, pattern_reward)
+    oracle.variants = {"unmasked": {"mask_truncated": False}}
+    cfg, rows = _train(cfg_factory, {"algorithm": {"mask_truncated": True, "beta": 0.0}, "trainer": {"max_steps": 2}})
+    for call, row in zip(oracle.calls, rows):
+        cut = flat(call["batch"].truncated)
+        assert any(cut) and not all(cut) and row["empty_batch"] is False
+        assert_matches_oracle(call, differs_from="unmasked")
+
+
+def test_rollout_temperature_reaches_every_log_prob(cfg_factory, spy, ragged, oracle, monkeypatch):
+    """rollout.temperature != 1 with mu = 2 and beta > 0: the update's, pi_old's and the reference's log-probs
+    all come from logits / T (the oracle at T = 1 gives another update)."""
+    _use_reward(monkeypatch, pattern_reward)
+    oracle.variants = {"t1": {"temperature": 1.0}}
+    cfg, rows = _train(cfg_factory, {"rollout": {"temperature": 0.6}, "algorithm": {"num_iterations": 2, "beta": 0.2},
+                                     "trainer": {"max_steps": 2, "lr": 0.05}})
+    for call in oracle.calls:
+        assert_matches_oracle(call, differs_from="t1")
+
+
+def test_scale_rewards_batch_through_collect(cfg_factory, spy, monkeypatch):
+    """collect with scale_rewards=batch: (r - group mean) / (std of every reward of the batch + adv_eps)."""
+    from grpo import experience
+    from grpo.setup import build_run
+
+    rewards = [0.0, 1.0, 3.0, 0.5, 2.0, 2.5, 0.0, 4.0]
+    _use_reward(monkeypatch, lambda prompts, completions, **kw: rewards[:len(completions)])
+    cfg = cfg_factory(_merge(FAST, {"algorithm": {"scale_rewards": "batch", "beta": 0.0}}))
+    batch = experience.collect(build_run(cfg), cfg)
+    r = torch.tensor(rewards, dtype=torch.float64)
+    groups = r.view(2, 4)
+    want = (groups - groups.mean(1, keepdim=True)).flatten() / (r.std() + cfg.algorithm.adv_eps)
+    assert torch.allclose(batch.advantages.double(), want, atol=1e-6)
+    per_group = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + cfg.algorithm.adv_eps)
+    assert not torch.allclose(batch.advantages.double(), per_group.flatten(), atol=1e-2)  # not the group std
+
+
+def test_top_p_top_k_warn_once_that_the_rollout_is_off_policy(monkeypatch):
+    """The sampler draws from the truncated distribution while every log-prob uses the full softmax: say so once."""
+    import warnings
+
+    from grpo import rollout
+    from grpo.models import char_tokenizer, tiny_model
+
+    monkeypatch.setattr(rollout, "_warned_truncated", False)
+    model, tok = tiny_model("llama", 100), char_tokenizer()
+    kw = dict(group_size=2, max_new_tokens=2, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rollout.generate(model, tok, [[5, 6]], **kw)  # top_p=1, top_k=0: on-policy, nothing to say
+        assert not [w for w in caught if "on-policy" in str(w.message)]
+        rollout.generate(model, tok, [[5, 6]], top_k=5, **kw)
+        rollout.generate(model, tok, [[5, 6]], top_p=0.9, **kw)
+    msgs = [str(w.message) for w in caught if "on-policy" in str(w.message)]
+    assert len(msgs) == 1 and msgs[0].startswith("rollout.top_p=1.0 / rollout.top_k=5: completions are sampled")
+
+
+def test_a_failed_reward_counts_as_zero_in_its_group(cfg_factory, spy, monkeypatch):
+    """docs/algorithms.md: a sample a reward function failed on gets 0 from that function (TRL's nansum) and
+    still takes part in its group's mean and std."""
+    from grpo import experience
+    from grpo.setup import build_run
+
+    calls = {"n": 0}
+
+    def flaky(prompts, completions, **kw):  # the batch call raises; then sample by sample, odd ones raise
+        if len(completions) > 1:
+            raise RuntimeError("batch")
+        calls["n"] += 1
+        if calls["n"] % 2 == 0:
+            raise ValueError("this sample breaks the reward")
+        return [1.0 + calls["n"]]
+
+    _use_reward(monkeypatch, flaky)
+    cfg = cfg_factory(_merge(FAST, {"algorithm": {"beta": 0.0}}))
+    batch = experience.collect(build_run(cfg), cfg)
+    r = torch.tensor([2.0, 0.0, 4.0, 0.0, 6.0, 0.0, 8.0, 0.0])  # calls 1, 3, 5, 7 scored 1 + n; the others failed
+    assert torch.equal(batch.rewards, r) and batch.stats["reward/accuracy_errors"] == 4
+    groups = r.view(2, 4)
+    want = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + cfg.algorithm.adv_eps)
+    assert torch.allclose(batch.advantages, want.flatten(), atol=1e-6)

@@ -1,42 +1,89 @@
-"""scripts/bench_trl.py (make bench) without TRL: the plan, and one quick run of this framework's whole step."""
+"""scripts/bench_trl.py (make bench) without TRL: the plan, and one quick run of this framework's whole step;
+scripts/bench_gpu.sh's plans (dry runs)."""
 import json
+import re
 import subprocess
 import sys
+
+import pytest
 
 from tests.helpers import ROOT
 
 SCRIPT = ROOT / "scripts" / "bench_trl.py"
+PLAN_LINE = re.compile(r"^  (\S+)\s+P=(\d+)\s+S=(\d+)\s+G=(\d+)\s+repeat (\d+)\s+(\S+)$")
+
+
+def _plan(stdout: str) -> tuple[str, list[tuple]]:
+    """(header line, [(model, P, S, G, repeat, system)]) of a bench_trl.py --dry-run."""
+    header = next(ln for ln in stdout.splitlines() if ln.startswith("# plan:"))
+    rows = [PLAN_LINE.match(ln) for ln in stdout.splitlines() if ln.startswith("  ")]
+    assert all(rows), stdout
+    return header, [(m[1], int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6]) for m in rows]
 
 
 def test_bench_dry_run_plans_interleaved_runs():
     p = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--repeats", "2"], capture_output=True, text=True,
                        check=True)
-    lines = [ln.split() for ln in p.stdout.splitlines() if ln.startswith("  ")]
-    assert len(lines) == 2 * 2 * 2 * 3  # models x shapes x repeats x systems
-    assert [ln[-1] for ln in lines[:6]] == ["ours", "ours-noshare", "trl"] * 2  # interleaved A B C A B C
-    assert {tuple(ln[1:4]) for ln in lines} == {("P=64", "S=64", "G=8"), ("P=1024", "S=32", "G=8")}
+    header, rows = _plan(p.stdout)
+    assert header.startswith("# plan: 24 worker runs, 3 measured steps each (+1 warm-up), 2 prompts/step, device cpu")
+    assert len(rows) == 2 * 2 * 2 * 3  # models x shapes x repeats x systems
+    assert [r[-1] for r in rows[:6]] == ["ours", "ours-noshare", "trl"] * 2  # interleaved A B C A B C
+    assert [r[4] for r in rows[:6]] == [0, 0, 0, 1, 1, 1]
+    assert {r[1:4] for r in rows} == {(64, 64, 8), (1024, 32, 8)} and {r[0] for r in rows} == {"tiny", "smollm2"}
+
+
+def _gpu_dry(*args, **env):
+    return subprocess.run(["bash", str(ROOT / "scripts" / "bench_gpu.sh"), "--dry-run", *args], capture_output=True,
+                          text=True, check=True, env={"PATH": "/usr/bin:/bin", "BENCH_PY": sys.executable, **env})
 
 
 def test_bench_gpu_script_dry_run():
-    p = subprocess.run(["bash", str(ROOT / "scripts" / "bench_gpu.sh"), "--dry-run"], capture_output=True,
-                       text=True, check=True, env={"PATH": "/usr/bin:/bin", "BENCH_PY": sys.executable})
-    assert "cuda, bfloat16" in p.stdout and "qwen05" in p.stdout and p.stdout.count("trl") == 4
-    p = subprocess.run(["bash", str(ROOT / "scripts" / "bench_gpu.sh"), "--dry-run", "prefix"], capture_output=True,
-                       text=True, check=True, env={"PATH": "/usr/bin:/bin", "BENCH_PY": sys.executable})
-    kernels = [ln.split("--kernel ")[1].split()[0] for ln in p.stdout.splitlines()]
-    assert kernels == ["flex", "grouped"] and p.stdout.count("--device cuda --dtype bfloat16") == 2
+    header, rows = _plan(_gpu_dry().stdout)
+    assert header.startswith("# plan: 12 worker runs, 2 measured steps each (+1 warm-up), 8 prompts/step, "
+                             "device cuda, bfloat16")
+    assert {r[0] for r in rows} == {"smollm2", "qwen05"} and {r[1:4] for r in rows} == {(64, 64, 8), (1024, 32, 8)}
+    assert [r[-1] for r in rows] == ["ours", "ours-noshare", "trl"] * 4 and {r[4] for r in rows} == {0}
+    # the environment knobs reach the plan
+    header, rows = _plan(_gpu_dry(STEPS="3", PROMPTS="4", MODELS="smollm2-shape").stdout)
+    assert header.startswith("# plan: 6 worker runs, 3 measured steps each (+1 warm-up), 4 prompts/step")
+    assert {r[0] for r in rows} == {"smollm2-shape"}
 
 
+def test_bench_gpu_prefix_dry_run_runs_valid_bench_prefix_commands():
+    lines = _gpu_dry("prefix", "--no-smollm2").stdout.splitlines()
+    assert len(lines) == 2
+    helptext = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_prefix.py"), "--help"],
+                              capture_output=True, text=True, check=True).stdout
+    kernels = []
+    for ln in lines:
+        words = ln.split()
+        assert words[:3] == ["timeout", "110", sys.executable] and words[3] == "scripts/bench_prefix.py"
+        assert words[-1] == "--no-smollm2"  # extra arguments pass through
+        opts = dict(zip(words[4:-1:2], words[5:-1:2]))
+        assert all(o in helptext for o in opts)  # options bench_prefix.py knows
+        assert opts["--device"] == "cuda" and opts["--dtype"] == "bfloat16" and opts["--repeats"] == "5"
+        kernels.append(opts["--kernel"])
+    assert kernels == ["flex", "grouped"]
+
+
+@pytest.mark.slow
 def test_bench_quick_ours_whole_step(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_trl import QUICK_LLAMA, train_flops
+
     out = tmp_path / "bench.json"
     p = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--systems", "ours,ours-noshare", "--python",
                         sys.executable, "--peak-tflops", "1", "--json", str(out)], capture_output=True, text=True,
-                       timeout=600)
+                       timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads(out.read_text())["results"]["quick/16x8x4"]
+    flops = train_flops(QUICK_LLAMA, 16, 8, 4, 2)
     for system in ("ours", "ours-noshare"):
         (run,) = res["runs"][system]
         assert run["completion_tokens"] == [2 * 4 * 8]  # 2 prompts x G=4, exactly S=8 tokens each
-        assert run["step_s"][0] > 0 and run["peak_rss_mib"] > 0
-        assert res["summary"][system]["mfu"] > 0
+        assert len(run["step_s"]) == len(run["update_s"]) == 1 and 0 < run["update_s"][0] < run["step_s"][0]
+        summary = res["summary"][system]
+        assert summary["tok_s"] == pytest.approx(64 / run["step_s"][0])
+        assert summary["mfu"] == pytest.approx(flops / (run["update_s"][0] * 1e12))  # --peak-tflops 1
+        assert run["peak_rss_mib"] > 100  # a worker that imported torch and built a model
     assert "| quick | 16 | 8 | 4 | ours |" in p.stdout

@@ -34,7 +34,7 @@ def _params(rt) -> dict:
     return {n: p.detach().float().cpu().clone() for n, p in rt.model.named_parameters()}
 
 
-def fixed_batch_updates(overrides: list[str], out: Path) -> None:
+def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...] = ()) -> None:
     from omegaconf import OmegaConf
 
     from grpo.advantages import compute_advantages
@@ -57,13 +57,17 @@ def fixed_batch_updates(overrides: list[str], out: Path) -> None:
              for g in range(PROMPTS)]
     rewards = torch.rand(PROMPTS * G, generator=gen)
     per = PROMPTS // rt.world_size
-    mine = list(range(rt.rank * per, (rt.rank + 1) * per))
+    # groups in `dropped` are left out on every process count (zero-std filtering that empties rank 1)
+    mine = [i for i in range(rt.rank * per, (rt.rank + 1) * per) if i not in dropped]
+    flat = [i * G + j for i in mine for j in range(G)]
     batch = Batch([rows[i] for i in mine], [rows[i]["prompt_ids"] for i in mine], [comps[i] for i in mine],
-                  [[False] * G for _ in mine], rewards[mine[0] * G:(mine[-1] + 1) * G], torch.zeros(per * G))
+                  [[j == 1 for j in range(G)] for _ in mine], rewards[flat], torch.zeros(len(flat)))
     batch.advantages = compute_advantages(batch.rewards, batch.group_sizes, cfg.algorithm.scale_rewards,
                                           cfg.algorithm.adv_eps)
     with run.reference_context():
         batch.ref_logps = nested_logprobs(run.reference_model(), batch, cfg.engine, cfg.rollout.temperature)
+    if cfg.algorithm.num_iterations > 1:  # pi_old: the weights before the first update, for both updates
+        batch.old_logps = nested_logprobs(rt.model, batch, cfg.engine, cfg.rollout.temperature)
     record = {"micro_batches": len(_plan(batch, cfg.engine)), "stats": [], "params": [_params(rt)]}
     for k in range(3):
         if k == 2:
@@ -97,7 +101,10 @@ def _worker(argv: list[str]) -> None:
     torch.set_num_threads(1)
     mode, out, args = argv[0], Path(argv[1]), argv[2:]
     if mode in ("update", "cli"):
-        fixed_batch_updates([a for a in args if a.startswith(("distributed", "+distributed"))], out)
+        drop = [a for a in args if a.startswith("drop=")]
+        dropped = tuple(int(g) for g in drop[0][5:].split(",")) if drop else ()
+        fixed_batch_updates([a for a in args if a.startswith(("distributed", "+distributed", "algorithm."))], out,
+                            dropped)
     if mode in ("cli", "train"):
         cli(args)
 
@@ -158,10 +165,11 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def _check_updates(out: Path, ref: dict) -> None:
+def _check_updates(out: Path, ref: dict, rank1_groups: bool = True) -> None:
     ranks = [torch.load(out / f"update_rank{r}.pt", weights_only=False) for r in (0, 1)]
-    # the fixed batch gives rank 0 more micro-batches than rank 1, so rank 1 ran idle ones
-    assert ranks[0]["micro_batches"] > ranks[1]["micro_batches"] >= 1
+    # the fixed batch gives rank 0 more micro-batches than rank 1 (none when its groups are dropped), so rank 1
+    # ran idle ones
+    assert ranks[0]["micro_batches"] > ranks[1]["micro_batches"] >= int(rank1_groups)
     for r in ranks:
         for k in range(4):  # every rank holds the same parameters after every step
             assert _max_diff(r["params"][k], ranks[0]["params"][k]) == 0.0
@@ -218,6 +226,28 @@ def test_zero3_two_processes_then_resume(tmp_path, one_process):
                "distributed.gather_for_generation=false", cwd=tmp_path)
     assert "resumed from" in p.stdout + p.stderr and "step_2" in p.stdout + p.stderr
     _check_run(out, 3)
+
+
+# mu = 2 (old log-probs; the second update has ratios away from 1), GSPO, token_mean, mask_truncated, clip-higher
+BEYOND = ["algorithm.num_iterations=2", "algorithm.importance_sampling=sequence", "algorithm.loss_agg=token_mean",
+          "algorithm.mask_truncated=true", "algorithm.epsilon=0.05", "algorithm.epsilon_high=0.08"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [BEYOND, ["algorithm.loss_agg=dr_grpo", "algorithm.num_iterations=2", "drop=2,3"]],
+                         ids=["gspo-token_mean-mask_truncated", "dr_grpo-rank1-filtered-empty"])
+def test_two_processes_equal_one_beyond_the_defaults(tmp_path, extra):
+    """The fixed batch with non-default settings under ZeRO-2 equals one process with the same global batch;
+    dr_grpo-rank1-filtered-empty: both of rank 1's groups were filtered out (uneven zero-std filtering), so
+    rank 1 has nothing but idle micro-batches and still takes part in every collective."""
+    ref_out = tmp_path / "one"
+    p = subprocess.run([sys.executable, str(Path(__file__)), "update", str(ref_out), *extra], capture_output=True,
+                       text=True, cwd=tmp_path, env=_env(), timeout=180)
+    assert p.returncode == 0, p.stderr[-4000:]
+    ref = torch.load(ref_out / "update_rank0.pt", weights_only=False)
+    worker("update", tmp_path / "update", "distributed=zero2", *extra, cwd=tmp_path)
+    _check_updates(tmp_path / "update", ref, rank1_groups="drop=2,3" not in extra)
+    assert ref["stats"][1]["ratio_mean"] != pytest.approx(1.0, abs=1e-4)  # mu = 2: the second pass is off-policy
 
 
 def test_impossible_settings_fail_at_start_on_every_rank(tmp_path):

@@ -97,3 +97,25 @@ def test_sequence_level_importance_ratio():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     r = importance_ratio(logp, old, mask, "sequence")
     assert torch.allclose(r, torch.full((1, 3), math.exp(0.3)))
+
+
+def test_delta_below_one_plus_epsilon_high_would_zero_the_gradient_so_config_refuses_it(cfg_factory):
+    from grpo.config import ConfigError
+
+    # ratio 1.2, A = +1, epsilon_high 0.28: the gradient wrt log pi is -1.2 (unclipped) ...
+    logp = torch.log(torch.tensor([[1.2]])).requires_grad_()
+    args = (logp, torch.zeros(1, 1), None, torch.tensor([1.0]), torch.ones(1, 1), torch.ones(1, 1))
+    grpo_loss(*args, epsilon=0.2, epsilon_high=0.28, delta=1.28)[0].backward()
+    assert logp.grad.item() == pytest.approx(-1.2, rel=1e-6)
+    # ... but delta 1.1 caps the unclipped term at 1.1 < 1.2: min picks the constant, the gradient is 0
+    logp.grad = None
+    grpo_loss(*args, epsilon=0.2, epsilon_high=0.28, delta=1.1)[0].backward()
+    assert logp.grad.item() == 0.0
+    with pytest.raises(ConfigError) as e:
+        cfg_factory({"algorithm": {"delta": 1.1, "epsilon_high": 0.28}})
+    msg = str(e.value)
+    assert msg.startswith("algorithm.delta=1.1 must be >= 1 + epsilon_high = 1.28 or null") and "\n" not in msg
+    with pytest.raises(ConfigError, match=r"algorithm.delta=1.15 must be >= 1 \+ epsilon_high = 1.2 "):
+        cfg_factory({"algorithm": {"delta": 1.15}})  # epsilon_high null: epsilon (0.2) is the upper clip
+    assert cfg_factory({"algorithm": {"delta": 1.28, "epsilon_high": 0.28}}).algorithm.delta == 1.28
+    assert cfg_factory({"algorithm": {"delta": 1.2}}).algorithm.delta == 1.2

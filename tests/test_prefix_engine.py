@@ -306,4 +306,14 @@ def test_bench_quick_runs():
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "speedup" in proc.stdout and "ceiling" in proc.stdout
+    (row,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("| tiny-llama-quick |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:4] == ["64", "8", "4"]  # P, S, G
+    std, shared, speedup = float(cells[4]), float(cells[5]), float(cells[6].rstrip("x"))
+    assert shared > 0.0005  # the times are printed to 3 decimals, the speedup (of the unrounded ones) to 2
+    assert (std - 5e-4) / (shared + 5e-4) - 0.005 <= speedup <= (std + 5e-4) / (shared - 5e-4) + 0.005
+    P, S, G = 64, 8, 4  # the analytic ceilings of docs/prefix-engine.md, written out here
+    linear, attention = G * (P + S) / (P + G * S), G * (P + S) ** 2 / (P ** 2 + G * S * (2 * P + S))
+    assert cells[9] == f"{linear:.2f}x / {attention:.2f}x"  # 3.00x / 2.45x
+    # the combined ceiling also counts the lm_head, the same work in both layouts: between 1 and the larger ratio
+    assert 1.0 < float(cells[7].rstrip("x")) <= max(linear, attention)
