@@ -182,7 +182,7 @@ _RANGES = {
     "algorithm.beta": (lambda v: v >= 0, ">= 0"),
     "algorithm.epsilon": (lambda v: 0 < v < 1, "in (0, 1)"),
     "algorithm.epsilon_high": (lambda v: v is None or v > 0, "> 0 or null"),
-    "algorithm.delta": (lambda v: v is None or v > 1, "> 1 or null"),
+    "algorithm.delta": (lambda v: v is None or v > 1, ">= 1 + epsilon_high, or null"),
     "algorithm.num_iterations": (lambda v: v >= 1, ">= 1"),
     "algorithm.adv_eps": (lambda v: v >= 0, ">= 0"),
     "algorithm.resample_zero_std": (lambda v: v >= 0, ">= 0 (extra rollout rounds per step; 0 = never resample)"),
