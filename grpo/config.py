@@ -101,6 +101,7 @@ class EngineConfig:
     # tokens per forward/backward chunk (gradients accumulate into one step): auto = sized from the model, dtype,
     # checkpointing and the free memory at start (docs/recipes.md#memory); a number wins
     max_tokens_per_micro_batch: Any = "auto"
+    memory_limit_gib: Optional[float] = None  # auto plans for at most this much memory (null = what is free at start)
     attention_kernel: str = "auto"   # auto | grouped | flex: shared-layout attention (flex: CUDA, opt-in; auto = grouped)
 
 

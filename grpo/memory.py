@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,6 +163,9 @@ def plan(cfg, model, splits, runtime) -> int:
     ``rollout.max_new_tokens`` cannot fit."""
     from grpo.setup import SetupError
 
+    limit = cfg.engine.memory_limit_gib
+    if limit is not None and not limit > 0:
+        raise SetupError(f"engine.memory_limit_gib={limit} must be > 0 (GiB the update may plan for) or null")
     longest_prompt = max((len(r["prompt_ids"]) for r in splits.train), default=0)
     longest = longest_prompt + cfg.rollout.max_new_tokens
     device = getattr(runtime, "device", torch.device("cpu"))
@@ -171,7 +175,7 @@ def plan(cfg, model, splits, runtime) -> int:
     est.transient += group_score_bytes(_unwrap(model)[0].config, cfg.algorithm.group_size, longest_prompt,
                                        cfg.rollout.max_new_tokens)
     try:
-        tokens, note = choose_budget(cfg.engine.max_tokens_per_micro_batch, est, free_bytes(device), longest,
+        tokens, note = choose_budget(cfg.engine.max_tokens_per_micro_batch, est, _free(device, cfg.engine), longest,
                                      device.type == "cuda")
     except ValueError as e:
         raise SetupError(str(e)) from None
@@ -180,17 +184,26 @@ def plan(cfg, model, splits, runtime) -> int:
     return tokens
 
 
-_auto_cache: dict[int, int] = {}
+def _free(device, ecfg) -> int:
+    free = free_bytes(device)
+    limit = getattr(ecfg, "memory_limit_gib", None)
+    return free if limit is None else min(free, int(limit * 2**30))
 
 
-def budget_for(model, value) -> int:
+_auto_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {memory limit: tokens}
+
+
+def budget_for(model, value, ecfg=None) -> int:
     """The micro-batch budget for a config value outside a built run (``auto`` sized for ``model`` now, cached)."""
     explicit = parse_budget(value)
     if explicit is not None:
         return explicit
-    if id(model) not in _auto_cache:
-        p = next(model.parameters())
-        est = estimate(model)
-        _auto_cache[id(model)] = max(1, min(est.tokens_within(free_bytes(p.device)),
-                                            GPU_CAP if p.device.type == "cuda" else CPU_CAP))
-    return _auto_cache[id(model)]
+    if model is None:
+        raise ValueError("engine.max_tokens_per_micro_batch=auto needs the model to size it")
+    known = _auto_cache.setdefault(model, {})
+    limit = getattr(ecfg, "memory_limit_gib", None)
+    if limit not in known:
+        device = next(model.parameters()).device
+        known[limit] = max(1, min(estimate(model).tokens_within(_free(device, ecfg)),
+                                  GPU_CAP if device.type == "cuda" else CPU_CAP))
+    return known[limit]
