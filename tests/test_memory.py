@@ -200,3 +200,11 @@ def test_auto_is_the_default_and_is_resolved_at_start(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     line = next(x for x in r.stderr.splitlines() if "engine.max_tokens_per_micro_batch=auto -> " in x)
     assert int(line.split("-> ")[1].split()[0]) == memory.CPU_CAP  # a tiny model: the CPU cap, not memory, limits
+
+
+def test_bench_update_step_quick_runs():
+    r = subprocess.run([sys.executable, "scripts/bench_update_step.py", "--quick"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    cells = [c.strip() for c in r.stdout.strip().splitlines()[-1].strip("|").split("|")]
+    assert cells[0] == "quick" and float(cells[4]) > 0 and float(cells[5]) >= 0 and float(cells[6]) > 0
