@@ -207,4 +207,4 @@ def test_bench_update_step_quick_runs():
                        text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-2000:]
     cells = [c.strip() for c in r.stdout.strip().splitlines()[-1].strip("|").split("|")]
-    assert cells[0] == "quick" and float(cells[4]) > 0 and float(cells[5]) >= 0 and float(cells[6]) > 0
+    assert cells[0] == "quick" and float(cells[4]) > 0 and float(cells[5]) >= 0 and float(cells[6]) > 0  # saved MiB, one decimal
