@@ -152,9 +152,13 @@ def choose_budget(value, est: Estimate, free: int, longest: int, on_gpu: bool) -
 
 
 def group_score_bytes(config, group_size: int, prompt: int, completion: int) -> int:
-    """fp32 attention scores of one group, the chunk the grouped kernel holds at once (about three copies)."""
+    """fp32 attention scores the grouped kernel holds at once (about three copies): a chunk of at most
+    grpo.completion_attention._CHUNK_SCORES, or one completion's scores if that is more."""
+    from grpo.completion_attention import _CHUNK_SCORES
+
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return 3 * 4 * cfg.num_attention_heads * group_size * completion * (prompt + completion)
+    one = cfg.num_attention_heads * completion * (prompt + completion)
+    return 3 * 4 * max(min(_CHUNK_SCORES, one * group_size), one)
 
 
 def plan(cfg, model, splits, runtime) -> int:

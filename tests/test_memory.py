@@ -108,11 +108,12 @@ def test_completion_attention_keeps_no_scores():
 
 
 # --------------------------------------------------------------------------- the memory-saving kernel is exact
-def test_chunked_completion_attention_matches_reference(monkeypatch):
+@pytest.mark.parametrize("chunk", [1, 2000, 5000])  # one completion at a time; 4 of 5 completions; 2 groups
+def test_chunked_completion_attention_matches_reference(monkeypatch, chunk):
     """Forward and gradients equal the per-sequence forward also when the kernel works one group at a time."""
     import grpo.completion_attention as ca
 
-    monkeypatch.setattr(ca, "_CHUNK_SCORES", 1)  # one group per chunk
+    monkeypatch.setattr(ca, "_CHUNK_SCORES", chunk)
     model = make_model("qwen2").train()
     prompts, comps = make_data()
     ref, _ = reference(model, prompts, comps)
