@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 
-.PHONY: setup model train test bench bench-env bench-prefix sweep clean
+.PHONY: setup model train test recipes-check bench bench-env bench-prefix sweep clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,13 @@ train: model
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# Every recipe meant for one CPU machine runs its first step and first checkpoint (peak memory and s/step
+# printed; about 15 minutes on 2 cores, most of it countdown); GPU and multi-process recipes are composed and
+# validated. One recipe: make recipes-check RECIPES_ARGS="--recipes smoke".
+RECIPES_ARGS ?=
+recipes-check: model
+	$(PY) scripts/recipes_check.py $(RECIPES_ARGS)
 
 # A small group-size sweep on the embedded model (two runs, a few minutes on CPU), then its
 # comparison report: $(SWEEP_DIR)/report.md with reward / held-out accuracy / KL / length plots.

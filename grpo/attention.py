@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from grpo.completion_attention import completion_attention
 from grpo.flex_kernel import flex_fn
 
 ATTN_NAME = "grpo_prefix"
@@ -187,33 +188,41 @@ def prefix_attention_forward(module, query, key, value, attention_mask, scaling=
 
     # ---- completion attention over [prompt K/V of the group; own K/V], one joint softmax ----
     qc = q.index_select(1, layout.comp_idx).view(Hkv, rep, B, Gmax, Smax, D)
-    kc = k.index_select(1, layout.comp_idx).view(Hkv, B, Gmax, Smax, D).permute(1, 2, 0, 3, 4)
-    vc = v.index_select(1, layout.comp_idx).view(Hkv, B, Gmax, Smax, Dv).permute(1, 2, 0, 3, 4)
-    # scores against the prompt: (B, Hkv, rep*Gmax*Smax, Pmax), all completions of a group in one matmul
-    q_vs_p = qc.permute(2, 0, 1, 3, 4, 5).reshape(B, Hkv, rep * Gmax * Smax, D)
-    s_p = torch.matmul(q_vs_p, kp.transpose(-1, -2)).float().mul_(scaling)
-    s_p = s_p.view(B, Hkv, rep, Gmax, Smax, Pmax)
-    if layout.prompt_valid is not None:
-        s_p = s_p.masked_fill(~layout.prompt_valid[:, None, None, None, None, :], float("-inf"))
-    # scores against its own tokens: (B, Gmax, Hkv, rep*Smax, Smax), causal
-    q_vs_c = qc.permute(2, 3, 0, 1, 4, 5).reshape(B, Gmax, Hkv, rep * Smax, D)
-    s_c = torch.matmul(q_vs_c, kc.transpose(-1, -2)).float().mul_(scaling)
-    s_c = s_c.view(B, Gmax, Hkv, rep, Smax, Smax)
-    causal_c = torch.ones(Smax, Smax, dtype=torch.bool, device=q.device).tril()
-    s_c = s_c.masked_fill(~causal_c, float("-inf"))
-    s_c = s_c.permute(0, 2, 3, 1, 4, 5)  # (B, Hkv, rep, Gmax, Smax, Smax), a view
-    a_p, a_c = joint_softmax(s_p, s_c, value.dtype)  # finite: P >= 1
+    kc = k.index_select(1, layout.comp_idx).view(Hkv, B, Gmax, Smax, D)
+    vc = v.index_select(1, layout.comp_idx).view(Hkv, B, Gmax, Smax, Dv)
     if dropout > 0.0:
-        a_p = F.dropout(a_p, p=dropout, training=True)
-        a_c = F.dropout(a_c, p=dropout, training=True)
-    o_p = torch.matmul(a_p.view(B, Hkv, rep * Gmax * Smax, Pmax), vp).view(B, Hkv, rep, Gmax, Smax, Dv)
-    a_c = a_c.permute(0, 3, 1, 2, 4, 5).reshape(B, Gmax, Hkv, rep * Smax, Smax)
-    o_c = torch.matmul(a_c, vc).view(B, Gmax, Hkv, rep, Smax, Dv)
-    out_c = o_p.permute(0, 3, 4, 1, 2, 5) + o_c.permute(0, 1, 4, 2, 3, 5)  # (B, Gmax, Smax, Hkv, rep, Dv)
-    out_c = out_c.reshape(B * Gmax * Smax, H * Dv)
+        o = _completion_attention_with_dropout(qc, kp, vp, kc, vc, layout.prompt_valid, scaling, dropout)
+    else:  # no score matrix kept for backward (grpo/completion_attention.py)
+        o = completion_attention(qc.permute(2, 0, 1, 3, 4, 5).contiguous(), kp.contiguous(), vp.contiguous(),
+                                 kc.transpose(0, 1).contiguous(), vc.transpose(0, 1).contiguous(),
+                                 layout.prompt_valid, scaling)
+    out_c = o.permute(0, 3, 4, 1, 2, 5).reshape(B * Gmax * Smax, H * Dv)  # (B, Gmax, Smax, Hkv, rep, Dv)
 
     out = torch.cat([out_p, out_c.to(out_p.dtype)], dim=0).index_select(0, layout.src)
     return out.view(1, T, H, Dv), None
+
+
+def _completion_attention_with_dropout(qc, kp, vp, kc, vc, prompt_valid, scaling, dropout):
+    """The joint softmax recorded by autograd (scores kept for backward), for training with attention dropout.
+    qc (Hkv, rep, B, G, S, D); kp, vp (B, Hkv, P, D); kc, vc (Hkv, B, G, S, D) -> (B, Hkv, rep, G, S, Dv)."""
+    Hkv, rep, B, Gmax, Smax, D = qc.shape
+    Pmax, Dv = kp.shape[2], vp.shape[-1]
+    kc, vc = kc.permute(1, 2, 0, 3, 4), vc.permute(1, 2, 0, 3, 4)  # (B, G, Hkv, S, D)
+    q_vs_p = qc.permute(2, 0, 1, 3, 4, 5).reshape(B, Hkv, rep * Gmax * Smax, D)
+    s_p = torch.matmul(q_vs_p, kp.transpose(-1, -2)).float().mul_(scaling).view(B, Hkv, rep, Gmax, Smax, Pmax)
+    if prompt_valid is not None:
+        s_p = s_p.masked_fill(~prompt_valid[:, None, None, None, None, :], float("-inf"))
+    q_vs_c = qc.permute(2, 3, 0, 1, 4, 5).reshape(B, Gmax, Hkv, rep * Smax, D)
+    s_c = torch.matmul(q_vs_c, kc.transpose(-1, -2)).float().mul_(scaling).view(B, Gmax, Hkv, rep, Smax, Smax)
+    causal_c = torch.ones(Smax, Smax, dtype=torch.bool, device=qc.device).tril()
+    s_c = s_c.masked_fill(~causal_c, float("-inf")).permute(0, 2, 3, 1, 4, 5)  # (B, Hkv, rep, G, S, S)
+    a_p, a_c = joint_softmax(s_p, s_c, vp.dtype)  # finite: P >= 1
+    a_p = F.dropout(a_p, p=dropout, training=True)
+    a_c = F.dropout(a_c, p=dropout, training=True)
+    o_p = torch.matmul(a_p.view(B, Hkv, rep * Gmax * Smax, Pmax), vp).view(B, Hkv, rep, Gmax, Smax, Dv)
+    a_c = a_c.permute(0, 3, 1, 2, 4, 5).reshape(B, Gmax, Hkv, rep * Smax, Smax)
+    o_c = torch.matmul(a_c, vc).view(B, Gmax, Hkv, rep, Smax, Dv).permute(0, 2, 3, 1, 4, 5)
+    return o_p + o_c
 
 
 _registered = False

@@ -101,7 +101,10 @@ class AlgorithmConfig:
 @dataclass
 class EngineConfig:
     shared_prefix: bool = True       # encode each prompt once per group
-    max_tokens_per_micro_batch: int = 4096  # tokens per forward/backward chunk; gradients accumulate into one step
+    # tokens per forward/backward chunk (gradients accumulate into one step): auto = sized from the model, dtype,
+    # checkpointing and the free memory at start (docs/recipes.md#memory); a number wins
+    max_tokens_per_micro_batch: Any = "auto"
+    memory_limit_gib: Optional[float] = None  # auto plans for at most this much memory (null = what is free at start)
     attention_kernel: str = "auto"   # auto | grouped | flex: shared-layout attention (flex: CUDA, opt-in; auto = grouped)
 
 
@@ -192,7 +195,9 @@ _RANGES = {
     "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "rollout.top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "rollout.batch_size": (lambda v: v >= 1, ">= 1"),
-    "engine.max_tokens_per_micro_batch": (lambda v: v >= 1, ">= 1"),
+    "engine.max_tokens_per_micro_batch": (
+        lambda v: v == "auto" or (not isinstance(v, bool) and isinstance(v, (int, str)) and str(v).isdigit() and int(v) >= 1),
+        "auto or an integer >= 1"),
     "trainer.max_steps": (lambda v: v >= 0, ">= 0"),
     "trainer.lr": (lambda v: v > 0 and math.isfinite(v), "> 0"),
     "trainer.weight_decay": (lambda v: v >= 0, ">= 0"),

@@ -56,6 +56,9 @@ class _FusedLogProb(torch.autograd.Function):
         ctx.args = (mult, cap, temperature, rows)
         if not want_entropy:
             ctx.mark_non_differentiable(ent)
+        # An output that no loss used arrives in backward as None instead of a zero tensor: the usual case is an
+        # entropy that is only logged (detached), and its zero gradient would cost full-vocabulary passes.
+        ctx.set_materialize_grads(False)
         return logp, ent
 
     @staticmethod
@@ -67,6 +70,9 @@ class _FusedLogProb(torch.autograd.Function):
         g_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         g_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
         use_ent = g_ent is not None and ent.numel() > 0
+        use_lp = g_lp is not None
+        if not (use_ent or use_lp):
+            return None, None, None, None, None, None, None, None
         for s in range(0, hidden.shape[0], rows):
             sl = slice(s, s + rows)
             z, t = _FusedLogProb._logits(hidden[sl], weight, bias, mult, cap, temperature)
@@ -74,10 +80,12 @@ class _FusedLogProb(torch.autograd.Function):
             p = z.exp()
             if use_ent:  # dH/dz = -p (log p + H)
                 g = (z.add_(ent[sl, None])).mul_(p).mul_(-g_ent[sl, None])
-                g.sub_(p.mul_(g_lp[sl, None]))
+                if use_lp:
+                    g.sub_(p.mul_(g_lp[sl, None]))
             else:
                 g = p.mul_(-g_lp[sl, None])
-            g[torch.arange(g.shape[0], device=g.device), targets[sl]] += g_lp[sl]
+            if use_lp:
+                g[torch.arange(g.shape[0], device=g.device), targets[sl]] += g_lp[sl]
             scale = mult / temperature
             if cap:
                 g.mul_(1 - t * t)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from grpo.loss import BatchCounts, grpo_loss, pad, token_weights
+from grpo.memory import budget_for
 from grpo.prefix_engine import plan_micro_batches, token_logprobs
 
 
@@ -39,7 +40,7 @@ def nested_logprobs(model, batch: Batch, ecfg, temperature: float, context=None)
     out = [[None] * len(g) for g in batch.completion_ids]
     ctx = context if context is not None else contextlib.nullcontext()
     with torch.no_grad(), ctx:
-        plan = _plan(batch, ecfg)
+        plan = _plan(batch, ecfg, model)
         for _ in range(_most_micro_batches(len(plan)) - len(plan)):
             _idle_forward(model, ecfg, temperature)
         for mb in plan:
@@ -71,10 +72,12 @@ def _idle_forward(model, ecfg, temperature: float) -> None:
                    attention_kernel=ecfg.attention_kernel)
 
 
-def _plan(batch: Batch, ecfg):
+def _plan(batch: Batch, ecfg, model=None):
+    """Micro-batches of at most engine.max_tokens_per_micro_batch tokens (resolved by grpo.memory.plan when the run
+    was built; ``auto`` outside a built run is sized for ``model`` here)."""
     return plan_micro_batches([len(p) for p in batch.prompt_ids],
                               [[len(c) for c in g] for g in batch.completion_ids],
-                              ecfg.max_tokens_per_micro_batch, shared_prefix=ecfg.shared_prefix)
+                              budget_for(model, ecfg.max_tokens_per_micro_batch, ecfg), shared_prefix=ecfg.shared_prefix)
 
 
 def loss_mask(batch: Batch, mask_truncated: bool) -> list[bool]:
@@ -106,7 +109,7 @@ def policy_update(runtime, batch: Batch, acfg, ecfg, *, temperature: float, max_
                 "clip_ratio_low": None, "clip_ratio_high": None, "clip_ratio": None, "ratio_mean": None, "kl": None}
     totals: dict[str, float] = {}
     loss_total, entropy_sum = 0.0, 0.0
-    plan = _plan(batch, ecfg)
+    plan = _plan(batch, ecfg, model)
     n_micro = _most_micro_batches(len(plan))
     if hasattr(runtime, "expect_backwards"):  # DeepSpeed: the last backward closes the accumulation
         runtime.expect_backwards(n_micro)
