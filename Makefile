@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 
-.PHONY: setup model train test bench bench-env bench-prefix sweep clean
+.PHONY: setup model train test lint bench bench-env bench-prefix sweep clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,10 @@ train: model
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# ruff (configured in pyproject.toml): unused or undefined names, import order, lines over 120 characters
+lint: setup
+	$(VENV)/bin/ruff check grpo tests scripts
 
 # A small group-size sweep on the embedded model (two runs, a few minutes on CPU), then its
 # comparison report: $(SWEEP_DIR)/report.md with reward / held-out accuracy / KL / length plots.
