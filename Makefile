@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 
-.PHONY: setup model train test recipes-check bench bench-env bench-prefix sweep clean
+.PHONY: setup model train test lint recipes-check bench bench-env bench-prefix sweep clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,10 @@ train: model
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# ruff (configured in pyproject.toml): unused or undefined names, import order, lines over 120 characters
+lint: setup
+	$(VENV)/bin/ruff check grpo tests scripts
 
 # Every recipe meant for one CPU machine runs its first step and first checkpoint (peak memory and s/step
 # printed; about 15 minutes on 2 cores, most of it countdown); GPU and multi-process recipes are composed and

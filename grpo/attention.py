@@ -282,7 +282,8 @@ def _with_impl(fn, configs, name):
 def checkpointing_is_wrappable(model) -> bool:
     """True unless some module checkpoints in a way we cannot see (then the recompute would not use us)."""
     for m in model.modules():
-        if getattr(m, "gradient_checkpointing", False) and not callable(getattr(m, "_gradient_checkpointing_func", None)):
+        hidden = not callable(getattr(m, "_gradient_checkpointing_func", None))
+        if getattr(m, "gradient_checkpointing", False) and hidden:
             return False
     return True
 

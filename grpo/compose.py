@@ -126,7 +126,8 @@ def _apply_overrides(base: dict, key: str, parsed) -> DictConfig:
 def compose(overrides: list[str]) -> DictConfig:
     """The config a run with these command-line overrides trains with (no sweeps), Hydra's ``hydra``
     section included. Raises ConfigError with one line when Hydra cannot compose it."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     overrides = normalize(overrides)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):

@@ -105,7 +105,8 @@ class EngineConfig:
     # checkpointing and the free memory at start (docs/recipes.md#memory); a number wins
     max_tokens_per_micro_batch: Any = "auto"
     memory_limit_gib: Optional[float] = None  # auto plans for at most this much memory (null = what is free at start)
-    attention_kernel: str = "auto"   # auto | grouped | flex: shared-layout attention (flex: CUDA, opt-in; auto = grouped)
+    # auto | grouped | flex: shared-layout attention (flex: CUDA, opt-in; auto = grouped)
+    attention_kernel: str = "auto"
 
 
 @dataclass
@@ -196,7 +197,8 @@ _RANGES = {
     "rollout.top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "rollout.batch_size": (lambda v: v >= 1, ">= 1"),
     "engine.max_tokens_per_micro_batch": (
-        lambda v: v == "auto" or (not isinstance(v, bool) and isinstance(v, (int, str)) and str(v).isdigit() and int(v) >= 1),
+        lambda v: v == "auto" or (not isinstance(v, bool) and isinstance(v, (int, str)) and str(v).isdigit()
+                                  and int(v) >= 1),
         "auto or an integer >= 1"),
     "trainer.max_steps": (lambda v: v >= 0, ">= 0"),
     "trainer.lr": (lambda v: v > 0 and math.isfinite(v), "> 0"),

@@ -61,7 +61,8 @@ def launcher_env() -> tuple[int, int, int]:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_RANK", rank))
     except ValueError:
-        raise SetupError("RANK, WORLD_SIZE and LOCAL_RANK must be integers; start the run with " + LAUNCH_HINT) from None
+        raise SetupError("RANK, WORLD_SIZE and LOCAL_RANK must be integers; start the run with "
+                         + LAUNCH_HINT) from None
     if not (0 <= rank < world):
         raise SetupError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
     return rank, world, local

@@ -30,5 +30,6 @@ def evaluate(run, cfg, label: str) -> dict:
         out[rf.name] = stats[f"reward/{rf.name}"]
     if rt.is_main:
         head = "accuracy" if "accuracy" in out else "reward_mean"
-        print(f"[grpo] held-out {head} ({label}, {len(rows)} prompts, greedy): {'n/a (no sample scored)' if out[head] is None else f'{out[head]:.3f}'}", file=sys.stderr, flush=True)
+        value = "n/a (no sample scored)" if out[head] is None else f"{out[head]:.3f}"
+        print(f"[grpo] held-out {head} ({label}, {len(rows)} prompts, greedy): {value}", file=sys.stderr, flush=True)
     return out

@@ -135,7 +135,8 @@ def choose_budget(value, est: Estimate, free: int, longest: int, on_gpu: bool) -
         if explicit < longest:
             raise ValueError(f"engine.max_tokens_per_micro_batch={explicit} is smaller than the longest prompt + "
                              f"rollout.max_new_tokens ({longest} tokens), which must fit in one micro-batch; raise it "
-                             f"to at least {longest} (or set auto), or lower rollout.max_new_tokens / data.max_prompt_tokens")
+                             f"to at least {longest} (or set auto), or lower rollout.max_new_tokens / "
+                             "data.max_prompt_tokens")
         need = est.bytes_for(explicit)
         note = (f"engine.max_tokens_per_micro_batch={explicit}: the update needs about {_gib(need)}")
         if need > free * MARGIN:
@@ -144,8 +145,8 @@ def choose_budget(value, est: Estimate, free: int, longest: int, on_gpu: bool) -
         return explicit, note
     fits = est.tokens_within(free)
     if fits < longest:
-        raise ValueError(f"one prompt + completion ({longest} tokens) needs about {_gib(est.bytes_for(longest))} for the "
-                         f"update, more than {MARGIN:.0%} of the {_gib(free)} free; {_HINT}")
+        raise ValueError(f"one prompt + completion ({longest} tokens) needs about {_gib(est.bytes_for(longest))} "
+                         f"for the update, more than {MARGIN:.0%} of the {_gib(free)} free; {_HINT}")
     tokens = max(min(fits, GPU_CAP if on_gpu else CPU_CAP), longest)
     return tokens, (f"engine.max_tokens_per_micro_batch=auto -> {tokens} tokens (about {_gib(est.bytes_for(tokens))} "
                     f"for the update; {_gib(free)} free, {est.per_token / 2**20:.2f} MiB of activations per token)")

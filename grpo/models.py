@@ -155,7 +155,8 @@ def load_tokenizer(name_or_path: str):
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # OSError, ValueError, ... — all mean "no usable tokenizer here"
-        raise ModelError(f"model.name_or_path={name_or_path!r}: no tokenizer could be loaded ({_first_line(e)})") from None
+        raise ModelError(f"model.name_or_path={name_or_path!r}: no tokenizer could be loaded "
+                         f"({_first_line(e)})") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -173,7 +174,8 @@ def load_model(mcfg, vocab_size: int, seed: int = 0):
 
         path = resolve_path(name)
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=mcfg.attn_implementation)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                         attn_implementation=mcfg.attn_implementation)
         except Exception as e:
             raise ModelError(f"model.name_or_path={name!r}: no causal LM could be loaded ({_first_line(e)})") from None
     if mcfg.gradient_checkpointing:
@@ -185,7 +187,8 @@ def load_model(mcfg, vocab_size: int, seed: int = 0):
 
 
 def apply_lora(model, lcfg):
-    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
 
     pcfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
                           target_modules=list(lcfg.target_modules), task_type="CAUSAL_LM")

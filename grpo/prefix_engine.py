@@ -99,7 +99,8 @@ def _unwrap(model):
             if cfg is not None and getattr(cfg, "is_prompt_learning", False):
                 raise NotImplementedError("prompt-learning PEFT adapters (prefix/prompt tuning) are not supported")
             m = m.get_base_model()
-        elif type(m).__name__ in ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine") and hasattr(m, "module"):
+        elif type(m).__name__ in ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine") \
+                and hasattr(m, "module"):
             if type(m).__name__ == "DistributedDataParallel" and torch.is_grad_enabled():
                 warnings.warn(
                     "token_logprobs calls the decoder inside DistributedDataParallel directly, so DDP does not "
@@ -186,7 +187,8 @@ def _resolve_kernel(kernel: str, lm) -> str:
         return "grouped"
     if kernel == "flex":
         if not flex_available():
-            raise ValueError(f"attention_kernel='flex' needs torch.nn.attention.flex_attention (torch {torch.__version__} "
+            raise ValueError("attention_kernel='flex' needs torch.nn.attention.flex_attention "
+                             f"(torch {torch.__version__} "
                              "has none); use 'grouped' or 'auto'")
         if device.type == "cpu" and torch.is_grad_enabled():
             raise ValueError("attention_kernel='flex' cannot run backward on CPU (PyTorch's FlexAttention has no CPU "

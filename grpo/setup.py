@@ -24,7 +24,8 @@ from grpo.config import Config
 from grpo.data import PromptSampler, Splits
 from grpo.models import ModelError, check_name, load_model, load_reference, load_tokenizer
 from grpo.rewards import RewardSpecError
-from grpo.rewards.score import RewardFunction, build as build_rewards
+from grpo.rewards.score import RewardFunction
+from grpo.rewards.score import build as build_rewards
 
 
 class SetupError(RuntimeError):
@@ -251,7 +252,8 @@ def save_checkpoint(run: Run, cfg: Config, step: int) -> Path:
         run.runtime.save_model_state(tmp) if hasattr(run.runtime, "save_model_state") else _save_weights(run, tmp)
         if run.owns_output_dir:  # every node's copy holds the state (the same on every rank)
             checkpoint.save_state(tmp, {
-                "step": step, "optimizer": run.optimizer.state_dict() if not hasattr(run.runtime, "save_model_state") else None,
+                "step": step,
+                "optimizer": None if hasattr(run.runtime, "save_model_state") else run.optimizer.state_dict(),
                 "scheduler": run.scheduler.state_dict(), "sampler": run.sampler.state_dict(),
                 "rng": checkpoint.rng_state(), "buffer": run.buffer, "skipped_steps": run.skipped_steps,
                 "bad_steps": run.bad_steps, "failed_reward_steps": run.failed_reward_steps,
@@ -280,7 +282,8 @@ def _load_weights(run: Run, path: Path) -> None:
     state = load_file(str(path / "trainable.safetensors"))
     missing = [n for n, p in run.model.named_parameters() if p.requires_grad and n not in state]
     if missing:
-        raise SetupError(f"checkpoint {path} does not match the model (missing {missing[0]}); wrong model.name_or_path?")
+        raise SetupError(f"checkpoint {path} does not match the model (missing {missing[0]}); "
+                         "wrong model.name_or_path?")
     run.model.load_state_dict(state, strict=False)
 
 

@@ -77,7 +77,8 @@ def _plan(batch: Batch, ecfg, model=None):
     was built; ``auto`` outside a built run is sized for ``model`` here)."""
     return plan_micro_batches([len(p) for p in batch.prompt_ids],
                               [[len(c) for c in g] for g in batch.completion_ids],
-                              budget_for(model, ecfg.max_tokens_per_micro_batch, ecfg), shared_prefix=ecfg.shared_prefix)
+                              budget_for(model, ecfg.max_tokens_per_micro_batch, ecfg),
+                              shared_prefix=ecfg.shared_prefix)
 
 
 def loss_mask(batch: Batch, mask_truncated: bool) -> list[bool]:

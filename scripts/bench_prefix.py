@@ -8,7 +8,8 @@
 
 Time: median of --repeats after one warm-up, both layouts alternating in one worker process (same machine
 load); on CPU the process CPU time with 1 thread (wall-clock speedup shown too). Memory: CUDA
-max_memory_allocated (in the timing process, after the warm-up); on CPU the peak resident set (VmHWM) growth of one step in a fresh worker process,
+max_memory_allocated (in the timing process, after the warm-up); on CPU the peak resident set (VmHWM) growth of one
+step in a fresh worker process,
 reset after the model is built.
 Ceilings are analytic FLOP ratios standard/shared: linear layers G(P+S)/(P+G*S), causal attention
 G(P+S)^2/(P^2+G*S*(2P+S)), and the combined one weighting the model's own per-token linear FLOPs, attention

@@ -179,7 +179,8 @@ def worker_ours(spec: dict) -> dict:
         _profile(lambda: policy_update(run.runtime, experience.collect(run, cfg), cfg.algorithm, cfg.engine,
                                        temperature=1.0, max_len=S, mask_truncated=False, max_grad_norm=1.0),
                  spec["profile"])
-    return {"step_s": times[1:], "update_s": upd[1:], "rollout_s": roll[1:], "completion_tokens": lens[1:], "prompt_len": P,
+    return {"step_s": times[1:], "update_s": upd[1:], "rollout_s": roll[1:], "completion_tokens": lens[1:],
+            "prompt_len": P,
             "peak_rss_mib": _peak_rss_mib(), **_gpu_mem(spec["device"]), "torch_threads": torch.get_num_threads()}
 
 
@@ -245,7 +246,8 @@ def worker_trl(spec: dict) -> dict:
     trainer.train()
     steps = [b - a for a, b in zip(times, times[1:])]
     upd = [s - g for s, g in zip(steps, gen)]
-    return {"step_s": steps[1:], "update_s": upd[1:], "rollout_s": roll[1:], "completion_tokens": [round(x) for x in lens[1:]],
+    return {"step_s": steps[1:], "update_s": upd[1:], "rollout_s": roll[1:],
+            "completion_tokens": [round(x) for x in lens[1:]],
             "prompt_len": P, "peak_rss_mib": _peak_rss_mib(), **_gpu_mem(spec["device"]),
             "trl": trl.__version__, "torch_threads": torch.get_num_threads()}
 
@@ -303,7 +305,8 @@ def summarise(results: dict, key, flops: float | None, peak_tflops: float | None
     toks = [t for r in runs for t in r["completion_tokens"]]
     s = statistics.median(steps)
     out = {"step_s": s, "tok_s": statistics.median(toks) / s, "rss_mib": max(r["peak_rss_mib"] for r in runs),
-           "update_s": statistics.median(upd), "rollout_s": statistics.median([t for r in runs for t in r["rollout_s"]]),
+           "update_s": statistics.median(upd),
+           "rollout_s": statistics.median([t for r in runs for t in r["rollout_s"]]),
            "tokens_per_step": statistics.median(toks),
            "steps": len(steps), "min_step_s": min(steps), "max_step_s": max(steps)}
     if any("peak_gpu_mib" in r for r in runs):
@@ -330,7 +333,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=None, help="device peak (e.g. 989 for H200 bf16) for MFU")
     ap.add_argument("--python", default=None, help="interpreter for the workers (default: .venv-bench if present, "
                                                    "else this one)")
-    ap.add_argument("--profile", default=None, help="also write torch.profiler tables of one 'ours' step to PREFIX.<model>.<shape>.txt")
+    ap.add_argument("--profile", default=None,
+                    help="also write torch.profiler tables of one 'ours' step to PREFIX.<model>.<shape>.txt")
     ap.add_argument("--json", default=None, help="write all raw results here")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
     ap.add_argument("--quick", action="store_true", help="a tiny model, one small shape, 1 step, 1 repeat")
@@ -422,7 +426,8 @@ def _run_all(a, models, shapes, systems, python, workdir, raw, table) -> None:
 
 
 def print_table(table, trl_version, a) -> None:
-    print(f"\n## Whole GRPO step ({a.device}, {a.dtype}, {a.threads or 'default'} threads, {a.prompts_per_step} prompts/step, beta 0.04, "
+    print(f"\n## Whole GRPO step ({a.device}, {a.dtype}, {a.threads or 'default'} threads, "
+          f"{a.prompts_per_step} prompts/step, beta 0.04, "
           f"median of {a.steps} steps x {a.repeats} runs; TRL {trl_version or 'not run'})\n")
     mfu = a.peak_tflops is not None
     head = "| model | P | S | G | system | s/step | completion tok/s | peak RSS MiB |"

@@ -31,7 +31,8 @@ from grpo.config import load  # noqa: E402
 
 
 def compose(recipe: str, overrides: list[str]) -> dict:
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):

@@ -5,7 +5,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from grpo.config import ConfigError, load
+from grpo.config import load
 from tests.helpers import ROOT, compose_recipe
 
 

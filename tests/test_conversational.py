@@ -129,7 +129,8 @@ def test_a_verl_parquet_trains_with_its_compute_score(tmp_path):
              "extra_info": {"split": "train", "index": a}} for a in range(10)]
     pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
     (tmp_path / "verl_reward.py").write_text(textwrap.dedent(VERL_STYLE))
-    step, seen = run_smoke(tmp_path, "data.source=train.parquet", "reward.functions={score: {fn: verl_reward:compute_score}}")
+    step, seen = run_smoke(tmp_path, "data.source=train.parquet",
+                           "reward.functions={score: {fn: verl_reward:compute_score}}")
     assert step["reward/score_errors"] == 0 and step["reward/score"] is not None
     first = seen[0]
     assert first["data_source"] == "openai/gsm8k" and isinstance(first["solution_str"], str)

@@ -177,15 +177,18 @@ CASES = {
     "grpo-report multirun/g": ([], check_report("multirun/g", 4)),
     "grpo-train recipe=quickstart trainer.output_dir=runs/qs trainer.save_every=10": ([], check_dir("runs/qs")),
     "grpo-train recipe=quickstart trainer.output_dir=runs/qs trainer.save_every=10 trainer.resume=auto":
-        (["trainer.max_steps=2"], check_dir("runs/qs", resumed="[grpo] resumed from runs/qs/checkpoints/step_1 (step 1)")),
+        (["trainer.max_steps=2"],
+         check_dir("runs/qs", resumed="[grpo] resumed from runs/qs/checkpoints/step_1 (step 1)")),
     "grpo-train recipe=quickstart data.source=data/qa.jsonl '~reward.functions.accuracy' "
     "'+reward.functions.match={fn: exact_match, weight: 1.0, mode: contains}'":
         ([], check_rewards({"match": "exact_match", "format": "number_only"})),
     "grpo-train recipe=quickstart data.source=train.parquet "
-    "'reward.functions={score: {fn: my_reward:compute_score}}'": ([], check_rewards({"score": "my_reward:compute_score"})),
+    "'reward.functions={score: {fn: my_reward:compute_score}}'":
+        ([], check_rewards({"score": "my_reward:compute_score"})),
     # the tiny model's tokenizer spends a token per character: countdown prompts need more than the group's 256
     "grpo-train recipe=quickstart data=countdown reward=countdown":
-        (["data.max_prompt_tokens=512"], check_rewards({"accuracy": "countdown", "format": "format", "tags": "tag_count"})),
+        (["data.max_prompt_tokens=512"],
+         check_rewards({"accuracy": "countdown", "format": "format", "tags": "tag_count"})),
     "grpo-train recipe=quickstart data.source=builtin:countdown +data.task_kwargs.max_numbers=3 reward=countdown":
         ([], check_task({"source": "builtin:countdown", "task_kwargs": {"max_numbers": 3}})),
     "grpo-train recipe=quickstart '+reward.functions.rep={fn: repetition_penalty, weight: 0.5}'":

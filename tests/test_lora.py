@@ -146,7 +146,8 @@ def test_lora_run_saves_the_adapter_only_and_it_loads_with_peft(cfg_factory, spy
         return step
 
     monkeypatch.setattr(grpo.train, "restore", spy_restore)
-    more = _cfg(cfg_factory, {"model": {"lora": {"merge_on_save": False}}, "trainer": {"max_steps": 3, "resume": "auto"}})
+    more = _cfg(cfg_factory, {"model": {"lora": {"merge_on_save": False}},
+                              "trainer": {"max_steps": 3, "resume": "auto"}})
     assert train(more)["steps"] == 3
     assert restored.keys() == state.keys() and all(torch.equal(restored[n], state[n]) for n in state)
 

@@ -11,7 +11,14 @@ from grpo import memory
 from grpo.memory import Estimate, activation_bytes_per_token, choose_budget, estimate
 from grpo.prefix_engine import token_logprobs
 from tests.test_prefix_engine import (
-    ROOT, assert_grads_close, grads, make_data, make_model, max_err, reference, weights_like,
+    ROOT,
+    assert_grads_close,
+    grads,
+    make_data,
+    make_model,
+    max_err,
+    reference,
+    weights_like,
 )
 
 GiB = 2**30
@@ -33,7 +40,8 @@ def test_explicit_budget_wins_and_warns_when_too_big():
     est = Estimate(per_token=1 << 20, fixed=0, transient=0)
     tokens, note = choose_budget(8192, est, GiB, longest=100, on_gpu=False)
     assert tokens == 8192 and "may run out of memory" in note
-    assert choose_budget("512", est, 8 * GiB, longest=100, on_gpu=False) == (512, choose_budget(512, est, 8 * GiB, 100, False)[1])
+    as_text = choose_budget("512", est, 8 * GiB, longest=100, on_gpu=False)
+    assert as_text == (512, choose_budget(512, est, 8 * GiB, 100, False)[1])
 
 
 def test_refusals_are_one_line_and_say_what_to_change():
@@ -208,4 +216,5 @@ def test_bench_update_step_quick_runs():
                        text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-2000:]
     cells = [c.strip() for c in r.stdout.strip().splitlines()[-1].strip("|").split("|")]
-    assert cells[0] == "quick" and float(cells[4]) > 0 and float(cells[5]) >= 0 and float(cells[6]) > 0  # saved MiB, one decimal
+    # saved MiB with one decimal
+    assert cells[0] == "quick" and float(cells[4]) > 0 and float(cells[5]) >= 0 and float(cells[6]) > 0

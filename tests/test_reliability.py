@@ -1,6 +1,5 @@
 """Exact resume, crash safety, fault handling and bad input (issue 5)."""
 import json
-import os
 import random
 import signal
 import subprocess

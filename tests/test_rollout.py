@@ -60,7 +60,8 @@ def test_greedy_decode_matches_hf_generate(family):
     eos = tok.eos_token_id
     for p, (c,), cut in zip(prompts, comps, trunc):
         ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                             do_sample=False, max_new_tokens=12, eos_token_id=eos, pad_token_id=eos)[0, len(p):].tolist()
+                             do_sample=False, max_new_tokens=12, eos_token_id=eos,
+                             pad_token_id=eos)[0, len(p):].tolist()
         want = ref[: ref.index(eos) + 1] if eos in ref else ref
         assert c == want and cut == [eos not in ref]
 

@@ -107,7 +107,8 @@ def test_retrieval_default_length_in_tokens():
     import os
     from pathlib import Path
 
-    path = Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo")) / "SmolLM2-135M-Instruct" / "tokenizer.json"
+    cache = Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo"))
+    path = cache / "SmolLM2-135M-Instruct" / "tokenizer.json"
     if not path.exists():
         pytest.skip("SmolLM2's tokenizer is not in the local cache")
     from tokenizers import Tokenizer

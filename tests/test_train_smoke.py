@@ -1,8 +1,8 @@
 """End to end: the smoke recipe through the real command line."""
 import json
-from pathlib import Path
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch

@@ -1,6 +1,7 @@
 """Small-number arithmetic: ``What is 37 + 48?`` with an integer answer.
 
-Levels make it harder: 0 = two numbers 0-20 added (441 distinct problems), 1 = two 1-2 digit numbers added, 2 = add/subtract 2-digit numbers,
+Levels make it harder: 0 = two numbers 0-20 added (441 distinct problems), 1 = two 1-2 digit numbers added,
+2 = add/subtract 2-digit numbers,
 3 = three 2-digit terms with + and -, 4 = 2-digit x 1-digit multiplication plus a term.
 """
 from __future__ import annotations
