@@ -17,8 +17,7 @@ from tests.test_prefix_engine import (
     make_data,
     make_model,
     max_err,
-    reference,
-    weights_like,
+    reference_with_grads,
 )
 
 GiB = 2**30
@@ -124,9 +123,7 @@ def test_chunked_completion_attention_matches_reference(monkeypatch, chunk):
     monkeypatch.setattr(ca, "_CHUNK_SCORES", chunk)
     model = make_model("qwen2").train()
     prompts, comps = make_data()
-    ref, _ = reference(model, prompts, comps)
-    w = weights_like(ref)
-    want = grads(model, ref, w)
+    ref, w, want = reference_with_grads(model, prompts, comps)
     out = token_logprobs(model, prompts, comps)
     assert max_err(out, ref) <= 1e-5
     assert_grads_close(grads(model, out, w), want)

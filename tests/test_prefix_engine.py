@@ -83,6 +83,14 @@ def grads(model, logps, weights):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def reference_with_grads(model, prompts, comps):
+    """(per-sequence reference log-probs, the loss weights, the reference gradients): what every equivalence
+    test compares the engine's log-probs and gradients with."""
+    ref, _ = reference(model, prompts, comps)
+    w = weights_like(ref)
+    return ref, w, grads(model, ref, w)
+
+
 def assert_grads_close(got, want, rel=1e-4):
     assert got.keys() == want.keys()
     for name in want:
@@ -97,9 +105,7 @@ def assert_grads_close(got, want, rel=1e-4):
 def test_matches_per_sequence_reference(family, impl, shared):
     model = make_model(family, impl)
     prompts, comps = make_data()
-    ref, _ = reference(model, prompts, comps)
-    w = weights_like(ref)
-    ref_grads = grads(model, ref, w)
+    ref, w, ref_grads = reference_with_grads(model, prompts, comps)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the shared path must really be taken, no fallback
         out = token_logprobs(model, prompts, comps, shared_prefix=shared)
@@ -151,9 +157,7 @@ def test_no_grad():
 def test_gradient_checkpointing(reentrant):
     model = make_model("qwen2", "sdpa").train()
     prompts, comps = make_data()
-    ref, _ = reference(model, prompts, comps)
-    w = weights_like(ref)
-    ref_grads = grads(model, ref, w)
+    ref, w, ref_grads = reference_with_grads(model, prompts, comps)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the deprecation notice of gradient_checkpointing_enable
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -230,9 +234,7 @@ def test_micro_batched_equals_unbatched(shared):
 
 def _check_fallback(model, match):
     prompts, comps = make_data()
-    ref, _ = reference(model, prompts, comps)
-    w = weights_like(ref)
-    ref_grads = grads(model, ref, w)
+    ref, w, ref_grads = reference_with_grads(model, prompts, comps)
     with pytest.warns(UserWarning, match=match):
         out = token_logprobs(model, prompts, comps, shared_prefix=True)
     assert max_err(out, ref) <= 1e-5
@@ -271,9 +273,7 @@ def test_peft_lora_model():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
     prompts, comps = make_data()
-    ref, _ = reference(model, prompts, comps)
-    w = weights_like(ref)
-    ref_grads = grads(model, ref, w)
+    ref, w, ref_grads = reference_with_grads(model, prompts, comps)
     out = token_logprobs(model, prompts, comps)
     assert max_err(out, ref) <= 1e-5
     assert_grads_close(grads(model, out, w), ref_grads)
