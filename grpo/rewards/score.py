@@ -89,7 +89,8 @@ class Scores:
 
 
 _reported: set[str] = set()
-_MACHINERY = ("score.py", "worker.py", "adapters.py")  # this module's frames are not the user's
+# frames of the scoring machinery in this package (the built-ins' text/messages wrapper included): not the user's
+_MACHINERY = ("score.py", "worker.py", "adapters.py", "registry.py")
 
 
 class RewardCountError(RewardSpecError):
