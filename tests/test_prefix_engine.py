@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
-from grpo.attention import build_layout
-from grpo.prefix_engine import plan_micro_batches, token_logprobs
+from grpo.engine import plan_micro_batches, token_logprobs
+from grpo.engine.layout import build_layout
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -261,7 +261,7 @@ def test_softcapped_model_falls_back():
         sliding_window=64, attn_implementation="eager",
     )
     model = transformers.Gemma2ForCausalLM(config).eval()
-    _check_fallback(model, "not in grpo.prefix_engine.SUPPORTED_MODEL_TYPES|soft-capping")
+    _check_fallback(model, "not in grpo.engine.patch.SUPPORTED_MODEL_TYPES|soft-capping")
 
 
 def test_peft_lora_model():

@@ -1,7 +1,7 @@
-"""Cascade attention for sampling: G rows decode against one shared copy of their prompt's K/V.
+"""The attention function ``grpo_prefix_decode``: G sampled rows decode against one shared copy of their prompt's K/V.
 
-Registered (by grpo.attention.register) as ``grpo_prefix_decode`` and switched on around the rollout's decode
-loop (grpo/rollout.py). Each row attends to its prompt's K/V, held once per prompt, and to its own tokens (the
+Registered and switched on (grpo/engine/patch.py) around the rollout's decode loop (grpo/rollout.py): cascade
+attention. Each row attends to its prompt's K/V, held once per prompt, and to its own tokens (the
 last prompt token and what it generated), held in the ordinary per-row cache, with one joint softmax: the same
 keys and the same softmax as decoding from G copies of the prompt.
 """
@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.attention import joint_softmax
+from grpo.engine.grouped_attention import joint_softmax
 
 DECODE_ATTN_NAME = "grpo_prefix_decode"
-DECODE_KWARG = "grpo_shared_prompt"
+DECODE_KWARG = "grpo_shared_prefix"
 
 
 @dataclass
-class SharedPromptKV:
+class SharedPrefixKV:
     """The rollout's prompt K/V, stored once per prompt while its G samples decode (cascade attention).
 
     keys/values: per layer (B, Hkv, W, D), the prefilled prompt tokens but the last, left-padded to W;
@@ -37,7 +37,7 @@ def shared_decode_attention_forward(module, query, key, value, attention_mask, s
     last prompt token and what it generated so far, held in the ordinary cache), one joint softmax.
 
     query: (B*G, H, 1, D); key/value: (B*G, Hkv, t, D), the row's own tokens. Returns ((B*G, 1, H, Dv), None)."""
-    shared: SharedPromptKV | None = kwargs.get(DECODE_KWARG)
+    shared: SharedPrefixKV | None = kwargs.get(DECODE_KWARG)
     if shared is None:
         raise RuntimeError(f"attention implementation {DECODE_ATTN_NAME!r} was called without the shared prompt K/V")
     if query.shape[2] != 1:
