@@ -65,7 +65,7 @@ def token_logprobs(
         sub_p = [prompts[g] for g, _ in mb]
         sub_c = [comps[g][sl] for g, sl in mb]
         if shared_prefix:
-            lp, ent = _forward_shared(lm, decoder, head, sub_p, sub_c, temperature, return_entropy, kernel)
+            lp, ent = _forward_shared_prefix(lm, decoder, head, sub_p, sub_c, temperature, return_entropy, kernel)
         else:
             lp, ent = _forward_standard(lm, decoder, head, sub_p, sub_c, temperature, return_entropy)
         _scatter(mb, comps, lp, ent, logps, ents)
@@ -170,7 +170,7 @@ def _forward_standard(lm, decoder, head, prompts, comps, temperature, want_entro
     return head_logprobs(h, head, lm.config, tgt, temperature, want_entropy)
 
 
-def _forward_shared(lm, decoder, head, prompts, comps, temperature, want_entropy, kernel="grouped"):
+def _forward_shared_prefix(lm, decoder, head, prompts, comps, temperature, want_entropy, kernel="grouped"):
     device = _device(lm)
     if not any(len(r) for cs in comps for r in cs):
         return _empty(device), _empty(device)

@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 
-from grpo.engine.decode_attention import DECODE_ATTN_NAME, shared_decode_attention_forward
+from grpo.engine.decode_attention import DECODE_ATTN_NAME, prefix_decode_attention_forward
 from grpo.engine.prefix_attention import ATTN_NAME, prefix_attention_forward
 from grpo.engine.unwrap import unwrap_model
 
@@ -79,7 +79,7 @@ def register() -> None:
         from transformers import AttentionInterface  # transformers loads only when a model is switched
 
         AttentionInterface.register(ATTN_NAME, prefix_attention_forward)
-        AttentionInterface.register(DECODE_ATTN_NAME, shared_decode_attention_forward)
+        AttentionInterface.register(DECODE_ATTN_NAME, prefix_decode_attention_forward)
         _registered = True
 
 
