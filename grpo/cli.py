@@ -4,22 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
+from grpo.compose import compose, groups, normalize
 from grpo.config import ConfigError, open_dict_keys, schema_keys, suggest
-
-ROOT = Path(__file__).resolve().parent.parent
-CONFIG_DIR = ROOT / "configs"
-RECIPE_DIR = ROOT / "recipes"
-
-
-def groups() -> dict[str, list[str]]:
-    """Config groups and their options (``distributed: [none, zero2, zero3]``)."""
-    out = {"recipe": sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))}
-    for d in CONFIG_DIR.iterdir():
-        if d.is_dir() and not d.is_symlink():
-            out[d.name] = sorted(p.stem for p in d.glob("*.yaml"))
-    return out
 
 
 def check_argv(argv: list[str]) -> None:
@@ -46,8 +33,6 @@ def check_argv(argv: list[str]) -> None:
 def prepare_argv(argv: list[str]) -> list[str]:
     """``sys.argv`` as Hydra should see it, after every check that can run before Hydra. Raises the one-line
     errors (ConfigError, SetupError, ...)."""
-    from grpo.compose import normalize
-
     argv = _drop_local_rank(argv)
     flags, overrides = _split_argv(argv[1:])
     check_argv(overrides)
@@ -84,7 +69,6 @@ def _preflight(flags: list[str], overrides: list[str]) -> list[str]:
     metrics, nothing in ./outputs)."""
     from omegaconf import OmegaConf
 
-    from grpo.compose import compose
     from grpo.config import load
     from grpo.setup import preflight
 

@@ -17,12 +17,27 @@ and the tests alike:
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from omegaconf import DictConfig, OmegaConf
 
-from grpo.cli import CONFIG_DIR, RECIPE_DIR, groups
 from grpo.config import ConfigError, open_dict_keys
 
 TASK_KWARGS = "data.task_kwargs"
+
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = ROOT / "configs"
+RECIPE_DIR = ROOT / "recipes"
+
+
+def groups() -> dict[str, list[str]]:
+    """Config groups and their options (``distributed: [none, zero2, zero3]``)."""
+    out = {"recipe": sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))}
+    for d in CONFIG_DIR.iterdir():
+        if d.is_dir() and not d.is_symlink():
+            out[d.name] = sorted(p.stem for p in d.glob("*.yaml"))
+    return out
 
 
 def _parse(overrides: list[str]):

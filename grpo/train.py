@@ -112,7 +112,7 @@ def _hydra_main():
     import hydra
     from omegaconf import DictConfig
 
-    from grpo.cli import CONFIG_DIR
+    from grpo.compose import CONFIG_DIR
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)
     def _run(raw: DictConfig) -> float | None:

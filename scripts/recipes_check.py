@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from grpo.checkpoint import complete_checkpoints  # noqa: E402
-from grpo.cli import CONFIG_DIR, RECIPE_DIR  # noqa: E402
+from grpo.compose import CONFIG_DIR, RECIPE_DIR  # noqa: E402
 from grpo.config import load  # noqa: E402
 
 

@@ -8,12 +8,19 @@ import logging
 import math
 from typing import Callable
 
-from grpo.rewards.registry import as_text
-
 log = logging.getLogger("grpo.rewards")
 
 _VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 _NOT_FOR_VERL = ("prompts", "completions", "completion_ids", "truncated", "answer", "reward_model")
+
+
+def as_text(value) -> str:
+    """The text of a prompt or completion in either of TRL's formats: a string, or a list of
+    ``{"role", "content"}`` messages (a completion's text is its assistant turns, a prompt's its contents)."""
+    if isinstance(value, str) or value is None:
+        return value or ""
+    turns = [m for m in value if m.get("role") == "assistant"] or list(value)
+    return "\n\n".join(str(m.get("content") or "") for m in turns)
 
 
 def _value(columns: dict, key: str, i: int, n: int, default=None):
@@ -44,6 +51,25 @@ def _as_score(value) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _verl_slots(params) -> tuple[list[str], list[str], set[str]]:
+    """Which of verl's arguments go to which parameter: positional parameters get them by name, or by
+    position when named otherwise; keyword-only parameters by name. Returns (positional argument names,
+    keyword-only names, the parameter names they fill)."""
+    positional = [p for p in params.values() if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                          inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    slots = []
+    for k, p in enumerate(positional):
+        if p.name in _VERL_ARGS:
+            slots.append(p.name)
+        elif k < len(_VERL_ARGS) and p.default is inspect.Parameter.empty:
+            slots.append(_VERL_ARGS[k])
+        else:
+            break
+    keyword_only = [a for a in _VERL_ARGS if a in params and a not in slots
+                    and params[a].kind is inspect.Parameter.KEYWORD_ONLY]
+    return slots, keyword_only, {p.name for p in positional[:len(slots)]} | set(keyword_only)
+
+
 def from_verl(fn: Callable) -> Callable:
     """Wrap verl's per-sample ``compute_score(data_source, solution_str, ground_truth, extra_info)``
     (returning a float, or a dict whose ``score`` is the reward) into a batch reward function.
@@ -57,20 +83,7 @@ def from_verl(fn: Callable) -> Callable:
     """
     params = inspect.signature(fn).parameters
     takes_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    positional = [p for p in params.values() if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                          inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    # Positional parameters get verl's arguments by name, or by position when named otherwise.
-    slots = []
-    for k, p in enumerate(positional):
-        if p.name in _VERL_ARGS:
-            slots.append(p.name)
-        elif k < len(_VERL_ARGS) and p.default is inspect.Parameter.empty:
-            slots.append(_VERL_ARGS[k])
-        else:
-            break
-    keyword_only = [a for a in _VERL_ARGS if a in params and a not in slots
-                    and params[a].kind is inspect.Parameter.KEYWORD_ONLY]
-    filled = {p.name for p in positional[:len(slots)]} | set(keyword_only)
+    slots, keyword_only, filled = _verl_slots(params)
     reported = []
 
     @functools.wraps(fn)

@@ -11,6 +11,7 @@ minutes (power towers, huge exponents or factorials, very long strings) are neve
 """
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -138,9 +139,18 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_DropTimeoutNotice())
 
 
-def _math_verify_equal(ref: str, cand: str, timeout_s: int) -> bool:
+@functools.cache
+def _math_verify():
+    """math_verify's parse and verify, warmed up once without a timeout: the first call builds its LaTeX
+    grammar and loads sympy (seconds on a loaded machine), which a sample's timeout must not be charged for."""
     from math_verify import parse, verify
 
+    verify(parse("$\\sqrt{2}$", parsing_timeout=None), parse("$2^{1/2}$", parsing_timeout=None), timeout_seconds=None)
+    return parse, verify
+
+
+def _math_verify_equal(ref: str, cand: str, timeout_s: int) -> bool:
+    parse, verify = _math_verify()
     t = timeout_s if threading.current_thread() is threading.main_thread() else None
     gold = parse(ref if "$" in ref else f"${ref}$", parsing_timeout=t)
     if not gold:

@@ -17,18 +17,11 @@ import os
 import sys
 from typing import Callable
 
+from grpo.rewards.adapters import as_text, from_verl
+
 RewardFn = Callable[..., list]
 
 _REGISTRY: dict[str, RewardFn] = {}
-
-
-def as_text(value) -> str:
-    """The text of a prompt or completion in either of TRL's formats: a string, or a list of
-    ``{"role", "content"}`` messages (a completion's text is its assistant turns, a prompt's its contents)."""
-    if isinstance(value, str) or value is None:
-        return value or ""
-    turns = [m for m in value if m.get("role") == "assistant"] or list(value)
-    return "\n\n".join(str(m.get("content") or "") for m in turns)
 
 
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -108,8 +101,6 @@ def adapt(fn: Callable, spec: str) -> RewardFn:
         return fn
     names = list(params)
     if names[:2] in (["data_source", "solution_str"],) or "solution_str" in names:
-        from grpo.rewards.adapters import from_verl
-
         return from_verl(fn)
     has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     positional = [
