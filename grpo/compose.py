@@ -20,7 +20,8 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from grpo.cli import CONFIG_DIR, RECIPE_DIR, groups
-from grpo.config import ConfigError, open_dict_keys
+from grpo.config import open_dict_keys
+from grpo.errors import ConfigError
 
 TASK_KWARGS = "data.task_kwargs"
 

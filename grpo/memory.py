@@ -164,9 +164,9 @@ def group_score_bytes(config, group_size: int, prompt: int, completion: int) -> 
 
 def plan(cfg, model, splits, runtime) -> int:
     """Resolve ``cfg.engine.max_tokens_per_micro_batch`` for this run (called once the model is loaded); raises
-    grpo.setup.SetupError with one line when the longest prompt of the training data plus
+    grpo.errors.SetupError with one line when the longest prompt of the training data plus
     ``rollout.max_new_tokens`` cannot fit."""
-    from grpo.setup import SetupError
+    from grpo.errors import SetupError
 
     limit = cfg.engine.memory_limit_gib
     if limit is not None and not limit > 0:
