@@ -24,8 +24,10 @@ model: setup
 train: model
 	$(PY) -m grpo.train recipe=quickstart
 
+# Two pytest-xdist workers (one per core here; TEST_WORKERS=auto on a bigger machine, 0 for one process).
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 # ruff (configured in pyproject.toml): unused or undefined names, import order, lines over 120 characters
 lint: setup

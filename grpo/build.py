@@ -88,7 +88,7 @@ def build_run(cfg: Config) -> Run:
                                   weight_decay=cfg.trainer.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.trainer))
     runtime.setup(policy, optimizer, scheduler)
-    from grpo.memory import plan as plan_memory  # sizes `auto`, refuses a prompt + completion that cannot fit
+    from grpo.budget import plan as plan_memory  # sizes `auto`, refuses a prompt + completion that cannot fit
     cfg.engine.max_tokens_per_micro_batch = plan_memory(cfg, policy, splits, runtime)
     sampler = PromptSampler(len(splits.train), seed=cfg.trainer.seed)
     return Run(runtime, tokenizer, policy, reference, splits, rewards, runtime.optimizer, runtime.scheduler, sampler,

@@ -28,7 +28,7 @@ _SKIP_DIRS = {"final", "checkpoints", ".hydra", ".tmp-final", "wandb", "__pycach
 
 
 @dataclass
-class Run:
+class RunLog:
     path: Path
     overrides: list[str]
     rows: list[dict]                      # training steps (lines with reward_mean), in step order
@@ -98,7 +98,7 @@ def _num(v) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
-def load_run(run_dir: Path) -> Run:
+def load_run(run_dir: Path) -> RunLog:
     lines = read_metrics(run_dir / "metrics.jsonl")
     by_step: dict[int, dict] = {}
     for m in lines:
@@ -119,11 +119,11 @@ def load_run(run_dir: Path) -> Run:
                 continue
             done = [tt for r, tt in zip(rows, times) if r["step"] <= step]
             evals[step] = {"step": step, "t": done[-1] if done else 0.0, "value": v}
-    return Run(path=run_dir, overrides=_overrides(run_dir), rows=rows, evals=[evals[s] for s in sorted(evals)],
+    return RunLog(path=run_dir, overrides=_overrides(run_dir), rows=rows, evals=[evals[s] for s in sorted(evals)],
                eval_key=eval_key, finished=(run_dir / "final").is_dir(), max_steps=_max_steps(run_dir), times=times)
 
 
-def _label_runs(runs: list[Run]) -> list[str]:
+def _label_runs(runs: list[RunLog]) -> list[str]:
     """Short labels: the overrides in which runs differ (the common ones go above the table)."""
     common = set.intersection(*(set(r.overrides) for r in runs)) if runs else set()
     if len(runs) == 1:
@@ -151,7 +151,7 @@ def _plt():
     return plt
 
 
-def _time_unit(runs: list[Run]) -> tuple[str, float]:
+def _time_unit(runs: list[RunLog]) -> tuple[str, float]:
     """(name, seconds per unit) that keeps the wall-clock axis readable."""
     longest = max((r.times[-1] for r in runs if r.times), default=0.0)
     if longest < 180:
@@ -161,7 +161,7 @@ def _time_unit(runs: list[Run]) -> tuple[str, float]:
     return "hours", 3600.0
 
 
-def _series(run: Run, key: str, unit: float | None = None) -> tuple[list[float], list[float]]:
+def _series(run: RunLog, key: str, unit: float | None = None) -> tuple[list[float], list[float]]:
     """(steps, values) of a training metric, or (wall-clock / unit, values) when ``unit`` is given."""
     xs, ys = [], []
     for m, t in zip(run.rows, run.times):
@@ -176,7 +176,7 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 _DASHES = ("-", "--", ":", "-.")
 
 
-def _draw(path: Path, panels: list[tuple[str, str, object]], runs: list[Run]) -> None:
+def _draw(path: Path, panels: list[tuple[str, str, object]], runs: list[RunLog]) -> None:
     """One figure, one panel per (title, x label, fn(run) -> (xs, ys)), one line per run."""
     plt = _plt()
 
@@ -214,7 +214,7 @@ def _draw(path: Path, panels: list[tuple[str, str, object]], runs: list[Run]) ->
     plt.close(fig)
 
 
-def write_plots(runs: list[Run], out: Path) -> list[str]:
+def write_plots(runs: list[RunLog], out: Path) -> list[str]:
     ekeys = {r.eval_key for r in runs if r.eval_key}
     ename = "accuracy" if ekeys == {"eval/accuracy"} else ("reward_mean" if ekeys == {"eval/reward_mean"}
                                                           else "accuracy (or reward_mean)")
@@ -255,7 +255,7 @@ def _cell(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
 
-def table(runs: list[Run], out: Path) -> list[str]:
+def table(runs: list[RunLog], out: Path) -> list[str]:
     lines = ["| run | status | steps | final reward_mean | held-out before | held-out after | final kl "
              "| mean s/step | wall-clock | directory |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -285,7 +285,7 @@ def table(runs: list[Run], out: Path) -> list[str]:
     return lines
 
 
-def render(runs: list[Run], out: Path, common: list[str]) -> str:
+def render(runs: list[RunLog], out: Path, common: list[str]) -> str:
     ekeys = {r.eval_key for r in runs if r.eval_key}
     running = sum(not r.finished for r in runs)
     md = [f"# GRPO report: {len(runs)} run{'s' if len(runs) != 1 else ''}", ""]

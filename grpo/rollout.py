@@ -13,12 +13,9 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from grpo.attention import prefix_attention
-from grpo.decode_attention import DECODE_ATTN_NAME, DECODE_KWARG, SharedPromptKV
-
-
-def _unwrap(model):
-    return getattr(model, "module", model)
+from grpo.engine.decode_attention import DECODE_ATTN_NAME, DECODE_KWARG, SharedPrefixKV
+from grpo.engine.patch import check_every_layer, placeholder_mask, shared_prefix_unsupported, switched_attention
+from grpo.engine.unwrap import unwrap_model
 
 
 @torch.no_grad()
@@ -43,10 +40,10 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
     # weights): its model carries a context that prepares it and yields options ({"synced_gpus": any_rank}).
     ready = getattr(model, "grpo_generation_context", None)
     with ready() if ready is not None else contextlib.nullcontext({}) as extra:
-        return _generate(_unwrap(model), tokenizer, prompt_ids, group_size=group_size, max_new_tokens=max_new_tokens,
-                         temperature=temperature, top_p=top_p, top_k=top_k, batch_size=batch_size, greedy=greedy,
-                         desc=desc, progress=progress, extra=extra, share_prompt=share_prompt,
-                         min_new_tokens=min_new_tokens)
+        return _generate(unwrap_model(model, peft=False), tokenizer, prompt_ids, group_size=group_size,
+                         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                         batch_size=batch_size, greedy=greedy, desc=desc, progress=progress, extra=extra,
+                         share_prompt=share_prompt, min_new_tokens=min_new_tokens)
 
 
 _warned_truncated = False
@@ -128,15 +125,13 @@ def prefill(model, input_ids, attention, synced: bool = False):
 
 def _cascade_ok(model, max_len: int) -> bool:
     """Whether decoding can attend to one shared copy of each prompt's K/V (the prefix engine's families)."""
-    from grpo.prefix_engine import shared_prefix_unsupported
-
     try:
         return shared_prefix_unsupported(model, max_len) is None
     except NotImplementedError:  # e.g. prompt-learning PEFT: the fork path serves it
         return False
 
 
-def _shared_prompt(cache, valid, group: int) -> SharedPromptKV:
+def _shared_prompt(cache, valid, group: int) -> SharedPrefixKV:
     layers = getattr(cache, "layers", None)
     if layers is not None:
         keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
@@ -146,12 +141,12 @@ def _shared_prompt(cache, valid, group: int) -> SharedPromptKV:
     pad = ~valid[:, None, :, None]  # left padding: zero it, so that no stray non-finite value reaches a sum
     for t in keys + values:
         t.masked_fill_(pad, 0.0)
-    return SharedPromptKV(keys=keys, values=values, valid=valid, group=group)
+    return SharedPrefixKV(keys=keys, values=values, valid=valid, group=group)
 
 
 def decode(model, last, attention, cache, pick, *, max_new_tokens: int, eos: list[int], pad_id: int,
            min_new_tokens: int = 0, synced: Callable[[bool], bool] | None = None,
-           shared: SharedPromptKV | None = None) -> torch.Tensor:
+           shared: SharedPrefixKV | None = None) -> torch.Tensor:
     """Autoregressive decoding from a prefilled cache: ``last`` (rows,) is each row's last prompt token,
     ``attention`` (rows, width) its left-padded mask. ``pick(logits) -> tokens`` chooses each next token from
     the model's raw next-token logits. Rows stop at their first EOS (then padded); the loop ends when every
@@ -168,18 +163,15 @@ def decode(model, last, attention, cache, pick, *, max_new_tokens: int, eos: lis
     inputs = {_cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
     ctx = contextlib.nullcontext()
     if shared is not None:
-        # the 4-D mask passes through transformers untouched and is ignored by the shared attention; a stock
-        # attention that saw it would fail on its shape rather than attend wrongly
-        inputs.update({DECODE_KWARG: shared, "attention_mask": torch.ones(1, 1, 1, 0, dtype=torch.bool, device=device)})
-        ctx = prefix_attention(model, DECODE_ATTN_NAME)
+        inputs.update({DECODE_KWARG: shared, "attention_mask": placeholder_mask(device)})
+        ctx = switched_attention(model, DECODE_ATTN_NAME)
     with ctx:
         for t in range(max_new_tokens):
             if shared is None:
                 inputs["attention_mask"] = attention
             logits = model(input_ids=step_ids, position_ids=position, **inputs).logits[:, -1]
-            if shared is not None and t == 0 and shared.calls < model.config.num_hidden_layers:
-                raise RuntimeError(f"only {shared.calls} of {model.config.num_hidden_layers} attention layers "
-                                   "used the shared prompt K/V")
+            if shared is not None and t == 0:
+                check_every_layer(shared.calls, model, DECODE_ATTN_NAME)
             if t < min_new_tokens:
                 logits = logits.index_fill(-1, eos_t, float("-inf"))
             token = pick(logits).masked_fill(done, pad_id)

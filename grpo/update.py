@@ -11,9 +11,9 @@ import torch
 
 from grpo.batch import Batch
 from grpo.config import AlgorithmConfig, Config, EngineConfig
+from grpo.engine import plan_micro_batches, token_logprobs
+from grpo.engine.memory import budget_for
 from grpo.loss import BatchCounts, grpo_loss, pad, token_weights
-from grpo.memory import budget_for
-from grpo.prefix_engine import plan_micro_batches, token_logprobs
 from grpo.runtime.base import Runtime
 
 
@@ -64,7 +64,7 @@ def _idle_forward(model, ecfg: EngineConfig, temperature: float) -> None:
 
 
 def _plan(batch: Batch, ecfg: EngineConfig, model=None):
-    """Micro-batches of at most engine.max_tokens_per_micro_batch tokens (resolved by grpo.memory.plan when the run
+    """Micro-batches of at most engine.max_tokens_per_micro_batch tokens (resolved by grpo.budget.plan when the run
     was built; ``auto`` outside a built run is sized for ``model`` here)."""
     return plan_micro_batches([len(p) for p in batch.prompt_ids],
                               [[len(c) for c in g] for g in batch.completion_ids],

@@ -89,7 +89,7 @@ def load_model(spec: dict, device: str, dtype: str = "float32"):
 def _setup(spec: dict, P: int, S: int, G: int, device: str, kernel: str = "auto", dtype: str = "float32"):
     import torch
 
-    from grpo.prefix_engine import token_logprobs
+    from grpo import token_logprobs
 
     model = load_model(spec, device, dtype)
     V = model.config.vocab_size

@@ -35,7 +35,7 @@ def _setup(model_name: str, P: int, S: int, G: int):
     import torch
     import transformers
 
-    from grpo.prefix_engine import token_logprobs
+    from grpo import token_logprobs
 
     torch.manual_seed(0)
     if model_name == "smollm2":

@@ -4,6 +4,9 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+# One thread per test process, and for the commands the tests launch: with `make test`'s two pytest-xdist
+# workers on two cores, a second torch thread per process only waits for a descheduled one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
 

@@ -9,10 +9,9 @@ import warnings
 import pytest
 import torch
 
-import grpo.prefix_engine as engine
-from grpo.attention import build_layout
-from grpo.flex_kernel import build_block_mask, flex_available, flex_length, segment_mask_mod
-from grpo.prefix_engine import token_logprobs
+from grpo.engine import logprobs, token_logprobs
+from grpo.engine.flex_kernel import build_block_mask, flex_available, flex_length, segment_mask_mod
+from grpo.engine.layout import build_layout
 from tests.test_prefix_engine import (
     FAMILIES,
     assert_grads_close,
@@ -99,7 +98,7 @@ def test_flex_forward_matches_reference(family, lens):
 def test_kernel_choice_and_errors():
     model = make_model()
     prompts, comps = make_data()
-    assert engine._resolve_kernel("auto", model) == "grouped"  # flex is opt-in until measured on a GPU
+    assert logprobs._resolve_kernel("auto", model) == "grouped"  # flex is opt-in until measured on a GPU
     with pytest.raises(ValueError, match="attention_kernel must be one of"):
         token_logprobs(model, prompts, comps, attention_kernel="fast")
     with pytest.raises(ValueError, match="cannot run backward on CPU"):

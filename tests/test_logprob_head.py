@@ -3,7 +3,7 @@ only logged (detached) costs no backward work."""
 import pytest
 import torch
 
-from grpo.logprob_head import head_logprobs
+from grpo.engine.logprob_head import head_logprobs
 
 
 class _Cfg:

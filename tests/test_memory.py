@@ -7,9 +7,8 @@ import warnings
 import pytest
 import torch
 
-from grpo import memory
-from grpo.memory import Estimate, activation_bytes_per_token, choose_budget, estimate
-from grpo.prefix_engine import token_logprobs
+from grpo.engine import memory, token_logprobs
+from grpo.engine.memory import Estimate, activation_bytes_per_token, choose_budget, estimate
 from tests.test_prefix_engine import (
     ROOT,
     assert_grads_close,
@@ -118,9 +117,9 @@ def test_completion_attention_keeps_no_scores():
 @pytest.mark.parametrize("chunk", [1, 2000, 5000])  # one completion at a time; 4 of 5 completions; 2 groups
 def test_chunked_completion_attention_matches_reference(monkeypatch, chunk):
     """Forward and gradients equal the per-sequence forward also when the kernel works one group at a time."""
-    import grpo.completion_attention as ca
+    import grpo.engine.completion_attention as ca
 
-    monkeypatch.setattr(ca, "_CHUNK_SCORES", chunk)
+    monkeypatch.setattr(ca, "CHUNK_SCORES", chunk)
     model = make_model("qwen2").train()
     prompts, comps = make_data()
     ref, w, want = reference_with_grads(model, prompts, comps)

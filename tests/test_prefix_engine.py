@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
-from grpo.attention import build_layout
-from grpo.prefix_engine import plan_micro_batches, token_logprobs
+from grpo.engine import plan_micro_batches, token_logprobs
+from grpo.engine.layout import build_layout
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -261,7 +261,25 @@ def test_softcapped_model_falls_back():
         sliding_window=64, attn_implementation="eager",
     )
     model = transformers.Gemma2ForCausalLM(config).eval()
-    _check_fallback(model, "not in grpo.prefix_engine.SUPPORTED_MODEL_TYPES|soft-capping")
+    _check_fallback(model, "not in grpo.engine.patch.SUPPORTED_MODEL_TYPES|soft-capping")
+
+
+def test_a_layer_that_bypasses_our_attention_fails_in_one_line():
+    """The every-layer check (grpo/engine/patch.py) raises, in training forwards and in decoding alike, and says how
+    to turn the sharing off."""
+    from grpo.engine.patch import DECODE_ATTN_NAME, check_every_layer
+
+    model = make_model()
+    attn = model.model.layers[1].self_attn
+    attn.forward = lambda hidden_states, **kw: (torch.zeros_like(hidden_states), None)  # never calls attention
+    prompts, comps = make_data()
+    with pytest.raises(RuntimeError, match="only 1 of 2 attention layers") as e:
+        token_logprobs(model, prompts, comps)
+    assert "\n" not in str(e.value) and "shared_prefix=False" in str(e.value)
+    with pytest.raises(RuntimeError, match="rollout.share_prompt=false") as e:
+        check_every_layer(1, model, DECODE_ATTN_NAME)
+    assert "\n" not in str(e.value)
+    check_every_layer(2, model, DECODE_ATTN_NAME)  # every layer: nothing to say
 
 
 def test_peft_lora_model():

@@ -12,7 +12,7 @@ from grpo.rewards import available, resolve
 from grpo.rewards.exact_match import exact_match, final_answer
 from grpo.rewards.format import format_reward, tag_count
 from grpo.rewards.length import cosine_length, overlong_penalty
-from grpo.rewards.math import extract_answer, math_accuracy
+from grpo.rewards.math_answer import extract_answer, math_accuracy
 from grpo.rewards.repetition import repetition_penalty
 
 GARBAGE = ["", " ", "\\boxed{", "}}}{{{", "<answer>", "</answer><answer>", "\x00\xff\ud800",

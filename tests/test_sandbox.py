@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from grpo.rewards import sandbox
-from grpo.rewards.code import code_tests, extract_code, parse_tests
+from grpo.rewards.code_exec import code_tests, extract_code, parse_tests
 
 ROOT = os.geteuid() == 0
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import string
 
-from grpo.rewards.math import last_boxed
+from grpo.rewards.math_answer import last_boxed
 from grpo.rewards.registry import register
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S | re.I)

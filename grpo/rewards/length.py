@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from grpo.rewards.math import is_correct
+from grpo.rewards.math_answer import is_correct
 from grpo.rewards.registry import register
 
 

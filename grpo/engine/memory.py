@@ -4,18 +4,20 @@
 and the memory that is free (CPU: the machine's available memory, or the cgroup's limit if lower; GPU: the
 device's free memory), with a safety margin. An explicit number wins. Either way the run refuses at start, in
 one line, when the longest prompt plus ``rollout.max_new_tokens`` cannot be trained on at all, instead of dying
-mid-step. The estimate (docs/recipes.md#memory) is checked against measured saved activations in
-tests/test_memory.py.
+mid-step (grpo/budget.py resolves the budget for a run at start). The estimate (docs/recipes.md#memory) is
+checked against measured saved activations in tests/test_memory.py.
 """
 from __future__ import annotations
 
 import os
-import sys
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from grpo.engine import completion_attention
+from grpo.engine.unwrap import unwrap_model
 
 MARGIN = 0.75              # share of the free memory the update may plan to use
 OVERHEAD = 1.3             # peak / saved activations (gradient buffers, temporaries, allocator), measured
@@ -70,9 +72,7 @@ def activation_bytes_per_token(config, dtype: torch.dtype, checkpointing: bool) 
 
 def estimate(model, dtype: torch.dtype | None = None, checkpointing: bool | None = None) -> Estimate:
     """The update's memory for ``model`` (plain, peft-wrapped, DDP or DeepSpeed engine)."""
-    from grpo.prefix_engine import _unwrap
-
-    lm = _unwrap(model)[0]
+    lm = unwrap_model(model)
     params = list(model.parameters())
     if dtype is None:
         dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
@@ -154,42 +154,13 @@ def choose_budget(value, est: Estimate, free: int, longest: int, on_gpu: bool) -
 
 def group_score_bytes(config, group_size: int, prompt: int, completion: int) -> int:
     """fp32 attention scores the grouped kernel holds at once (about three copies): a chunk of at most
-    grpo.completion_attention._CHUNK_SCORES, or one completion's scores if that is more."""
-    from grpo.completion_attention import _CHUNK_SCORES
-
+    grpo.engine.completion_attention.CHUNK_SCORES, or one completion's scores if that is more."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     one = cfg.num_attention_heads * completion * (prompt + completion)
-    return 3 * 4 * max(min(_CHUNK_SCORES, one * group_size), one)
+    return 3 * 4 * max(min(completion_attention.CHUNK_SCORES, one * group_size), one)
 
 
-def plan(cfg, model, splits, runtime) -> int:
-    """Resolve ``cfg.engine.max_tokens_per_micro_batch`` for this run (called once the model is loaded); raises
-    grpo.errors.SetupError with one line when the longest prompt of the training data plus
-    ``rollout.max_new_tokens`` cannot fit."""
-    from grpo.errors import SetupError
-
-    limit = cfg.engine.memory_limit_gib
-    if limit is not None and not limit > 0:
-        raise SetupError(f"engine.memory_limit_gib={limit} must be > 0 (GiB the update may plan for) or null")
-    longest_prompt = max((len(r["prompt_ids"]) for r in splits.train), default=0)
-    longest = longest_prompt + cfg.rollout.max_new_tokens
-    device = getattr(runtime, "device", torch.device("cpu"))
-    est = estimate(runtime.model if getattr(runtime, "model", None) is not None else model)
-    from grpo.prefix_engine import _unwrap
-
-    est.transient += group_score_bytes(_unwrap(model)[0].config, cfg.algorithm.group_size, longest_prompt,
-                                       cfg.rollout.max_new_tokens)
-    try:
-        tokens, note = choose_budget(cfg.engine.max_tokens_per_micro_batch, est, _free(device, cfg.engine), longest,
-                                     device.type == "cuda")
-    except ValueError as e:
-        raise SetupError(str(e)) from None
-    if getattr(runtime, "is_main", True):
-        print(f"[grpo] {note}", file=sys.stderr, flush=True)
-    return tokens
-
-
-def _free(device, ecfg) -> int:
+def free_for(device, ecfg) -> int:
     free = free_bytes(device)
     limit = getattr(ecfg, "memory_limit_gib", None)
     return free if limit is None else min(free, int(limit * 2**30))
@@ -209,6 +180,6 @@ def budget_for(model, value, ecfg=None) -> int:
     limit = getattr(ecfg, "memory_limit_gib", None)
     if limit not in known:
         device = next(model.parameters()).device
-        known[limit] = max(1, min(estimate(model).tokens_within(_free(device, ecfg)),
+        known[limit] = max(1, min(estimate(model).tokens_within(free_for(device, ecfg)),
                                   GPU_CAP if device.type == "cuda" else CPU_CAP))
     return known[limit]

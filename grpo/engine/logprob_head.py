@@ -1,6 +1,6 @@
 """log p(target) and entropy from decoder hidden states and the output head, without storing vocabulary logits.
 
-Used by grpo.prefix_engine at the positions that predict completion tokens only. A plain ``nn.Linear`` head
+Used by grpo/engine/logprobs.py at the positions that predict completion tokens only. A plain ``nn.Linear`` head
 goes through a fused autograd function that works in row chunks and recomputes each chunk's logits in
 backward; other heads (LoRA on lm_head, DeepSpeed ZeRO-3 partitioned weights) use ordinary autograd.
 """

@@ -1,11 +1,11 @@
 """The completion half of the grouped kernel, with flash-style memory: no score matrix is kept for backward.
 
 Every completion token attends to its group's prompt keys and causally to its own completion's keys, in one joint
-softmax (grpo/attention.py). Letting autograd record that stores several fp32 score-sized tensors per layer
-(the scores, their masked copy, the exponentials, the weights: ``H x G*S x (P + S)`` each), which for 256-token
-completions was about 40% of all activation memory of an update. This function keeps only the inputs, the output
-and one log-sum-exp per query row, and recomputes the scores in backward, one chunk at a time (whole groups while
-they fit in _CHUNK_SCORES, else a group's completions a few at a time).
+softmax (grpo/engine/grouped_attention.py). Letting autograd record that stores several fp32 score-sized tensors per
+layer (the scores, their masked copy, the exponentials, the weights: ``H x G*S x (P + S)`` each), which for
+256-token completions was about 40% of all activation memory of an update. This function keeps only the inputs, the
+output and one log-sum-exp per query row, and recomputes the scores in backward, one chunk at a time (whole groups
+while they fit in CHUNK_SCORES, else a group's completions a few at a time).
 
 Shapes (B groups in the micro-batch, Hkv key/value heads, ``rep`` query heads per KV head, G completions (padded
 to the largest group), S completion slots, P prompt slots, D head dim):
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-_CHUNK_SCORES = 1 << 24  # score elements of one chunk of groups (forward and backward): 64 MiB in fp32
+CHUNK_SCORES = 1 << 24  # score elements of one chunk of groups (forward and backward): 64 MiB in fp32
 
 
 def _scores(q, kp, kc, valid, scaling):
@@ -34,14 +34,14 @@ def _scores(q, kp, kc, valid, scaling):
 
 
 def _chunks(q, kp):
-    """(group slice, completion slice) pieces of about _CHUNK_SCORES scores: whole groups while they fit, a long
+    """(group slice, completion slice) pieces of about CHUNK_SCORES scores: whole groups while they fit, a long
     group split by its completions."""
     B, Hkv, rep, G, S, _ = q.shape
     per_completion = max(1, Hkv * rep * S * (kp.shape[2] + S))
-    if per_completion * G <= _CHUNK_SCORES:
-        step = max(1, _CHUNK_SCORES // (per_completion * G))
+    if per_completion * G <= CHUNK_SCORES:
+        step = max(1, CHUNK_SCORES // (per_completion * G))
         return [(slice(b, min(b + step, B)), slice(0, G)) for b in range(0, B, step)]
-    step = max(1, _CHUNK_SCORES // per_completion)
+    step = max(1, CHUNK_SCORES // per_completion)
     return [(slice(b, b + 1), slice(g, min(g + step, G))) for b in range(B) for g in range(0, G, step)]
 
 

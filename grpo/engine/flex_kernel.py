@@ -8,13 +8,20 @@ there it serves no-grad forwards and the tests. See docs/prefix-engine.md.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from grpo.attention import PrefixLayout
+from grpo.engine.layout import PrefixLayout
+
+
+def flex_attention_forward(query, key, value, layout: PrefixLayout, scaling: float) -> torch.Tensor:
+    """The packed row's attention under ``layout.block_mask``. query: (1, H, T, D); key/value: (1, Hkv, T, D),
+    padded here to the mask's length. Returns (1, T, H, Dv)."""
+    pad = (0, 0, 0, layout.block_mask.seq_lengths[0] - query.shape[2])
+    out = flex_fn(query.device)(F.pad(query, pad), F.pad(key, pad), F.pad(value, pad),
+                                 block_mask=layout.block_mask, scale=scaling,
+                                 enable_gqa=query.shape[1] != key.shape[1])
+    return out[:, :, : query.shape[2]].transpose(1, 2)
 
 
 def flex_available() -> bool:

@@ -1,0 +1,169 @@
+"""Switching a model's attention to ours: the one place that does it, checks it may, and checks that it happened.
+
+* :func:`shared_prefix_unsupported`: why a model cannot be served exactly by the shared-prefix attention (a family
+  not in :data:`SUPPORTED_MODEL_TYPES`, an active sliding window, attention logit soft-capping, a gradient
+  checkpointing the engine cannot follow), or None.
+* :func:`switched_attention`: for the duration of a call, every config of the model names our attention function
+  (``grpo_prefix`` for training forwards, ``grpo_prefix_decode`` for the rollout), gradient-checkpointing
+  recomputes switch too, and everything is restored on exit, also on exception. The model code is not modified.
+* :func:`placeholder_mask`: the 4-D ``attention_mask`` passed alongside: transformers forwards it untouched and our
+  attention ignores it; its zero width broadcasts against nothing, so a stock eager/SDPA attention that ever saw
+  the packed input would fail on its shape instead of silently attending across completions.
+* :func:`check_every_layer`: after a forward, every attention layer must have come through our function. The
+  failure policy is to raise, with one line that says how to turn the sharing off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from grpo.engine.decode_attention import DECODE_ATTN_NAME, prefix_decode_attention_forward
+from grpo.engine.prefix_attention import ATTN_NAME, prefix_attention_forward
+from grpo.engine.unwrap import unwrap_model
+
+# Model families whose decoder routes every attention layer through transformers' AttentionInterface, takes
+# explicit position_ids, and was checked token-for-token against the per-sequence forward in the tests.
+# Others get the standard layout (with a warning): never a silently wrong answer.
+SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+
+# what to do when some layer did not come through our attention, per attention function
+_TURN_OFF = {
+    ATTN_NAME: "call token_logprobs with shared_prefix=False (trainer: engine.shared_prefix=false)",
+    DECODE_ATTN_NAME: "set rollout.share_prompt=false",
+}
+
+
+# --------------------------------------------------------------------------------------------- may we switch
+def shared_prefix_unsupported(model, max_seq_len: int) -> str | None:
+    """Why the shared-prefix attention cannot serve ``model`` (plain, peft or engine-wrapped) exactly for sequences
+    of up to ``max_seq_len`` tokens, or None."""
+    lm = unwrap_model(model)
+    cfg = lm.config
+    if getattr(cfg, "is_encoder_decoder", False):
+        return "encoder-decoder model"
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {cfg.model_type!r} is not in grpo.engine.patch.SUPPORTED_MODEL_TYPES"
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping (attn_logit_softcapping) is not implemented by the shared layout"
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    uses_window = window is not None and (layer_types is None or "sliding_attention" in layer_types)
+    if cfg.model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
+        uses_window = False
+    if uses_window and window < max_seq_len:
+        return f"sliding window ({window} tokens) is shorter than the longest prompt+completion ({max_seq_len})"
+    if not _checkpointing_is_wrappable(lm):
+        return "gradient checkpointing is applied by a mechanism the engine cannot follow"
+    return None
+
+
+def _checkpointing_is_wrappable(model) -> bool:
+    """True unless some module checkpoints in a way we cannot see (then the recompute would not use us)."""
+    for m in model.modules():
+        hidden = not callable(getattr(m, "_gradient_checkpointing_func", None))
+        if getattr(m, "gradient_checkpointing", False) and hidden:
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------- the switch
+_registered = False
+
+
+def register() -> None:
+    """Register ``grpo_prefix`` and ``grpo_prefix_decode`` in transformers' AttentionInterface (idempotent)."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface  # transformers loads only when a model is switched
+
+        AttentionInterface.register(ATTN_NAME, prefix_attention_forward)
+        AttentionInterface.register(DECODE_ATTN_NAME, prefix_decode_attention_forward)
+        _registered = True
+
+
+def _configs(model) -> list:
+    seen: dict[int, object] = {}
+    stack = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
+    while stack:
+        cfg = stack.pop()
+        if id(cfg) in seen:
+            continue
+        seen[id(cfg)] = cfg
+        for key in getattr(cfg, "sub_configs", {}) or {}:
+            sub = getattr(cfg, key, None)
+            if sub is not None and hasattr(sub, "_attn_implementation"):
+                stack.append(sub)
+    return list(seen.values())
+
+
+def _set_impl(configs, values) -> None:
+    for cfg, val in zip(configs, values):
+        if "_attn_implementation_internal" in vars(cfg):
+            cfg._attn_implementation_internal = val  # no recursion into sub-configs
+        else:
+            cfg._attn_implementation = val
+
+
+def _with_impl(fn, configs, name):
+    """Run ``fn`` with attention ``name`` active: used for the recompute of gradient checkpointing, which happens
+    in backward, after ``switched_attention`` has restored the configs."""
+
+    def run(*args, **kwargs):
+        saved = [c._attn_implementation for c in configs]
+        _set_impl(configs, [name] * len(configs))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _set_impl(configs, saved)
+
+    return run
+
+
+@contextlib.contextmanager
+def switched_attention(model, name: str = ATTN_NAME):
+    """Switch every config of ``model`` to attention ``name`` (``grpo_prefix``, or ``grpo_prefix_decode`` for the
+    rollout) for the duration, and make gradient-checkpointing recomputes switch too. Everything is restored on
+    exit, also on exception."""
+    register()
+    configs = _configs(model)
+    saved = [c._attn_implementation for c in configs]
+    wrapped = []
+    try:
+        for m in model.modules():
+            func = getattr(m, "_gradient_checkpointing_func", None)
+            if getattr(m, "gradient_checkpointing", False) and callable(func):
+                had_own = "_gradient_checkpointing_func" in vars(m)
+                wrapped.append((m, func, had_own))
+                m._gradient_checkpointing_func = (
+                    lambda fn, *a, _f=func, **kw: _f(_with_impl(fn, configs, name), *a, **kw)
+                )
+        _set_impl(configs, [name] * len(configs))
+        yield
+    finally:
+        _set_impl(configs, saved)
+        for m, func, had_own in wrapped:
+            if had_own:
+                m._gradient_checkpointing_func = func
+            else:
+                del m._gradient_checkpointing_func
+
+
+# --------------------------------------------------------------------------------------------- around the forward
+def placeholder_mask(device) -> torch.Tensor:
+    """The zero-width 4-D ``attention_mask`` passed with our attention switched on (see the module doc)."""
+    return torch.ones(1, 1, 1, 0, dtype=torch.bool, device=device)
+
+
+def check_every_layer(calls: int, model, name: str = ATTN_NAME) -> None:
+    """Raise (one line) unless ``calls`` attention calls, counted by our function ``name`` in one forward, cover
+    every layer of ``model``."""
+    cfg = model.config
+    layers = getattr(cfg, "num_hidden_layers", 1)
+    if calls < layers:
+        raise RuntimeError(
+            f"only {calls} of {layers} attention layers of this {cfg.model_type!r} model went through the "
+            f"shared-prefix attention {name!r} (the others bypass transformers' AttentionInterface, so their output "
+            f"would be wrong); {_TURN_OFF[name]}"
+        )
