@@ -11,12 +11,12 @@ import torch
 
 from grpo.engine.memory import choose_budget, estimate, free_for, group_score_bytes
 from grpo.engine.unwrap import unwrap_model
-from grpo.setup import SetupError
+from grpo.errors import SetupError
 
 
 def plan(cfg, model, splits, runtime) -> int:
     """Resolve ``cfg.engine.max_tokens_per_micro_batch`` for this run (called once the model is loaded); raises
-    grpo.setup.SetupError with one line when the longest prompt of the training data plus
+    grpo.errors.SetupError with one line when the longest prompt of the training data plus
     ``rollout.max_new_tokens`` cannot fit."""
     limit = cfg.engine.memory_limit_gib
     if limit is not None and not limit > 0:

@@ -1,20 +1,36 @@
-"""Atomic checkpoints: ``<output_dir>/checkpoints/step_<N>/``.
+"""Checkpoints: atomic ``<output_dir>/checkpoints/step_<N>/`` directories, and a run saved into and
+restored from them (`save_checkpoint`, `restore`, `save_final`).
 
 A checkpoint is written into ``.tmp-step_<N>``, flushed, marked complete, then renamed; only a
 directory holding the ``COMPLETE`` marker is ever resumed from, so a crash at any instant (kill -9
 during a save included) leaves the previous checkpoint usable. Older checkpoints are removed only
-after the new one is complete, keeping the last ``keep_last``.
+after the new one is complete, keeping the last ``keep_last``. The model's files are the runtime's
+(`Runtime.save_model_state`); ``trainer_state.pt`` holds the loop's state, the schedule, the sampler and
+the RNG; ``rank_<r>.pt`` each rank's own RNG and rollouts when there are many processes.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import re
 import shutil
+import sys
+from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from grpo.config import Config
+from grpo.errors import SetupError
+from grpo.run import LoopState
+
+if TYPE_CHECKING:
+    from grpo.logger import MetricsLogger
+    from grpo.run import Run
 
 MARKER = "COMPLETE"
 STATE = "trainer_state.pt"
@@ -124,3 +140,132 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
     if not (p / MARKER).exists() or not (p / STATE).exists():
         raise FileNotFoundError(f"trainer.resume={resume!r} is not a complete checkpoint (no {MARKER} marker)")
     return p
+
+
+# ---------------------------------------------------------------------------------- a run's checkpoints
+# Keys that define the run: resuming with any of them changed is refused unless trainer.force_resume.
+RUN_DEFINING = ["model.name_or_path", "model.lora", "data.source", "data.task_kwargs", "data.seed",
+                "data.num_train", "data.num_eval", "data.split", "data.load_kwargs", "data.prompt_column",
+                "data.answer_column", "data.system_prompt", "data.prompt_template", "data.chat_template",
+                "data.max_prompt_tokens", "algorithm.group_size", "rollout.prompts_per_step", "trainer.seed",
+                "reward.functions"]
+
+
+def fingerprint(cfg: Config) -> dict:
+    flat = asdict(cfg)
+    out = {}
+    for key in RUN_DEFINING:
+        obj = flat
+        for part in key.split("."):
+            obj = obj[part]
+        out[key] = json.loads(json.dumps(obj, sort_keys=True, default=str))
+    return out
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def save_checkpoint(run: Run, state: LoopState, cfg: Config) -> Path:
+    """``checkpoints/step_<state.step>``: every rank calls it (its files, then the owner marks it complete)."""
+    rt = run.runtime
+
+    def write(tmp: Path) -> None:
+        if rt.world_size > 1:  # each rank's own sampling stream and rollouts (rank 0's are also below)
+            rt.barrier()       # rank 0 has created tmp
+            torch.save({"rng": rng_state(), "buffer": state.buffer}, tmp / f"rank_{rt.rank}.pt")
+        optimizer_state = rt.save_model_state(tmp)
+        if run.owns_output_dir:  # every node's copy holds the state (the same on every rank)
+            save_state(tmp, {
+                "step": state.step, "optimizer": optimizer_state,
+                "scheduler": run.scheduler.state_dict(), "sampler": run.sampler.state_dict(),
+                "rng": rng_state(), "buffer": state.buffer, "skipped_steps": state.skipped_steps,
+                "bad_steps": state.bad_steps, "failed_reward_steps": state.failed_reward_steps,
+                "fingerprint": fingerprint(cfg), "config_hash": _hash(fingerprint(cfg)),
+            })
+        rt.barrier()  # every rank has written its files before rank 0 marks the checkpoint complete
+
+    path = save(cfg.trainer.output_dir, state.step, write, cfg.trainer.keep_last, owner=run.owns_output_dir)
+    rt.barrier()
+    return path
+
+
+def restore(run: Run, cfg: Config, log: MetricsLogger) -> LoopState:
+    """Load the checkpoint named by trainer.resume into the run's objects; returns the loop's state to continue
+    from (a fresh `LoopState`, step 0, when there is nothing to resume)."""
+    rt = run.runtime
+    try:
+        ckpt = resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
+    except FileNotFoundError as e:
+        raise SetupError(str(e)) from None
+    existing = complete_checkpoints(cfg.trainer.output_dir)
+    if rt.world_size > 1:
+        ckpt, existing = _agree_on_checkpoint(rt, cfg, ckpt, existing)
+    if ckpt is None:
+        if existing:
+            raise SetupError(f"trainer.output_dir={cfg.trainer.output_dir} already holds checkpoints of another run "
+                             f"(newest {existing[-1].name}); continue it with trainer.resume=auto, or use a new "
+                             "trainer.output_dir")
+        return LoopState()
+    saved = load_state(ckpt)
+    _check_fingerprint(saved, cfg, ckpt)
+    rt.load_model_state(ckpt, saved["optimizer"])
+    run.scheduler.load_state_dict(saved["scheduler"])
+    run.sampler.load_state_dict(saved["sampler"])
+    set_rng_state(saved["rng"])
+    state = LoopState(step=saved["step"], buffer=saved["buffer"], bad_steps=saved["bad_steps"],
+                      skipped_steps=saved["skipped_steps"], failed_reward_steps=saved["failed_reward_steps"])
+    own = ckpt / f"rank_{rt.rank}.pt"
+    if rt.world_size > 1 and own.exists():
+        mine = torch.load(own, map_location="cpu", weights_only=False)
+        set_rng_state(mine["rng"])
+        state.buffer = mine["buffer"]
+    log.truncate_after(state.step)
+    if run.owns_output_dir:  # later checkpoints belong to the abandoned continuation; never resume them
+        drop_after(cfg.trainer.output_dir, state.step)
+    if rt.is_main:
+        print(f"[grpo] resumed from {ckpt} (step {state.step})", file=sys.stderr, flush=True)
+    return state
+
+
+def _check_fingerprint(saved: dict, cfg: Config, ckpt: Path) -> None:
+    """Refuse a checkpoint whose run-defining keys differ (unless trainer.force_resume). A key the checkpoint's
+    version did not record is not compared (older checkpoints stay resumable)."""
+    now = fingerprint(cfg)
+    changed = [k for k in RUN_DEFINING if k in saved["fingerprint"] and saved["fingerprint"][k] != now.get(k)]
+    if changed and not cfg.trainer.force_resume:
+        k = changed[0]
+        raise SetupError(f"cannot resume from {ckpt}: {k} changed ({saved['fingerprint'].get(k)!r} -> {now[k]!r}); "
+                         "set trainer.force_resume=true to resume anyway, or use a new trainer.output_dir")
+
+
+def _agree_on_checkpoint(runtime, cfg: Config, ckpt: Path | None, existing: list[Path]):
+    """Every rank resumes the same step. With one output_dir per node each node reads its own copy, and a node
+    that died while finalising a checkpoint may hold one fewer: take the newest step complete on every rank.
+    Every rank decides from the same gathered view, so they all raise the same error or none does."""
+    views = runtime.gather((ckpt.name if ckpt else None, [p.name for p in existing]))
+    if len({v[0] for v in views}) == 1 and all(set(v[1]) == set(views[0][1]) for v in views):
+        return ckpt, existing
+    if not any(v[0] for v in views):  # a fresh start: refused if any rank's directory holds checkpoints
+        return None, existing or [Path(cfg.trainer.output_dir) / "checkpoints" / next(n for v in views for n in v[1])]
+    common = set.intersection(*(set(v[1]) for v in views))
+    if not common:
+        raise SetupError("the ranks have no checkpoint in common to resume from (each node reads its own "
+                         "trainer.output_dir; see docs/distributed.md); resume with trainer.resume=<a step every node "
+                         "holds> or start a new trainer.output_dir")
+    step = max(common, key=lambda name: int(name.split("_")[1]))
+    return checkpoints_dir(cfg.trainer.output_dir) / step, existing
+
+
+def save_final(run: Run, cfg: Config) -> Path:
+    """``<output_dir>/final``: a directory `AutoModelForCausalLM.from_pretrained` loads (or the
+    LoRA adapter with model.lora.merge_on_save=false)."""
+    out = Path(cfg.trainer.output_dir) / "final"
+    tmp = out.with_name(".tmp-final")
+    run.runtime.save_final(tmp, run.tokenizer, merge_lora=cfg.model.lora.enabled and cfg.model.lora.merge_on_save)
+    if run.runtime.is_main:
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    run.runtime.barrier()
+    return out

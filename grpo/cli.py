@@ -1,12 +1,13 @@
 """The command line before Hydra sees it: a typo costs one clear line, not a traceback, and a single run is
-composed and checked (grpo/compose.py, `setup.preflight`) before any run directory exists."""
+composed and checked (grpo/compose.py, `build.preflight`) before any run directory exists."""
 from __future__ import annotations
 
 import os
 import sys
 
 from grpo.compose import compose, groups, normalize
-from grpo.config import ConfigError, open_dict_keys, schema_keys, suggest
+from grpo.config import open_dict_keys, schema_keys, suggest
+from grpo.errors import ConfigError
 
 
 def check_argv(argv: list[str]) -> None:
@@ -69,8 +70,8 @@ def _preflight(flags: list[str], overrides: list[str]) -> list[str]:
     metrics, nothing in ./outputs)."""
     from omegaconf import OmegaConf
 
+    from grpo.build import preflight
     from grpo.config import load
-    from grpo.setup import preflight
 
     raw = compose(overrides)
     job = {k: v for k, v in OmegaConf.to_container(raw, resolve=False).items() if k != "hydra"}

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from grpo.config import ConfigError, open_dict_keys
+from grpo.config import open_dict_keys
+from grpo.errors import ConfigError
 
 TASK_KWARGS = "data.task_kwargs"
 

@@ -13,9 +13,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-class ConfigError(ValueError):
-    """A config mistake; str(error) is the one line shown to the user."""
+from grpo.errors import ConfigError
 
 
 @dataclass

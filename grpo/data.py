@@ -10,10 +10,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-class DataError(ValueError):
-    """A data problem; the message is one line for the user."""
-
+from grpo.errors import DataError
 
 _FILE_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 

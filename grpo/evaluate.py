@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
+from grpo.config import Config
 from grpo.logger import interactive
 from grpo.rollout import generate
 
+if TYPE_CHECKING:
+    from grpo.run import Run
 
-def evaluate(run, cfg, label: str) -> dict:
+
+def evaluate(run: Run, cfg: Config, label: str) -> dict:
     """Mean reward and each function's mean on the held-out split (greedy). Empty when there is none.
     The function named ``accuracy`` (if any) is the headline number."""
     rows = run.splits.eval
@@ -24,7 +29,7 @@ def evaluate(run, cfg, label: str) -> dict:
     from grpo.experience import score_groups
 
     comps, trunc = comps[:len(shard)], trunc[:len(shard)]
-    _, stats = score_groups(run, shard, comps, trunc, count_failures=False)  # eval never stops a run
+    _, stats = score_groups(run, shard, comps, trunc)  # eval never stops a run (the loop counts failures)
     out = {"reward_mean": stats["reward_mean"], "completion_len_mean": stats["completion_len_mean"]}
     for rf in run.rewards:
         out[rf.name] = stats[f"reward/{rf.name}"]

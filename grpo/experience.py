@@ -2,18 +2,25 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from grpo.advantages import compute_advantages, zero_std_groups
+from grpo.batch import Batch
+from grpo.config import Config
 from grpo.logger import interactive
 from grpo.loss import kl_estimate
 from grpo.rewards.score import reward_inputs, score
 from grpo.rollout import generate
-from grpo.update import Batch, nested_logprobs
+from grpo.runtime.base import Runtime
+from grpo.update import nested_logprobs
+
+if TYPE_CHECKING:
+    from grpo.run import Run
 
 
-def collect(run, cfg) -> Batch:
+def collect(run: Run, cfg: Config) -> Batch:
     """One step's experience, in order: rollout, rewards, zero-std filtering (and resampling), the
     reference and old-policy log-probs of the groups kept, KL (metric, or penalty in the reward), advantages.
 
@@ -26,23 +33,23 @@ def collect(run, cfg) -> Batch:
     batch = _rollout(run, cfg)
     stats = batch.stats
     zero = zero_std_groups(batch.rewards, batch.group_sizes)
-    zs, ng = rt.all_reduce_sum([float(sum(zero)), float(len(zero))])
-    stats["zero_std_frac"] = zs / max(ng, 1)
+    z = rt.all_reduce({"zero_std": float(sum(zero)), "groups": float(len(zero))})
+    stats["zero_std_frac"] = z["zero_std"] / max(z["groups"], 1)
     if a.filter_zero_std_groups:  # before any log-prob forward: dropped groups cost nothing more
         batch = _filter_and_refill(run, cfg, batch, zero)
     if a.beta > 0:
         with run.reference_context():
-            batch.ref_logps = nested_logprobs(run.reference_model(), batch, cfg.engine, r.temperature)
+            batch.ref_logps = nested_logprobs(rt, run.reference_model(), batch, cfg.engine, r.temperature)
     if a.num_iterations > 1 or (a.beta > 0 and a.kl_in_reward):
-        batch.old_logps = nested_logprobs(rt.model, batch, cfg.engine, r.temperature)
+        batch.old_logps = nested_logprobs(rt, rt.model, batch, cfg.engine, r.temperature)
     # KL of the batch to the reference. With the KL in the loss and mu = 1 the update measures it itself
     # (no extra forward here); with mu > 1 or the KL in the reward the old log-probs are at hand.
     if batch.ref_logps is not None and batch.old_logps is not None:
         seq_kl = torch.tensor([float(kl_estimate(lp, ref, a.kl_estimator).sum()) for gl, gr in
                                zip(batch.old_logps, batch.ref_logps) for lp, ref in zip(gl, gr)])
         tokens = sum(len(c) for g in batch.completion_ids for c in g)
-        kl_sum, n_tok = rt.all_reduce_sum([float(seq_kl.sum()), float(tokens)])
-        stats["kl"] = kl_sum / max(n_tok, 1)
+        kl = rt.all_reduce({"kl": float(seq_kl.sum()), "tokens": float(tokens)})
+        stats["kl"] = kl["kl"] / max(kl["tokens"], 1)
         if a.kl_in_reward:  # r_i - beta * sum_t KL_t, before the group normalisation
             batch.rewards = batch.rewards - a.beta * seq_kl
     if a.num_iterations == 1:
@@ -53,7 +60,7 @@ def collect(run, cfg) -> Batch:
     return batch
 
 
-def _rollout(run, cfg, count_failures: bool = True) -> Batch:
+def _rollout(run: Run, cfg: Config) -> Batch:
     """Sample the next prompts (the same on every rank; each takes its share), generate G completions
     each, and score them. Advantages are left at zero."""
     rt, r, G = run.runtime, cfg.rollout, cfg.algorithm.group_size
@@ -68,12 +75,12 @@ def _rollout(run, cfg, count_failures: bool = True) -> Batch:
                                          progress=rt.is_main and interactive(),
                                          share_prompt=r.share_prompt)
     t1 = time.time()
-    rewards, stats = score_groups(run, rows, completion_ids, truncated, count_failures)
+    rewards, stats = score_groups(run, rows, completion_ids, truncated)
     stats["time/rollout_s"], stats["time/reward_s"] = t1 - t0, time.time() - t1
     return Batch(rows, prompt_ids, completion_ids, truncated, rewards, torch.zeros_like(rewards), stats=stats)
 
 
-def _filter_and_refill(run, cfg, batch: Batch, zero: list[bool]) -> Batch:
+def _filter_and_refill(run: Run, cfg: Config, batch: Batch, zero: list[bool]) -> Batch:
     """Drop zero-std groups; then at most ``resample_zero_std`` extra rounds while any rank is short of
     its groups. Surplus groups of the last round are discarded. The reward metrics stay those of the
     first round (the policy's on-policy sample); extra rounds do not count towards reward.max_failed_steps."""
@@ -81,23 +88,23 @@ def _filter_and_refill(run, cfg, batch: Batch, zero: list[bool]) -> Batch:
     target = len(batch.completion_ids)
     kept = _select_groups(batch, [not z for z in zero])
     dropped, rounds = sum(zero), 0
-    while rounds < a.resample_zero_std and rt.all_reduce_sum([float(target - len(kept.completion_ids))])[0] > 0:
+    while rounds < a.resample_zero_std and rt.any_rank(len(kept.completion_ids) < target):
         rounds += 1
-        extra = _rollout(run, cfg, count_failures=False)
+        extra = _rollout(run, cfg)
         z = zero_std_groups(extra.rewards, extra.group_sizes)
         dropped += sum(z)
         kept = _concat(kept, _select_groups(extra, [not x for x in z]), target)
         for k in ("time/rollout_s", "time/reward_s"):
             batch.stats[k] += extra.stats[k]
-    d, n = rt.all_reduce_sum([float(dropped), float(len(kept.completion_ids))])
-    kept.stats = {**batch.stats, "dropped_groups": int(d), "resample_rounds": rounds, "num_groups": int(n)}
+    n = rt.all_reduce({"dropped": float(dropped), "groups": float(len(kept.completion_ids))})
+    kept.stats = {**batch.stats, "dropped_groups": int(n["dropped"]), "resample_rounds": rounds,
+                  "num_groups": int(n["groups"])}
     return kept
 
 
-def score_groups(run, rows, completion_ids, truncated, count_failures: bool = True):
-    """Decode, score with every reward function, and summarise (all-reduced across ranks).
-    ``count_failures``: whether these samples count towards ``reward.max_failed_steps`` (training
-    rollouts do; evaluation and resampling rounds do not)."""
+def score_groups(run: Run, rows, completion_ids, truncated):
+    """Decode, score with every reward function, and summarise (all-reduced across ranks). ``reward/<name>_errors``
+    counts the samples a function failed on (the loop's reward.max_failed_steps check reads it)."""
     rt, tok = run.runtime, run.tokenizer
     G = len(completion_ids[0]) if completion_ids else 0
     texts = [tok.decode(c, skip_special_tokens=True) for g in completion_ids for c in g]
@@ -110,31 +117,30 @@ def score_groups(run, rows, completion_ids, truncated, count_failures: bool = Tr
     rewards = torch.tensor(s.total, dtype=torch.float32)
     n = len(texts)
     lens = [len(c) for c in columns["completion_ids"]]
-    sums = [float(rewards.sum()), float((rewards ** 2).sum()), float(n), float(sum(lens)),
-            float(sum(columns["truncated"]))]
+    sums = {"reward": float(rewards.sum()), "reward2": float((rewards ** 2).sum()), "n": float(n),
+            "len": float(sum(lens)), "truncated": float(sum(columns["truncated"]))}
     for rf in run.rewards:
         vals = [v for v in s.per_fn[rf.name] if v is not None]
-        sums += [sum(vals), sum(v * v for v in vals), float(len(vals)), float(s.errors[rf.name])]
-    sums = rt.all_reduce_sum(sums)
-    total, total2, n_all, len_all, trunc_all = sums[:5]
-    stats = {"reward_mean": total / n_all, "reward_std": _std(total, total2, n_all),
-             "completion_len_mean": len_all / n_all, "truncated_frac": trunc_all / n_all}
-    for i, rf in enumerate(run.rewards):
-        v, v2, cnt, err = sums[5 + 4 * i: 9 + 4 * i]
-        err = int(err)
+        sums.update({f"fn/{rf.name}/sum": sum(vals), f"fn/{rf.name}/sum2": sum(v * v for v in vals),
+                     f"fn/{rf.name}/count": float(len(vals)), f"fn/{rf.name}/errors": float(s.errors[rf.name])})
+    sums = rt.all_reduce(sums)
+    n_all = sums["n"]
+    stats = {"reward_mean": sums["reward"] / n_all, "reward_std": _std(sums["reward"], sums["reward2"], n_all),
+             "completion_len_mean": sums["len"] / n_all, "truncated_frac": sums["truncated"] / n_all}
+    for rf in run.rewards:
+        v, v2, cnt = (sums[f"fn/{rf.name}/{k}"] for k in ("sum", "sum2", "count"))
         stats[f"reward/{rf.name}"] = v / cnt if cnt else None
         stats[f"reward/{rf.name}_std"] = _std(v, v2, cnt) if cnt else None
-        stats[f"reward/{rf.name}_errors"] = int(err)
-        if count_failures:
-            _track_failures(run, rf.name, err, n_all)
+        stats[f"reward/{rf.name}_errors"] = int(sums[f"fn/{rf.name}/errors"])
     return rewards, stats
 
 
-def _batch_std(rt, rewards: torch.Tensor) -> float:
+def _batch_std(rt: Runtime, rewards: torch.Tensor) -> float:
     """Unbiased std of every rank's rewards, two-pass in float64: the same formula for 1 and N processes."""
     r = rewards.double()
-    s, n = rt.all_reduce_sum([float(r.sum()), float(r.numel())])
-    (dev2,) = rt.all_reduce_sum([float(((r - s / max(n, 1)) ** 2).sum())])
+    t = rt.all_reduce({"sum": float(r.sum()), "n": float(r.numel())})
+    s, n = t["sum"], t["n"]
+    dev2 = rt.all_reduce({"dev2": float(((r - s / max(n, 1)) ** 2).sum())})["dev2"]
     return (dev2 / (n - 1)) ** 0.5 if n > 1 else 0.0
 
 
@@ -142,16 +148,6 @@ def _std(s: float, s2: float, n: float) -> float:
     if n < 2:
         return 0.0
     return max((s2 - s * s / n) / (n - 1), 0.0) ** 0.5
-
-
-def _track_failures(run, name: str, errors: float, n: float) -> None:
-    from grpo.setup import SetupError
-
-    run.failed_reward_steps[name] = run.failed_reward_steps.get(name, 0) + 1 if errors >= n else 0
-    if run.failed_reward_steps[name] >= run.max_failed_reward_steps:
-        raise SetupError(f"reward function {name!r} failed on every sample for {run.failed_reward_steps[name]} "
-                         "steps in a row; fix it (its error is shown above, once) or remove it with "
-                         f"~reward.functions.{name}")
 
 
 def _select_groups(batch: Batch, keep: list[bool]) -> Batch:
@@ -174,7 +170,7 @@ def _concat(a: Batch, b: Batch, limit: int) -> Batch:
                  stats=a.stats)
 
 
-def sample_rows(run, batch: Batch, n: int) -> list[dict]:
+def sample_rows(run: Run, batch: Batch, n: int) -> list[dict]:
     """``n`` completions with their rewards, for the console and samples.jsonl: the first of each group, then
     the second of each, ... (a rank holding one group still shows ``n``)."""
     tok, out = run.tokenizer, []

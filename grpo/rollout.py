@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -36,7 +37,7 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
     if not greedy:
         _warn_truncated_sampling(top_p, top_k)
     # A multi-process runtime may need every rank in every decoding step (DeepSpeed ZeRO-3: partitioned
-    # weights): its model carries a context that prepares it and yields options ({"synced_gpus": True}).
+    # weights): its model carries a context that prepares it and yields options ({"synced_gpus": any_rank}).
     ready = getattr(model, "grpo_generation_context", None)
     with ready() if ready is not None else contextlib.nullcontext({}) as extra:
         return _generate(unwrap_model(model, peft=False), tokenizer, prompt_ids, group_size=group_size,
@@ -61,7 +62,7 @@ def _warn_truncated_sampling(top_p: float, top_k: int) -> None:
 def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, temperature, top_p, top_k, batch_size,
               greedy, desc, progress, extra, share_prompt, min_new_tokens):
     device = next(model.parameters()).device
-    synced = bool(extra.get("synced_gpus"))
+    synced = extra.get("synced_gpus")  # None, or the runtime's any_rank: decode until every rank is done
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     was_training = model.training
@@ -81,7 +82,7 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
             attention[i, width - len(p):] = 1
         if not (share_prompt or greedy):  # the baseline: G copies of each prompt, each prefilled
             input_ids, attention = input_ids.repeat_interleave(n_samples, 0), attention.repeat_interleave(n_samples, 0)
-        cache = prefill(model, input_ids, attention, synced=synced)
+        cache = prefill(model, input_ids, attention, synced=synced is not None)
         shared = None
         if share_prompt and not greedy and n_samples > 1:  # prefilled once; G rows decode from it
             if width > 1 and _cascade_ok(model, width + max_new_tokens):
@@ -144,14 +145,15 @@ def _shared_prompt(cache, valid, group: int) -> SharedPrefixKV:
 
 
 def decode(model, last, attention, cache, pick, *, max_new_tokens: int, eos: list[int], pad_id: int,
-           min_new_tokens: int = 0, synced: bool = False, shared: SharedPrefixKV | None = None) -> torch.Tensor:
+           min_new_tokens: int = 0, synced: Callable[[bool], bool] | None = None,
+           shared: SharedPrefixKV | None = None) -> torch.Tensor:
     """Autoregressive decoding from a prefilled cache: ``last`` (rows,) is each row's last prompt token,
     ``attention`` (rows, width) its left-padded mask. ``pick(logits) -> tokens`` chooses each next token from
     the model's raw next-token logits. Rows stop at their first EOS (then padded); the loop ends when every
-    row has stopped or after ``max_new_tokens``. ``synced``: keep stepping until every process is done
-    (DeepSpeed ZeRO-3 needs every rank in every forward). ``shared``: the prompts' K/V held once per prompt
-    (cascade attention); ``cache`` then holds each row's own tokens only. Returns (rows, n) new tokens,
-    n <= max_new_tokens."""
+    row has stopped or after ``max_new_tokens``. ``synced``: the runtime's ``any_rank``; keep stepping until
+    every process is done (DeepSpeed ZeRO-3 needs every rank in every forward). ``shared``: the prompts' K/V
+    held once per prompt (cascade attention); ``cache`` then holds each row's own tokens only. Returns
+    (rows, n) new tokens, n <= max_new_tokens."""
     rows, device = last.shape[0], last.device
     eos_t = torch.tensor(eos, device=device)
     position = attention.sum(-1, keepdim=True) - 1  # position of the last prompt token
@@ -183,14 +185,9 @@ def decode(model, last, attention, cache, pick, *, max_new_tokens: int, eos: lis
     return out
 
 
-def _all_done(done: torch.Tensor, synced: bool) -> bool:
-    if not synced:
-        return bool(done.all())
-    import torch.distributed as dist
-
-    flag = done.all().to(torch.float32).reshape(1)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+def _all_done(done: torch.Tensor, synced: Callable[[bool], bool] | None) -> bool:
+    mine = bool(done.all())
+    return mine if synced is None else not synced(not mine)
 
 
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ measured steps of all repeats, completion tokens per second, peak RSS of the wor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -128,10 +129,10 @@ def worker_ours(spec: dict) -> dict:
     import torch
 
     from grpo import experience
+    from grpo.build import build_run
     from grpo.config import load
     from grpo.data import PromptSampler
-    from grpo.setup import build_run
-    from grpo.update import policy_update
+    from grpo.update import UpdateSettings, policy_update
 
     P, S, G, n = spec["P"], spec["S"], spec["G"], spec["prompts_per_step"]
     shared = spec["system"] == "ours"
@@ -158,6 +159,7 @@ def worker_ours(spec: dict) -> dict:
 
     # exactly S new tokens, as in the TRL run (generation_kwargs min_new_tokens)
     experience.generate = functools.partial(grpo.rollout.generate, min_new_tokens=S)
+    settings = dataclasses.replace(UpdateSettings.from_config(cfg), mask_truncated=False)
     times, upd, lens, roll = [], [], [], []
     for _ in range(spec["steps"] + 1):
         _sync(spec["device"])
@@ -165,8 +167,7 @@ def worker_ours(spec: dict) -> dict:
         batch = experience.collect(run, cfg)
         _sync(spec["device"])
         t1 = time.perf_counter()
-        policy_update(run.runtime, batch, cfg.algorithm, cfg.engine, temperature=cfg.rollout.temperature,
-                      max_len=cfg.rollout.max_new_tokens, mask_truncated=False, max_grad_norm=cfg.trainer.max_grad_norm)
+        policy_update(run.runtime, batch, settings)
         _sync(spec["device"])
         t2 = time.perf_counter()
         times.append(t2 - t0)
@@ -176,8 +177,8 @@ def worker_ours(spec: dict) -> dict:
         if lens[-1] != n * G * S:
             raise RuntimeError(f"completions are not all exactly S={S} tokens ({lens[-1]} != {n * G * S})")
     if spec.get("profile"):
-        _profile(lambda: policy_update(run.runtime, experience.collect(run, cfg), cfg.algorithm, cfg.engine,
-                                       temperature=1.0, max_len=S, mask_truncated=False, max_grad_norm=1.0),
+        _profile(lambda: policy_update(run.runtime, experience.collect(run, cfg),
+                                       dataclasses.replace(settings, temperature=1.0, max_len=S, max_grad_norm=1.0)),
                  spec["profile"])
     return {"step_s": times[1:], "update_s": upd[1:], "rollout_s": roll[1:], "completion_tokens": lens[1:],
             "prompt_len": P,

@@ -53,7 +53,7 @@ def test_constant_group_is_exactly_zero_even_when_float_mean_is_off():
 
 
 class _ThreadWorld:
-    """Ranks as threads: all_reduce_sum sums every rank's list (enough for experience._batch_std)."""
+    """Ranks as threads: all_reduce sums every rank's named values (enough for experience._batch_std)."""
 
     def __init__(self, n: int):
         import threading
@@ -66,10 +66,10 @@ class _ThreadWorld:
         class Rt:
             world_size = world.n
 
-            def all_reduce_sum(self, values):
-                world.slots[rank] = list(values)
+            def all_reduce(self, values):
+                world.slots[rank] = dict(values)
                 world.barrier.wait()
-                out = [sum(col) for col in zip(*world.slots)]
+                out = {k: sum(slot[k] for slot in world.slots) for k in values}
                 world.barrier.wait()
                 return out
 

@@ -96,10 +96,10 @@ def scheduled_reward(schedule: list[list[bool]], group_size: int):
 
 
 def _use_reward(monkeypatch, fn):
-    import grpo.setup
+    import grpo.build
     from grpo.rewards.score import RewardFunction
 
-    monkeypatch.setattr(grpo.setup, "build_rewards", lambda spec, *args: [RewardFunction("accuracy", fn)])
+    monkeypatch.setattr(grpo.build, "build_rewards", lambda spec, *args: [RewardFunction("accuracy", fn)])
 
 
 PATTERN = [0.0, 1.0, 3.0, 0.5]
@@ -146,8 +146,10 @@ def oracle(monkeypatch, spy):
     real = grpo.train.policy_update
     held = {"batch": None, "old": None}
 
-    def policy_update(runtime, batch, acfg, ecfg, *, temperature, max_len, mask_truncated, max_grad_norm):
+    def policy_update(runtime, batch, settings):
         model = runtime.model
+        acfg, temperature, mask_truncated = settings.algorithm, settings.temperature, settings.mask_truncated
+        max_len = settings.max_len
         if batch is not held["batch"]:
             held["batch"], held["old"] = batch, copy.deepcopy(model)
         prompts = [p for p, g in zip(batch.prompt_ids, batch.completion_ids) for _ in g]
@@ -165,8 +167,7 @@ def oracle(monkeypatch, spy):
             norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
             call[name] = {"loss": loss, "grad_norm": norm, "kl": kl}
         call["batch"] = batch
-        call["stats"] = real(runtime, batch, acfg, ecfg, temperature=temperature, max_len=max_len,
-                             mask_truncated=mask_truncated, max_grad_norm=max_grad_norm)
+        call["stats"] = real(runtime, batch, settings)
         o.calls.append(call)
         return call["stats"]
 
@@ -233,7 +234,7 @@ def test_gspo_sequence_ratio_loss_and_gradient_hand_computed():
 
 
 def test_resample_needs_filtering(cfg_factory):
-    from grpo.config import ConfigError
+    from grpo.errors import ConfigError
 
     with pytest.raises(ConfigError, match="resample_zero_std=2 needs algorithm.filter_zero_std_groups=true"):
         cfg_factory({"algorithm": {"resample_zero_std": 2}})
@@ -247,9 +248,9 @@ def fixed(tmp_path_factory):
     """A built run (tiny Llama) and a fixed batch of 3 prompts x 4 random completions of ragged lengths."""
     from omegaconf import OmegaConf
 
+    from grpo.batch import Batch
+    from grpo.build import build_run
     from grpo.config import load
-    from grpo.setup import build_run
-    from grpo.update import Batch
     from tests.helpers import smoke_raw
 
     raw = OmegaConf.merge(smoke_raw(), FAST, {"trainer": {"output_dir": str(tmp_path_factory.mktemp("run"))},
@@ -280,11 +281,11 @@ def _capture_grads(monkeypatch, run) -> list:
 
 
 def _update(run, cfg, batch, acfg=None, ecfg=None, mask_truncated=False):
-    from grpo.update import policy_update
+    from grpo.update import UpdateSettings, policy_update
 
-    return policy_update(run.runtime, batch, acfg or cfg.algorithm, ecfg or cfg.engine,
-                         temperature=cfg.rollout.temperature, max_len=cfg.rollout.max_new_tokens,
-                         mask_truncated=mask_truncated, max_grad_norm=cfg.trainer.max_grad_norm)
+    settings = dataclasses.replace(UpdateSettings.from_config(cfg), algorithm=acfg or cfg.algorithm,
+                                   engine=ecfg or cfg.engine, mask_truncated=mask_truncated)
+    return policy_update(run.runtime, batch, settings)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -296,7 +297,7 @@ def test_gradient_accumulation_does_not_change_the_gradient(fixed, monkeypatch, 
 
     run, cfg, batch = fixed
     gen = torch.Generator().manual_seed(1)
-    now = nested_logprobs(run.model, batch, cfg.engine, cfg.rollout.temperature)
+    now = nested_logprobs(run.runtime, run.model, batch, cfg.engine, cfg.rollout.temperature)
     moved = lambda: [[lp + 0.3 * torch.randn(lp.shape, generator=gen) for lp in g] for g in now]  # noqa: E731
     batch = dataclasses.replace(batch, old_logps=moved(), ref_logps=moved())
     grads = _capture_grads(monkeypatch, run)
@@ -316,7 +317,7 @@ def test_gradient_accumulation_does_not_change_the_gradient(fixed, monkeypatch, 
 
 
 def test_mask_truncated_equals_dropping_the_truncated_completions(fixed, monkeypatch):
-    from grpo.update import Batch
+    from grpo.batch import Batch
 
     run, cfg, batch = fixed
     grads = _capture_grads(monkeypatch, run)
@@ -428,11 +429,12 @@ def test_logged_loss_is_zero_with_one_iteration_but_the_gradient_is_not(cfg_fact
 
 
 def test_beta_zero_loads_no_reference_and_runs_no_reference_forward(cfg_factory, spy, monkeypatch):
-    import grpo.setup
+    import grpo.build
+    import grpo.run
 
     refs = []
-    monkeypatch.setattr(grpo.setup.Run, "reference_context", lambda self: refs.append(1))
-    monkeypatch.setattr(grpo.setup, "load_reference", lambda *a, **k: refs.append(1))
+    monkeypatch.setattr(grpo.run.Run, "reference_context", lambda self: refs.append(1))
+    monkeypatch.setattr(grpo.build, "load_reference", lambda *a, **k: refs.append(1))
     cfg, rows = _train(cfg_factory, {"algorithm": {"beta": 0.0}, "trainer": {"max_steps": 2}})
     assert spy.run.reference is None and refs == []
     assert spy.logprob_passes == 0  # mu = 1, no reference: the update's forward is the only one
@@ -462,7 +464,7 @@ def test_kl_in_the_reward(cfg_factory, spy, monkeypatch):
     """r_i - beta * sum_t k3_t replaces the reward before normalisation; the loss has no KL term. The expectation
     is computed from scratch (plain HF forwards of the policy and the reference, k3 and the group std written out)."""
     from grpo import experience
-    from grpo.setup import build_run
+    from grpo.build import build_run
     from tests.oracle import flat, hf_logprobs
 
     _use_reward(monkeypatch, pattern_reward)
@@ -529,7 +531,7 @@ def test_rollout_temperature_reaches_every_log_prob(cfg_factory, spy, ragged, or
 def test_scale_rewards_batch_through_collect(cfg_factory, spy, monkeypatch):
     """collect with scale_rewards=batch: (r - group mean) / (std of every reward of the batch + adv_eps)."""
     from grpo import experience
-    from grpo.setup import build_run
+    from grpo.build import build_run
 
     rewards = [0.0, 1.0, 3.0, 0.5, 2.0, 2.5, 0.0, 4.0]
     _use_reward(monkeypatch, lambda prompts, completions, **kw: rewards[:len(completions)])
@@ -567,7 +569,7 @@ def test_a_failed_reward_counts_as_zero_in_its_group(cfg_factory, spy, monkeypat
     """docs/algorithms.md: a sample a reward function failed on gets 0 from that function (TRL's nansum) and
     still takes part in its group's mean and std."""
     from grpo import experience
-    from grpo.setup import build_run
+    from grpo.build import build_run
 
     calls = {"n": 0}
 

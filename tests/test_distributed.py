@@ -28,19 +28,17 @@ ZERO3 = ["distributed=zero3", "+distributed.ds_config.zero_optimization.stage3_p
 
 # ----------------------------------------------------------------------------------- the worker
 def _params(rt) -> dict:
-    full = getattr(rt, "full_parameters", None)
-    if full is not None:
-        return full()
-    return {n: p.detach().float().cpu().clone() for n, p in rt.model.named_parameters()}
+    return rt.full_parameters()
 
 
 def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...] = ()) -> None:
     from omegaconf import OmegaConf
 
     from grpo.advantages import compute_advantages
+    from grpo.batch import Batch
+    from grpo.build import build_run
     from grpo.config import load
-    from grpo.setup import build_run
-    from grpo.update import Batch, _plan, nested_logprobs, policy_update
+    from grpo.update import UpdateSettings, _plan, nested_logprobs, policy_update
     from tests.helpers import compose_recipe
 
     raw = compose_recipe("smoke", [f"trainer.output_dir={out / 'update-run'}", f"rollout.prompts_per_step={PROMPTS}",
@@ -65,16 +63,14 @@ def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...
     batch.advantages = compute_advantages(batch.rewards, batch.group_sizes, cfg.algorithm.scale_rewards,
                                           cfg.algorithm.adv_eps)
     with run.reference_context():
-        batch.ref_logps = nested_logprobs(run.reference_model(), batch, cfg.engine, cfg.rollout.temperature)
+        batch.ref_logps = nested_logprobs(rt, run.reference_model(), batch, cfg.engine, cfg.rollout.temperature)
     if cfg.algorithm.num_iterations > 1:  # pi_old: the weights before the first update, for both updates
-        batch.old_logps = nested_logprobs(rt.model, batch, cfg.engine, cfg.rollout.temperature)
+        batch.old_logps = nested_logprobs(rt, rt.model, batch, cfg.engine, cfg.rollout.temperature)
     record = {"micro_batches": len(_plan(batch, cfg.engine)), "stats": [], "params": [_params(rt)]}
     for k in range(3):
         if k == 2:
             batch.advantages = torch.full_like(batch.advantages, float("nan"))
-        stats = policy_update(rt, batch, cfg.algorithm, cfg.engine, temperature=cfg.rollout.temperature,
-                              max_len=cfg.rollout.max_new_tokens, mask_truncated=cfg.algorithm.mask_truncated,
-                              max_grad_norm=cfg.trainer.max_grad_norm)
+        stats = policy_update(rt, batch, UpdateSettings.from_config(cfg))
         record["stats"].append(stats)
         record["params"].append(_params(rt))
     out.mkdir(parents=True, exist_ok=True)
@@ -268,7 +264,7 @@ def test_impossible_settings_fail_at_start_on_every_rank(tmp_path):
 
 
 def test_config_rejects_settings_deepspeed_cannot_run(cfg_factory):
-    from grpo.config import ConfigError
+    from grpo.errors import ConfigError
 
     with pytest.raises(ConfigError, match="offload_params=true needs distributed.zero_stage=3"):
         cfg_factory({"distributed": {"backend": "deepspeed", "zero_stage": 2, "offload_params": True}})
@@ -279,8 +275,8 @@ def test_config_rejects_settings_deepspeed_cannot_run(cfg_factory):
 
 
 def test_deepspeed_config_is_derived_from_the_recipe(cfg_factory):
-    from grpo.deepspeed_runtime import check, ds_config
-    from grpo.setup import SetupError
+    from grpo.errors import SetupError
+    from grpo.runtime.deepspeed import check, ds_config
 
     cfg = cfg_factory({"distributed": {"backend": "deepspeed", "zero_stage": 3, "bf16": True,
                                        "ds_config": {"zero_optimization": {"reduce_bucket_size": 1000}}},

@@ -71,8 +71,8 @@ def test_lora_reference_is_the_base_model_with_the_adapter_disabled(cfg_factory)
     from peft import PeftModel
 
     from grpo import experience
-    from grpo.setup import build_run
-    from grpo.update import nested_logprobs, policy_update
+    from grpo.build import build_run
+    from grpo.update import UpdateSettings, nested_logprobs, policy_update
 
     cfg = _cfg(cfg_factory)
     run = build_run(cfg)
@@ -83,8 +83,8 @@ def test_lora_reference_is_the_base_model_with_the_adapter_disabled(cfg_factory)
     initial = _snapshot(run.policy)
     for _ in range(2):
         batch = experience.collect(run, cfg)
-        stats = policy_update(run.runtime, batch, cfg.algorithm, cfg.engine, temperature=cfg.rollout.temperature,
-                              max_len=cfg.rollout.max_new_tokens, mask_truncated=False, max_grad_norm=1.0)
+        settings = dataclasses.replace(UpdateSettings.from_config(cfg), mask_truncated=False, max_grad_norm=1.0)
+        stats = policy_update(run.runtime, batch, settings)
         assert not stats["skipped"]
     assert stats["kl"] > 0  # the adapter moved the policy away from the reference
     for n, p in run.policy.named_parameters():
@@ -96,16 +96,16 @@ def test_lora_reference_is_the_base_model_with_the_adapter_disabled(cfg_factory)
     for shared in (True, False):  # the shared-prefix engine and the standard layout
         ecfg = dataclasses.replace(cfg.engine, shared_prefix=shared)
         with run.reference_context():
-            ref = nested_logprobs(run.reference_model(), batch, ecfg, cfg.rollout.temperature)
-        want = nested_logprobs(base, batch, ecfg, cfg.rollout.temperature)
-        policy = nested_logprobs(run.model, batch, ecfg, cfg.rollout.temperature)
+            ref = nested_logprobs(run.runtime, run.reference_model(), batch, ecfg, cfg.rollout.temperature)
+        want = nested_logprobs(run.runtime, base, batch, ecfg, cfg.rollout.temperature)
+        policy = nested_logprobs(run.runtime, run.model, batch, ecfg, cfg.rollout.temperature)
         ref, want, policy = (torch.cat([t for g in x for t in g]) for x in (ref, want, policy))
         assert torch.allclose(ref, want, atol=1e-5), (ref - want).abs().max()
         assert (policy - want).abs().max() > 1e-3
     # the batch's reference log-probs (computed by collect) are the base model's too
     got = torch.cat([t for g in batch.ref_logps for t in g])
-    assert torch.allclose(got, torch.cat([t for g in nested_logprobs(base, batch, cfg.engine, cfg.rollout.temperature)
-                                          for t in g]), atol=1e-5)
+    base_lps = nested_logprobs(run.runtime, base, batch, cfg.engine, cfg.rollout.temperature)
+    assert torch.allclose(got, torch.cat([t for g in base_lps for t in g]), atol=1e-5)
 
 
 def test_lora_run_saves_the_adapter_only_and_it_loads_with_peft(cfg_factory, spy, monkeypatch):

@@ -146,8 +146,8 @@ def test_auto_budget_splits_the_batch_and_keeps_the_gradient(cfg_factory, monkey
     import dataclasses
 
     from grpo import experience
-    from grpo.setup import build_run, close_run
-    from grpo.update import _plan, policy_update
+    from grpo.build import build_run, close_run
+    from grpo.update import UpdateSettings, _plan, policy_update
 
     cfg = cfg_factory({"engine": {"max_tokens_per_micro_batch": "auto"}, "rollout": {"prompts_per_step": 4}})
     run = build_run(cfg)
@@ -171,8 +171,9 @@ def test_auto_budget_splits_the_batch_and_keeps_the_gradient(cfg_factory, monkey
         monkeypatch.setattr(run.runtime, "step", capture)
         for ecfg in (whole, tight):
             run.model.load_state_dict(state)
-            policy_update(run.runtime, batch, cfg.algorithm, ecfg, temperature=cfg.rollout.temperature,
-                          max_len=cfg.rollout.max_new_tokens, mask_truncated=False, max_grad_norm=1.0)
+            settings = dataclasses.replace(UpdateSettings.from_config(cfg), engine=ecfg, mask_truncated=False,
+                                           max_grad_norm=1.0)
+            policy_update(run.runtime, batch, settings)
         assert got[0].keys() == got[1].keys() and got[0]
         for n in got[0]:
             torch.testing.assert_close(got[0][n], got[1][n], rtol=1e-4, atol=1e-6)

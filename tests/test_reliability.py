@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grpo import checkpoint
-from grpo.setup import SetupError
+from grpo.errors import SetupError
 from grpo.train import train
 
 COMPARED = ("loss", "reward_mean", "reward_std", "kl", "grad_norm", "completion_len_mean", "reward/accuracy",

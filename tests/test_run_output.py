@@ -137,8 +137,8 @@ def test_samples_come_from_every_group_first_then_fill_from_within_groups():
     """A rank holding one group still shows num_samples completions (it showed one)."""
     import torch
 
+    from grpo.batch import Batch
     from grpo.experience import sample_rows
-    from grpo.update import Batch
 
     class Tok:
         def decode(self, ids, skip_special_tokens=True):

@@ -13,30 +13,23 @@ import pytest
 import torch
 
 from grpo.config import AlgorithmConfig, EngineConfig
+from grpo.runtime.base import Runtime
 from tests.oracle import assert_grads_close, close, flat, hf_logprobs, oracle_grads
 
 EOS, VOCAB, MAX_LEN, TEMP = 2, 100, 8, 0.7
 AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"]
 
 
-class CaptureRuntime:
+class CaptureRuntime(Runtime):
     """One process; the optimizer step is replaced by a capture of the accumulated gradients."""
-
-    rank, world_size = 0, 1
 
     def __init__(self, model):
         self.model, self.grads = model, None
-
-    def backward(self, loss):
-        loss.backward()
 
     def step(self, max_grad_norm):
         self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
         self.model.zero_grad(set_to_none=True)
         return 0.0, True
-
-    def all_reduce_sum(self, values):
-        return list(values)
 
 
 def _tokens(gen, n):
@@ -45,8 +38,8 @@ def _tokens(gen, n):
 
 @pytest.fixture(scope="module")
 def setup():
+    from grpo.batch import Batch
     from grpo.models import tiny_model
-    from grpo.update import Batch
 
     policy = tiny_model("llama", VOCAB, seed=0)
     reference = tiny_model("llama", VOCAB, seed=1)
@@ -76,12 +69,13 @@ def _nest(batch, values):
 
 
 def _run(policy, batch, acfg, ecfg, mask_truncated):
-    from grpo.update import policy_update
+    from grpo.update import UpdateSettings, policy_update
 
     rt = CaptureRuntime(policy)
     policy.zero_grad(set_to_none=True)
-    stats = policy_update(rt, batch, acfg, ecfg, temperature=TEMP, max_len=MAX_LEN, mask_truncated=mask_truncated,
-                          max_grad_norm=1.0)
+    settings = UpdateSettings(acfg, ecfg, temperature=TEMP, max_len=MAX_LEN, mask_truncated=mask_truncated,
+                              max_grad_norm=1.0)
+    stats = policy_update(rt, batch, settings)
     return stats, rt.grads
 
 
@@ -189,7 +183,7 @@ def test_importance_sampling_changes_the_gradient(setup):
 
 def test_the_eos_token_is_in_the_loss(setup):
     """A completion that is EOS alone: its loss is -A * log p(EOS | prompt) / 1 (seq_mean_token_sum, N = 1)."""
-    from grpo.update import Batch
+    from grpo.batch import Batch
 
     policy, batch, _, _ = setup
     one = Batch([{}], [batch.prompt_ids[0]], [[[EOS]]], [[False]], torch.zeros(1), torch.tensor([2.0]))

@@ -3,7 +3,8 @@ every module in it, so a new built-in only needs a file with ``@register("name")
 import importlib
 import pkgutil
 
-from grpo.rewards.registry import RewardSpecError, available, register, resolve
+from grpo.errors import RewardSpecError
+from grpo.rewards.registry import available, register, resolve
 
 for _m in pkgutil.iter_modules(__path__):
     if _m.name not in ("registry",):

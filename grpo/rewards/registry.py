@@ -17,6 +17,7 @@ import os
 import sys
 from typing import Callable
 
+from grpo.errors import RewardSpecError
 from grpo.rewards.adapters import as_text, from_verl
 
 RewardFn = Callable[..., list]
@@ -55,10 +56,6 @@ def is_builtin(spec: str) -> bool:
 
 def _load_builtins() -> None:
     import grpo.rewards  # noqa: F401  (importing the package registers every built-in module)
-
-
-class RewardSpecError(ValueError):
-    """A reward `fn` that cannot be resolved; the message is one line meant for the user."""
 
 
 def resolve(spec: str) -> RewardFn:

@@ -16,7 +16,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from grpo.rewards.registry import RewardSpecError, is_builtin, resolve
+from grpo.errors import RewardCountError, RewardSpecError, RewardTimeout
+from grpo.rewards.registry import is_builtin, resolve
 
 log = logging.getLogger("grpo.rewards")
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -93,10 +94,6 @@ _reported: set[str] = set()
 _MACHINERY = ("score.py", "worker.py", "adapters.py", "registry.py")
 
 
-class RewardCountError(RewardSpecError):
-    """A reward that returned a different number of scores than completions: a bug to fix, never retried."""
-
-
 def _call(rf: RewardFunction, prompts, completions, columns) -> list:
     if rf.worker is not None:
         out = rf.worker.call(rf.spec, rf.kwargs, prompts, completions, columns, rf.timeout_s)
@@ -111,8 +108,6 @@ def _call(rf: RewardFunction, prompts, completions, columns) -> list:
 def score_one(rf: RewardFunction, prompts, completions, columns) -> tuple[list, int]:
     """Scores of one function and its error count. When the batch call raises, each sample is retried alone
     (one bad sample costs only its own score); a timeout is not retried (every sample would wait again)."""
-    from grpo.rewards.worker import RewardTimeout
-
     try:
         vals, errors = _call(rf, prompts, completions, columns), 0
     except RewardCountError:

@@ -13,9 +13,7 @@ import signal
 import sys
 import traceback
 
-
-class RewardTimeout(TimeoutError):
-    pass
+from grpo.errors import RewardTimeout
 
 
 class RewardWorker:

@@ -1,7 +1,7 @@
 """Many processes through DeepSpeed ZeRO-2 / ZeRO-3 (``distributed=zero2|zero3``).
 
-`DeepSpeedRuntime` offers the methods of `grpo.distributed.LocalRuntime`, so the training loop does
-not know which one it has. It does not care which launcher started it: torchrun, ``deepspeed`` and
+`DeepSpeedRuntime` implements `grpo.runtime.base.Runtime`, so the training loop does not know which
+runtime it has. It does not care which launcher started it: torchrun, ``deepspeed`` and
 ``accelerate launch`` all set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. NCCL is used
 on GPUs and gloo on CPU; `deepspeed.initialize` is called directly with a config derived from the
 recipe (see `ds_config`), never through accelerate's plugin.
@@ -38,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-from grpo.setup import SetupError
+from grpo.errors import SetupError
+from grpo.runtime.base import Runtime, check_world_size
 
 LAUNCH_HINT = ("torchrun --nproc_per_node N -m grpo.train ... or deepspeed --num_gpus N --module grpo.train ... "
                "(see docs/distributed.md)")
@@ -72,9 +73,7 @@ def check(cfg, world_size: int) -> None:
     """Settings that cannot work with ``world_size`` processes; identical on every rank, so every rank
     raises the same one-line SetupError before any collective call (no rank is left waiting)."""
     d = cfg.distributed
-    if cfg.rollout.prompts_per_step % world_size:
-        raise SetupError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
-                         f"number of processes ({world_size}) so that every group stays on one rank")
+    check_world_size(cfg, world_size)
     if d.zero_stage == 3 and cfg.model.lora.enabled:
         raise SetupError("distributed.zero_stage=3 with model.lora.enabled is not supported (the adapter cannot be "
                          "merged into partitioned weights); use distributed=zero2")
@@ -133,11 +132,10 @@ def _bf16(cfg) -> bool:
 
 
 # ----------------------------------------------------------------------------------- runtime
-class DeepSpeedRuntime:
+class DeepSpeedRuntime(Runtime):
     def __init__(self, cfg):
         self.cfg = cfg
         self.rank, self.world_size, self.local_rank = launcher_env()
-        self.is_main = self.rank == 0
         check(cfg, self.world_size)
         use_cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
         if not use_cuda:
@@ -218,10 +216,6 @@ class DeepSpeedRuntime:
         self.reference_engine = engine
         return engine
 
-    def share_stop(self, run) -> None:
-        """A Ctrl-C / SIGTERM seen by any rank stops every rank after the same step (agreed in `step`)."""
-        self._run = run
-
     # ---------------------------------------------------------------------------- training
     def expect_backwards(self, n: int) -> None:
         """The next ``n`` backward calls (the same number on every rank) make one optimizer step."""
@@ -254,9 +248,6 @@ class DeepSpeedRuntime:
             self.scheduler.step()
         self._expected, self._backwards = None, 0
         self._reset_zero3_traces()
-        run = getattr(self, "_run", None)
-        if run is not None and self.all_reduce_sum([float(run.stop_signalled)])[0] > 0:
-            run.stop_requested = True
         return norm, applied
 
     def _reset_zero3_traces(self) -> None:
@@ -268,10 +259,15 @@ class DeepSpeedRuntime:
                 offload.get_param_coordinator().reset_step()
 
     # ---------------------------------------------------------------------------- collectives
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+    def all_reduce(self, values: dict[str, float]) -> dict[str, float]:
+        """One float64 all-reduce of every value (in sorted-name order, the same on every rank)."""
+        names = sorted(values)
+        t = torch.tensor([float(values[k]) for k in names], dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(t)
-        return t.tolist()
+        return dict(zip(names, t.tolist()))
+
+    def any_rank(self, flag: bool) -> bool:
+        return self.all_reduce({"flag": float(flag)})["flag"] > 0
 
     def gather(self, obj) -> list:
         """``obj`` of every rank, on every rank (rank order)."""
@@ -301,7 +297,7 @@ class DeepSpeedRuntime:
             yield {}
             return
         if not self.cfg.distributed.gather_for_generation:
-            yield {"synced_gpus": True}
+            yield {"synced_gpus": self.any_rank}
             return
         params = list(self.engine.module.parameters())
         with self._ds.zero.GatheredParameters(params):
@@ -311,7 +307,7 @@ class DeepSpeedRuntime:
                 hook.remove()
             offload.forward_hooks, offload.backward_hooks = [], []
             try:
-                yield {"synced_gpus": True}
+                yield {"synced_gpus": self.any_rank}
             finally:  # (named _register_hooks_recursively before deepspeed 0.16.4)
                 register = getattr(offload, "_register_deepspeed_module", None) or offload._register_hooks_recursively
                 register(offload.module)
@@ -326,15 +322,17 @@ class DeepSpeedRuntime:
 
     # ---------------------------------------------------------------------------- save / load
     def save_model_state(self, tmp: Path) -> None:
-        """Weights, optimizer and ZeRO partitions of every rank under ``tmp/deepspeed`` (all ranks call this)."""
+        """Weights, optimizer and ZeRO partitions of every rank under ``tmp/deepspeed`` (all ranks call this);
+        trainer_state.pt holds no optimizer state (None)."""
         self.barrier()  # rank 0 has created tmp
         self.engine.save_checkpoint(str(tmp), tag=TAG, save_latest=False)
         if self.is_main or (self.node_local and self.local_rank == 0):
             (Path(tmp) / TAG / WORLD_FILE).write_text(json.dumps({"world_size": self.world_size,
                                                                   "zero_stage": self.stage}))
         self.barrier()  # every shard is on disk before rank 0 marks the checkpoint complete
+        return None
 
-    def load_model_state(self, ckpt: Path) -> None:
+    def load_model_state(self, ckpt: Path, optimizer_state=None) -> None:
         meta = Path(ckpt) / TAG / WORLD_FILE
         if not meta.exists():
             raise SetupError(f"checkpoint {ckpt} was not written by DeepSpeed; resume it with distributed=none, "
@@ -348,20 +346,9 @@ class DeepSpeedRuntime:
         if path is None:
             raise SetupError(f"DeepSpeed could not load checkpoint {ckpt}")
 
-    def save_final(self, tmp: Path, tokenizer, cfg) -> None:
-        """An ordinary Hugging Face directory on rank 0 (ZeRO-3 weights consolidated layer by layer)."""
-        import shutil
-
-        state = self.engine._zero3_consolidated_16bit_state_dict() if self.stage == 3 else None
-        if self.is_main:
-            if Path(tmp).exists():
-                shutil.rmtree(tmp)
-            model = self.engine.module
-            if cfg.model.lora.enabled and cfg.model.lora.merge_on_save:
-                model = model.merge_and_unload()
-            model.save_pretrained(tmp, state_dict=state) if state is not None else model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-        self.barrier()
+    def _final_state_dict(self) -> dict | None:
+        """ZeRO-3: the weights consolidated layer by layer onto rank 0 (a collective); ZeRO-2: the module's own."""
+        return self.engine._zero3_consolidated_16bit_state_dict() if self.stage == 3 else None
 
 
 def _param_offload(engine):

@@ -1,0 +1,137 @@
+"""Building a run from a validated config: the runtime, tokenizer, data, rewards, models, optimizer.
+
+`preflight` checks everything a user can get wrong (data, reward functions, model path) before any model
+loads; every mistake is a one-line `grpo.errors` error.
+"""
+from __future__ import annotations
+
+import math
+import random
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grpo import data
+from grpo.config import Config, TrainerConfig
+from grpo.data import PromptSampler
+from grpo.errors import SetupError
+from grpo.models import check_name, load_model, load_reference, load_tokenizer
+from grpo.rewards.score import build as build_rewards
+from grpo.run import Run
+from grpo.runtime.base import Runtime
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def make_runtime(cfg: Config) -> Runtime:
+    if cfg.distributed.backend == "deepspeed":
+        from grpo.runtime.deepspeed import DeepSpeedRuntime
+
+        return DeepSpeedRuntime(cfg)
+    from grpo.runtime.local import LocalRuntime
+
+    return LocalRuntime(cfg.trainer.device)
+
+
+def preflight(cfg: Config) -> None:
+    """Every check that needs no model: the command line runs it before a run directory exists (a mistake
+    leaves nothing behind), and `build_run` runs it again."""
+    out = cfg.trainer.output_dir
+    if not out:
+        raise SetupError("trainer.output_dir is not set")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise SetupError(f"trainer.output_dir={out!r} is an existing file; give a directory")
+    device = cfg.trainer.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise SetupError("trainer.device=cuda but this machine has no usable CUDA device "
+                         "(torch.cuda.is_available() is False); use trainer.device=auto or cpu")
+    if cfg.engine.attention_kernel == "flex" and device != "cuda":
+        raise SetupError(f"engine.attention_kernel=flex needs a CUDA device (this run is on {device}: "
+                         "PyTorch's FlexAttention has no CPU backward); use auto or grouped")
+    check_name(cfg.model.name_or_path)
+    build_rewards(cfg.reward.functions)  # resolves every fn and checks its arguments
+    data.check_source(cfg.data)
+
+
+def build_run(cfg: Config) -> Run:
+    preflight(cfg)
+    runtime = make_runtime(cfg)  # a multi-process runtime checks the number of processes before any collective
+    owner = owns_output_dir(runtime, cfg.trainer.output_dir)
+    set_seed(cfg.trainer.seed + runtime.rank)
+    rewards = build_rewards(cfg.reward.functions, cfg.reward.timeout_s)
+    tokenizer = load_tokenizer(cfg.model.name_or_path)
+    splits = data.build(cfg.data, tokenizer)
+    if splits.dropped and runtime.is_main:
+        print(f"[grpo] dropped {splits.dropped} prompts longer than data.max_prompt_tokens="
+              f"{cfg.data.max_prompt_tokens}; {len(splits.train)} train / {len(splits.eval)} held-out remain",
+              file=sys.stderr, flush=True)
+    if 0 < len(splits.eval) < runtime.world_size:
+        raise SetupError(f"the held-out split has {len(splits.eval)} prompts, fewer than the number of processes "
+                         f"({runtime.world_size}); every rank evaluates a share: raise data.num_eval or set it to 0")
+    vocab = len(tokenizer)
+    policy = load_model(cfg.model, vocab, seed=cfg.trainer.seed)
+    reference = load_reference(cfg.model, policy, vocab, seed=cfg.trainer.seed) if cfg.algorithm.beta > 0 else None
+    if reference is not None:  # placed by the runtime (ZeRO-3: partitioned)
+        reference = runtime.prepare_reference(reference)
+    policy.train()
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.trainer.lr, betas=tuple(cfg.trainer.adam_betas),
+                                  weight_decay=cfg.trainer.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.trainer))
+    runtime.setup(policy, optimizer, scheduler)
+    from grpo.budget import plan as plan_memory  # sizes `auto`, refuses a prompt + completion that cannot fit
+    cfg.engine.max_tokens_per_micro_batch = plan_memory(cfg, policy, splits, runtime)
+    sampler = PromptSampler(len(splits.train), seed=cfg.trainer.seed)
+    return Run(runtime, tokenizer, policy, reference, splits, rewards, runtime.optimizer, runtime.scheduler, sampler,
+               completion_format=cfg.reward.completion_format, owns_output_dir=owner)
+
+
+def owns_output_dir(runtime: Runtime, output_dir: str) -> bool:
+    """Whether this rank finalises the checkpoints in its ``output_dir``: rank 0 always; with many nodes and no
+    shared filesystem (each node its own ``output_dir``), also the first rank of every node whose directory is
+    not rank 0's, so that every node keeps a complete copy of what its ranks need to resume. A token that rank 0
+    writes and every rank looks for tells which directories are rank 0's."""
+    if runtime.world_size == 1:
+        return True
+    marker = Path(output_dir) / ".grpo-rank0"
+    token = None
+    if runtime.is_main:
+        token = uuid.uuid4().hex
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(token)
+    token = runtime.gather(token)[0]  # a collective: rank 0 has written the marker before anyone reads it
+    shared = marker.exists() and marker.read_text() == token
+    if not shared:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+    runtime.node_local_checkpoints(not shared)
+    return runtime.is_main or (not shared and runtime.local_rank == 0)
+
+
+def lr_lambda(tcfg: TrainerConfig):
+    def f(step: int) -> float:
+        if tcfg.warmup_steps and step < tcfg.warmup_steps:
+            return (step + 1) / tcfg.warmup_steps
+        if tcfg.lr_schedule == "constant":
+            return 1.0
+        span = max(tcfg.max_steps - tcfg.warmup_steps, 1)
+        progress = min((step - tcfg.warmup_steps) / span, 1.0)
+        if tcfg.lr_schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def close_run(run: Run) -> None:
+    """Give back what the run holds outside Python's reach: the reward worker."""
+    for worker in {id(rf.worker): rf.worker for rf in run.rewards if rf.worker is not None}.values():
+        worker.kill()

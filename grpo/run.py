@@ -1,0 +1,57 @@
+"""What a run is made of: `Run`, the objects built once (`grpo.build.build_run`), and `LoopState`, the
+few values the training loop changes from step to step (and `grpo.checkpoint` saves and restores).
+
+The built objects keep their own internal state (weights, optimizer moments, the schedule, the sampler's
+position), which checkpoints save and restore in place; nothing else writes into a `Run`.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from grpo.batch import Batch
+from grpo.data import PromptSampler, Splits
+from grpo.rewards.score import RewardFunction
+from grpo.runtime.base import Runtime
+
+
+@dataclass
+class Run:
+    runtime: Runtime
+    tokenizer: object
+    policy: torch.nn.Module               # as loaded; `model` is the one the runtime trains (maybe wrapped)
+    reference: torch.nn.Module | None     # None: beta = 0, or LoRA (the policy with its adapter disabled)
+    splits: Splits
+    rewards: list[RewardFunction]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: PromptSampler
+    completion_format: str = "auto"       # what rewards receive: text | messages | auto (follow the data)
+    owns_output_dir: bool = True          # finalises checkpoints in its output_dir (rank 0; a node's first rank
+                                          # when that node's output_dir is not rank 0's, see `build.owns_output_dir`)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runtime.model
+
+    def reference_context(self):
+        """Context in which `reference_model()` gives the frozen reference (LoRA: adapter disabled)."""
+        if self.reference is None and hasattr(self.model, "disable_adapter"):
+            return self.model.disable_adapter()
+        return contextlib.nullcontext()
+
+    def reference_model(self) -> torch.nn.Module:
+        return self.reference if self.reference is not None else self.model
+
+
+@dataclass
+class LoopState:
+    """Changed only by the training loop (and filled by `checkpoint.restore`); saved in every checkpoint."""
+    step: int = 0                         # the last step completed
+    buffer: Batch | None = None           # rollouts reused across num_iterations optimizer steps
+    bad_steps: int = 0                    # non-finite steps in a row
+    skipped_steps: int = 0                # steps whose update was skipped, in all
+    failed_reward_steps: dict[str, int] = field(default_factory=dict)  # per function: rollouts in a row it failed
+    stop_requested: bool = False          # a signal seen on any rank: checkpoint and stop after this step

@@ -1,0 +1,129 @@
+"""The runtime interface: everything the loop asks of "the processes this run is made of".
+
+`Runtime` declares every method the loop, the stages and checkpointing call, with the one-process
+behaviour as default: a collective over one process returns its input, a barrier does nothing. A
+multi-process runtime overrides what differs. Rules every runtime keeps:
+
+- Collectives (`all_reduce`, `any_rank`, `gather`, `barrier`) are called by every rank at the same
+  point, with the same keys; nothing outside ``grpo/runtime/`` talks to the process group.
+- `backward` receives this rank's share of the batch-wide loss; after the announced number of
+  backwards (`expect_backwards`), `step` applies one optimizer step whose gradient is the global one.
+- The runtime never holds the run or its loop state: the loop asks, the runtime answers.
+"""
+from __future__ import annotations
+
+import contextlib
+import shutil
+from pathlib import Path
+
+import torch
+
+from grpo.errors import SetupError
+
+
+def check_world_size(cfg, world_size: int) -> None:
+    """Settings that need a particular number of processes. A multi-process runtime calls it before its first
+    collective, so that every rank raises the same one-line SetupError and none is left waiting."""
+    if cfg.rollout.prompts_per_step % world_size:
+        raise SetupError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
+                         f"number of processes ({world_size}) so that every group stays on one rank")
+
+
+class Runtime:
+    """One process; subclasses override what differs. ``model`` is the trained model as the runtime wraps it
+    (set by `setup`), ``device`` where its inputs go."""
+
+    rank: int = 0
+    local_rank: int = 0        # rank inside this node
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    model = optimizer = scheduler = None
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that logs, prints and writes the run's files."""
+        return self.rank == 0
+
+    # ------------------------------------------------------------------------------- building
+    def setup(self, model: torch.nn.Module, optimizer, scheduler):
+        """Take over the policy, its optimizer and schedule (placed, wrapped); returns the model to train."""
+        self.model, self.optimizer, self.scheduler = model.to(self.device), optimizer, scheduler
+        return self.model
+
+    def prepare_reference(self, reference: torch.nn.Module) -> torch.nn.Module:
+        """The frozen reference, placed (partitioned, for runtimes that partition weights)."""
+        return reference.to(self.device)
+
+    def node_local_checkpoints(self, on: bool) -> None:
+        """Told before `setup` whether this node's output_dir is its own (no filesystem shared with rank 0)."""
+
+    def unwrap(self, model=None) -> torch.nn.Module:
+        """The plain model under the runtime's wrapper (``model``, or the trained one)."""
+        return model if model is not None else self.model
+
+    # ------------------------------------------------------------------------------- training
+    def expect_backwards(self, n: int) -> None:
+        """The next ``n`` backward calls (the same number on every rank) make one optimizer step."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, max_grad_norm: float) -> tuple[float, bool]:
+        """Clip (``max_grad_norm`` <= 0: no clipping), then one optimizer and scheduler step unless the global
+        gradient norm is not finite; gradients are cleared. Returns (grad_norm, stepped)."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def generation_context(self):
+        """Around a rollout: prepares the model and yields options for `grpo.rollout.generate` (``synced_gpus``:
+        a callable ``any_rank``, when every rank must run every decoding step until all are done)."""
+        yield {}
+
+    # ----------------------------------------------------------------------------- collectives
+    def all_reduce(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value summed over every rank, by name (every rank passes the same names)."""
+        return dict(values)
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (stop requests, "not done yet")."""
+        return bool(flag)
+
+    def gather(self, obj) -> list:
+        """``obj`` of every rank, on every rank, in rank order."""
+        return [obj]
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter as a CPU float copy, on every rank (gathered when partitioned; for checks)."""
+        return {n: p.detach().float().cpu().clone() for n, p in self.unwrap().named_parameters()}
+
+    # ---------------------------------------------------------------------------- save / load
+    def save_model_state(self, ckpt: Path):
+        """Write the model's trained weights (and whatever optimizer state the runtime keeps in its own files)
+        into the checkpoint directory ``ckpt``; every rank calls it. Returns the optimizer state to store in
+        the loop's trainer_state.pt, or None when it went into the runtime's own files."""
+        raise NotImplementedError
+
+    def load_model_state(self, ckpt: Path, optimizer_state) -> None:
+        """Load what `save_model_state` wrote (``optimizer_state``: what it returned, read back)."""
+        raise NotImplementedError
+
+    def save_final(self, tmp: Path, tokenizer, merge_lora: bool) -> None:
+        """An ordinary Hugging Face directory in ``tmp`` written by rank 0 (every rank calls it): the model,
+        with its LoRA adapter merged when ``merge_lora`` (else the adapter alone), and the tokenizer."""
+        state = self._final_state_dict()
+        if self.is_main:
+            if Path(tmp).exists():
+                shutil.rmtree(tmp)
+            model = self.unwrap()
+            if merge_lora:
+                model = model.merge_and_unload()
+            model.save_pretrained(tmp, **({} if state is None else {"state_dict": state}))
+            tokenizer.save_pretrained(tmp)
+        self.barrier()
+
+    def _final_state_dict(self) -> dict | None:
+        """The weights for `save_final` when the model does not hold them whole (collective); None: its own."""
+        return None
