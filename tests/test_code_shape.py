@@ -1,5 +1,5 @@
-"""The codebase's shape (docs/architecture.md): no import circle, modules that import alone, small files and
-functions, and the runtime as the only door to torch.distributed."""
+"""The codebase's shape (docs/architecture.md, "Rules the tests hold the code to"): no import circle, modules
+that import alone, small files and functions, and the runtime as the only door to torch.distributed."""
 import ast
 import subprocess
 import sys
