@@ -27,7 +27,7 @@ train: model
 # Two pytest-xdist workers (one per core here; TEST_WORKERS=auto on a bigger machine, 0 for one process).
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 # ruff (configured in pyproject.toml): unused or undefined names, import order, lines over 120 characters
 lint: setup

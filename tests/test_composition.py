@@ -57,7 +57,6 @@ def test_a_task_never_inherits_another_tasks_arguments():
     assert composed("quickstart", "data.source=builtin:arithmetic").data.task_kwargs == {"level": 0}
 
 
-@pytest.mark.xdist_group("recipes_dir")  # writes a file into recipes/
 def test_a_recipe_written_from_the_docs_snippets_takes_its_own_rewards_and_task_arguments(tmp_path):
     """docs/tasks.md's countdown block pasted into a recipe: no leftover arithmetic level or reward."""
     snippet = (ROOT / "docs" / "tasks.md").read_text().split("```yaml\n")[1].split("```")[0]

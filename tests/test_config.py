@@ -8,7 +8,6 @@ from grpo.config import ConfigError, load, schema_keys
 from tests.helpers import ROOT, compose_recipe
 
 
-@pytest.mark.xdist_group("recipes_dir")  # reads every file in recipes/
 def test_recipes_compose_and_validate():
     from omegaconf import OmegaConf
 

@@ -2,14 +2,9 @@
 import subprocess
 import sys
 
-import pytest
-
 from grpo import config_docs
 from grpo.config import schema_keys
 from tests.helpers import ROOT
-
-# These tests write or read every file in recipes/: one pytest-xdist worker runs them all, in order.
-pytestmark = pytest.mark.xdist_group("recipes_dir")
 
 
 def test_committed_reference_is_up_to_date():

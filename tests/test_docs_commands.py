@@ -13,9 +13,6 @@ import yaml
 
 from tests.helpers import ROOT
 
-# These tests write or read every file in recipes/: one pytest-xdist worker runs them all, in order.
-pytestmark = pytest.mark.xdist_group("recipes_dir")
-
 DOCS = ["README.md", "docs/getting-started.md", "docs/data.md", "docs/tasks.md", "docs/rewards.md"]
 # key -> value appended unless the command sets the key itself: the tiny model, one short step
 SCALE = {"model": "tiny", "trainer.max_steps": "1", "data.num_eval": "0", "rollout.max_new_tokens": "8",
