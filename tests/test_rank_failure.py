@@ -56,3 +56,48 @@ def test_a_rank_that_hangs_is_given_up_after_distributed_timeout_s(tmp_path):
     # start-up, 10 s of waiting, then torchrun's SIGTERM (which a rank stuck in a reward cannot act on) and,
     # 30 s later, its SIGKILL
     assert seconds < 150
+
+
+KILLER = '''
+import os
+import signal
+
+calls = 0
+
+
+def killed_once(prompts, completions, die_at: int = 0, **kwargs):
+    """0 for every completion; with die_at > 0, rank 1 SIGKILLs itself in the middle of step ``die_at``
+    (its reward call of that step: one prompt per rank and step) of the group's first attempt only."""
+    global calls
+    calls += 1
+    if calls == die_at and os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [0.0] * len(completions)
+'''
+
+
+def test_a_killed_rank_restarts_the_group_and_the_run_resumes_exactly(tmp_path):
+    """torchrun --max-restarts 1: rank 1 is SIGKILLed during step 3 (of 3); rank 0 stops with the one line, torchrun
+    restarts both, trainer.resume=auto continues from step 2's checkpoint, and every step's metrics equal an
+    uninterrupted run's."""
+    import json
+
+    (tmp_path / "kill_rewards.py").write_text(KILLER)
+    common = [*SMOKE, "distributed=zero2", "data.num_eval=0", "trainer.max_steps=3", "trainer.save_every=1",
+              "trainer.resume=auto", "distributed.timeout_s=60"]
+
+    def run(name: str, die_at: int):
+        fn = f"+reward.functions.kill={{fn: 'kill_rewards:killed_once', die_at: {die_at}}}"
+        p = torchrun("--max-restarts", "1", "-m", "grpo.train", *common, fn, f"trainer.output_dir={tmp_path / name}",
+                     cwd=tmp_path, timeout=240)
+        assert p.returncode == 0, p.stderr[-4000:]
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return p, {r["step"]: (r["loss"], r["reward_mean"], r["grad_norm"]) for r in rows if "loss" in r}
+
+    _, want = run("straight", 0)
+    p, got = run("killed", 3)
+    assert "error: rank 0 of 2: a collective timed out or lost another rank" in p.stderr, p.stderr[-4000:]
+    assert "resumed from" in p.stderr and "step_2" in p.stderr, p.stderr[-4000:]
+    assert sorted(got) == sorted(want) == [1, 2, 3]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-9), step

@@ -168,7 +168,10 @@ class DeepSpeedRuntime(Runtime):
         self.timeout = datetime.timedelta(seconds=float(cfg.distributed.timeout_s))
         if not torch.distributed.is_initialized():
             kwargs = {"device_id": self.device} if use_cuda else {}
-            torch.distributed.init_process_group(self.backend, timeout=self.timeout, **kwargs)
+            torch.distributed.init_process_group(self.backend, store=_attempt_store(self.rank, self.world_size,
+                                                                                    self.timeout),
+                                                 rank=self.rank, world_size=self.world_size, timeout=self.timeout,
+                                                 **kwargs)
             atexit.register(_destroy_process_group)
         deepspeed.init_distributed(dist_backend=self.backend, auto_mpi_discovery=False, verbose=False,
                                    timeout=self.timeout)
@@ -375,6 +378,15 @@ def _param_offload(engine):
         return None
     opt = engine.optimizer
     return getattr(opt, "parameter_offload", opt)
+
+
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """The launcher's key-value store, under a prefix of its own for each restart of the group (torchrun
+    --max-restarts): the store outlives a restart and still holds the previous attempt's addresses, which the
+    new processes would otherwise try to connect to."""
+    store, _, _ = next(torch.distributed.rendezvous("env://", rank, world_size, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return torch.distributed.PrefixStore(f"grpo/attempt_{attempt}", store)
 
 
 def _destroy_process_group() -> None:
