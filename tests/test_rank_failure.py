@@ -1,14 +1,33 @@
 """A rank that fails stops every rank (two CPU processes under torchrun, ZeRO-2): no rank is left waiting in a
 collective. A rank that raises exits at once with its one-line error and torchrun stops the other; a rank that
 hangs is given up on after distributed.timeout_s by the ranks waiting for it, which stop with one line."""
+import importlib.util
 import time
 
 import pytest
 
 from tests.test_distributed import SMOKE, torchrun
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                reason="distributed tests need deepspeed (pip install 'grpo[deepspeed]')")
 
+
+def test_peer_failure_names_lost_collectives_only():
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from grpo.errors import PeerLostError, SetupError
+    from grpo.runtime.deepspeed import DeepSpeedRuntime
+
+    rt = SimpleNamespace(rank=0, world_size=2, timeout=timedelta(seconds=10))
+    lost = DeepSpeedRuntime.peer_failure(rt, RuntimeError("[/gloo/unbound_buffer.cc:78] Timed out waiting 10000ms "
+                                                          "for recv operation to complete"))
+    assert isinstance(lost, PeerLostError)
+    assert str(lost).startswith("rank 0 of 2: a collective timed out or lost another rank (Timed out waiting 10000ms")
+    assert "distributed.timeout_s=10" in str(lost) and "\n" not in str(lost)
+    assert DeepSpeedRuntime.peer_failure(rt, RuntimeError("Connection closed by peer [127.0.0.1]:4"))
+    assert DeepSpeedRuntime.peer_failure(rt, SetupError("timed out waiting for a reward")) is None  # already one line
+    assert DeepSpeedRuntime.peer_failure(rt, ValueError("shapes differ")) is None                 # a bug: traceback
 REWARDS = '''
 import os
 import time
@@ -36,6 +55,7 @@ def run_failing(tmp_path, fn: str, *args: str):
     return p, time.monotonic() - t0
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_stops_every_rank(tmp_path):
     p, seconds = run_failing(tmp_path, "short_on_rank1", "distributed.timeout_s=120")
     assert p.returncode != 0
@@ -45,6 +65,7 @@ def test_a_rank_that_raises_stops_every_rank(tmp_path):
     assert seconds < 100  # well before distributed.timeout_s: the failing rank's exit ends the group
 
 
+@pytest.mark.slow
 def test_a_rank_that_hangs_is_given_up_after_distributed_timeout_s(tmp_path):
     p, seconds = run_failing(tmp_path, "hang_on_rank1", "distributed.timeout_s=10")
     assert p.returncode != 0
@@ -76,6 +97,7 @@ def killed_once(prompts, completions, die_at: int = 0, **kwargs):
 '''
 
 
+@pytest.mark.slow
 def test_a_killed_rank_restarts_the_group_and_the_run_resumes_exactly(tmp_path):
     """torchrun --max-restarts 1: rank 1 is SIGKILLed during step 3 (of 3); rank 0 stops with the one line, torchrun
     restarts both, trainer.resume=auto continues from step 2's checkpoint, and every step's metrics equal an
