@@ -65,6 +65,11 @@ def preflight(cfg: Config) -> None:
 def build_run(cfg: Config) -> Run:
     preflight(cfg)
     runtime = make_runtime(cfg)  # a multi-process runtime checks the number of processes before any collective
+    with runtime.peer_failures_as_errors():  # a collective that timed out or lost a rank: one line
+        return _build(cfg, runtime)
+
+
+def _build(cfg: Config, runtime: Runtime) -> Run:
     owner = owns_output_dir(runtime, cfg.trainer.output_dir)
     set_seed(cfg.trainer.seed + runtime.rank)
     rewards = build_rewards(cfg.reward.functions, cfg.reward.timeout_s)

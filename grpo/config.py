@@ -148,6 +148,7 @@ class DistributedConfig:
     bf16: bool = False               # compute in bf16, fp32 master weights (also on with model.dtype=bfloat16)
     gather_for_generation: bool = True  # ZeRO-3: gather the full weights for generation (fast) or fetch per layer
     ds_config: dict = field(default_factory=dict)  # merged over the derived DeepSpeed config (bucket sizes, ...)
+    timeout_s: float = 1800.0        # longest wait of a rank in any collective; then every rank stops
 
 
 @dataclass
@@ -215,6 +216,7 @@ _RANGES = {
     "data.num_eval": (lambda v: v >= 0, ">= 0"),
     "model.lora.r": (lambda v: v >= 1, ">= 1"),
     "distributed.zero_stage": (lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3"),
+    "distributed.timeout_s": (lambda v: v > 0 and math.isfinite(v), "> 0 (seconds a rank waits in a collective)"),
     "reward.timeout_s": (lambda v: v >= 0, ">= 0 (0 = run in-process, no timeout)"),
 }
 

@@ -37,3 +37,7 @@ class RewardCountError(RewardSpecError):
 
 class RewardTimeout(GRPOError, TimeoutError):
     """A reward call that overran ``reward.timeout_s`` (its worker was killed)."""
+
+
+class PeerLostError(GRPOError, RuntimeError):
+    """A collective that timed out (distributed.timeout_s) or lost its connection: another rank failed or hangs."""

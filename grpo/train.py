@@ -25,8 +25,8 @@ def train(cfg: Config) -> dict:
     """Run GRPO as configured; returns the final summary (eval accuracy before/after, steps)."""
     logger.quiet_when_not_interactive()
     run = build_run(cfg)  # runtime, tokenizer, policy, reference, data, rewards, optimizer, sampler
-    try:
-        with StopSignals() as signals:
+    try:  # a collective that timed out or lost a rank (it failed or hangs): one line, not a traceback
+        with StopSignals() as signals, run.runtime.peer_failures_as_errors():
             return _train(run, cfg, signals)
     finally:
         close_run(run)
@@ -190,7 +190,13 @@ def _fail(e: Exception):
     the traceback."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise e
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    if int(os.environ.get("WORLD_SIZE") or 1) > 1:
+        # one of many processes: exit now, without the interpreter's teardown (destroying the process group,
+        # library atexit hooks), which may wait on ranks still blocked in a collective; the launcher then
+        # stops the others
+        sys.stdout.flush()
+        os._exit(2)
     sys.exit(2)
 
 

@@ -246,6 +246,22 @@ def test_two_processes_equal_one_beyond_the_defaults(tmp_path, extra):
     assert ref["stats"][1]["ratio_mean"] != pytest.approx(1.0, abs=1e-4)  # mu = 2: the second pass is off-policy
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="needs accelerate")
+def test_accelerate_launch_runs_zero2_on_cpu(tmp_path):
+    """`accelerate launch --multi_gpu` is torchrun underneath (gloo without GPUs); `--cpu` would start one
+    process without RANK. No accelerate config file is read (HF_HOME is empty)."""
+    out = tmp_path / "run"
+    env = {**_env(), "HF_HOME": str(tmp_path / "hf")}
+    p = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                        "--main_process_port", str(_free_port()), str(Path(__file__)), "train", str(tmp_path), *SMOKE,
+                        "distributed=zero2", "data.num_eval=0", f"trainer.output_dir={out}"],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=240)
+    assert p.returncode == 0, p.stderr[-4000:]
+    _check_run(out, 2)
+
+
 def test_impossible_settings_fail_at_start_on_every_rank(tmp_path):
     p = torchrun("-m", "grpo.train", *SMOKE, "distributed=zero2", f"trainer.output_dir={tmp_path / 'run'}",
                  "rollout.prompts_per_step=3", cwd=tmp_path, timeout=120)

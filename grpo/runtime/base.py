@@ -95,6 +95,22 @@ class Runtime:
     def barrier(self) -> None:
         """Wait until every rank gets here."""
 
+    def peer_failure(self, error: Exception) -> Exception | None:
+        """``error`` as a one-line `PeerLostError` when it is a collective that timed out or lost another rank
+        (that rank failed or hangs), else None. One process has no other rank: None."""
+        return None
+
+    @contextlib.contextmanager
+    def peer_failures_as_errors(self):
+        """Inside it, an error that `peer_failure` recognises is raised as its one-line `PeerLostError`."""
+        try:
+            yield
+        except Exception as e:
+            lost = self.peer_failure(e)
+            if lost is None:
+                raise
+            raise lost from e
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter as a CPU float copy, on every rank (gathered when partitioned; for checks)."""
         return {n: p.detach().float().cpu().clone() for n, p in self.unwrap().named_parameters()}

@@ -32,13 +32,14 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
 
 import torch
 
-from grpo.errors import SetupError
+from grpo.errors import GRPOError, PeerLostError, SetupError
 from grpo.runtime.base import Runtime, check_world_size
 
 LAUNCH_HINT = ("torchrun --nproc_per_node N -m grpo.train ... or deepspeed --num_gpus N --module grpo.train ... "
@@ -46,6 +47,9 @@ LAUNCH_HINT = ("torchrun --nproc_per_node N -m grpo.train ... or deepspeed --num
 TAG = "deepspeed"                 # sub-directory of a checkpoint holding DeepSpeed's own files
 WORLD_FILE = "grpo_world.json"    # how many processes wrote a checkpoint
 # DeepSpeed settings the runtime derives itself; distributed.ds_config may not override them.
+# what gloo / NCCL say when a collective timed out or a peer went away
+PEER_LOST = ("timed out waiting", "connection closed by peer", "connection reset by peer", "broken pipe",
+             "communicator was aborted", "collective operation timeout")
 OWNED_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
               "scheduler", "gradient_clipping", "bf16", "fp16", "zero_optimization.stage",
               "zero_optimization.offload_optimizer", "zero_optimization.offload_param"}
@@ -160,12 +164,17 @@ class DeepSpeedRuntime(Runtime):
         self.backend = "nccl" if use_cuda else "gloo"
         self.stage = cfg.distributed.zero_stage
         self.bf16 = _bf16(cfg)
+        # every collective (ours and DeepSpeed's) waits at most distributed.timeout_s for the other ranks
+        self.timeout = datetime.timedelta(seconds=float(cfg.distributed.timeout_s))
         if not torch.distributed.is_initialized():
-            minutes = int(os.environ.get("GRPO_DIST_TIMEOUT_MIN", "30"))
             kwargs = {"device_id": self.device} if use_cuda else {}
-            torch.distributed.init_process_group(self.backend, timeout=datetime.timedelta(minutes=minutes), **kwargs)
+            torch.distributed.init_process_group(self.backend, store=_attempt_store(self.rank, self.world_size,
+                                                                                    self.timeout),
+                                                 rank=self.rank, world_size=self.world_size, timeout=self.timeout,
+                                                 **kwargs)
             atexit.register(_destroy_process_group)
-        deepspeed.init_distributed(dist_backend=self.backend, auto_mpi_discovery=False, verbose=False)
+        deepspeed.init_distributed(dist_backend=self.backend, auto_mpi_discovery=False, verbose=False,
+                                   timeout=self.timeout)
         self.engine = self.model = self.optimizer = self.scheduler = None
         self.reference_engine = None
         self.node_local = False
@@ -278,6 +287,18 @@ class DeepSpeedRuntime(Runtime):
     def barrier(self) -> None:
         torch.distributed.barrier()
 
+    def peer_failure(self, error: Exception) -> Exception | None:
+        text = str(error).strip()
+        if isinstance(error, GRPOError) or not isinstance(error, RuntimeError):
+            return None
+        if not (isinstance(error, torch.distributed.DistError) or any(k in text.lower() for k in PEER_LOST)):
+            return None
+        first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]) if text else type(error).__name__  # [file.cc:78]
+        return PeerLostError(
+            f"rank {self.rank} of {self.world_size}: a collective timed out or lost another rank ({first[:160]}); "
+            f"another rank failed (its message is above) or hangs, or a step takes longer than "
+            f"distributed.timeout_s={self.timeout.total_seconds():g}")
+
     def node_local_checkpoints(self, on: bool) -> None:
         """Nodes without a shared filesystem: each node's first rank writes the model states DeepSpeed
         otherwise writes once, on rank 0, and the checkpoint metadata (called before `setup`)."""
@@ -357,6 +378,15 @@ def _param_offload(engine):
         return None
     opt = engine.optimizer
     return getattr(opt, "parameter_offload", opt)
+
+
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """The launcher's key-value store, under a prefix of its own for each restart of the group (torchrun
+    --max-restarts): the store outlives a restart and still holds the previous attempt's addresses, which the
+    new processes would otherwise try to connect to."""
+    store, _, _ = next(torch.distributed.rendezvous("env://", rank, world_size, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return torch.distributed.PrefixStore(f"grpo/attempt_{attempt}", store)
 
 
 def _destroy_process_group() -> None:
