@@ -13,6 +13,7 @@ import torch
 from grpo.loss import BatchCounts, grpo_loss, pad, token_weights
 from grpo.memory import budget_for
 from grpo.prefix_engine import plan_micro_batches, token_logprobs
+from grpo.rollout_is import MismatchMeter
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Batch:
     old_logps: list | None = None             # nested like completion_ids, or None (mu = 1)
     ref_logps: list | None = None             # nested like completion_ids, or None (beta = 0)
     stats: dict = field(default_factory=dict)  # rollout/reward metrics of this batch
+    sampling_logps: list | None = None        # the rollout backend's own log-probs (vLLM), nested; None: hf
 
     @property
     def group_sizes(self) -> list[int]:
@@ -112,6 +114,7 @@ def policy_update(runtime, batch: Batch, acfg, ecfg, *, temperature: float, max_
     loss_total, entropy_sum = 0.0, 0.0
     plan = _plan(batch, ecfg, model)
     n_micro = _most_micro_batches(len(plan))
+    meter = MismatchMeter(acfg.rollout_is, acfg.rollout_is_cap) if batch.sampling_logps is not None else None
     if hasattr(runtime, "expect_backwards"):  # DeepSpeed: the last backward closes the accumulation
         runtime.expect_backwards(n_micro)
     for mb in plan + [None] * (n_micro - len(plan)):
@@ -129,10 +132,14 @@ def policy_update(runtime, batch: Batch, acfg, ecfg, *, temperature: float, max_
         old = _gather(batch.old_logps, batch, flat, lp) if batch.old_logps is not None and mb else None
         ref = None if batch.ref_logps is None else _gather(batch.ref_logps, batch, flat, lp) if mb else lp.detach()
         adv = batch.advantages[flat].to(lp.device) if mb else torch.zeros(1, device=lp.device)
+        # the sampler's log-probs differ from pi_old's (vLLM): re-weight each token by pi_old / pi_sampler
+        is_w = meter.weights(old if old is not None else lp, _gather(batch.sampling_logps, batch, flat, lp), mask) \
+            if meter is not None and mb else None
         loss, stats = grpo_loss(lp, old, ref, adv, mask, token_weights(mask, acfg.loss_agg, counts),
                                 beta=0.0 if acfg.kl_in_reward else acfg.beta, epsilon=acfg.epsilon,
                                 epsilon_high=acfg.epsilon_high, delta=acfg.delta,
-                                kl_estimator=acfg.kl_estimator, importance_sampling=acfg.importance_sampling)
+                                kl_estimator=acfg.kl_estimator, importance_sampling=acfg.importance_sampling,
+                                rollout_weights=is_w)
         runtime.backward(loss)
         loss_total += float(loss.detach())
         ent, _ = pad([t.detach() for group in ents for t in group])
@@ -151,6 +158,8 @@ def policy_update(runtime, batch: Batch, acfg, ecfg, *, temperature: float, max_
            "ratio_mean": totals["ratio"] / tokens}
     if "kl" in totals:
         out["kl"] = totals["kl"] / tokens
+    if meter is not None:
+        out.update(meter.metrics(runtime))
     return out
 
 
