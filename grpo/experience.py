@@ -69,6 +69,8 @@ def _rollout(run, cfg, count_failures: bool = True) -> Batch:
                                                        run.sampler.position)
     out = backend.generate(prompt_ids, G, Sampling(r.max_new_tokens, r.temperature, r.top_p, r.top_k), seed=seed)
     completion_ids, truncated = out.ids, out.truncated
+    if hasattr(backend, "sleep"):  # vLLM on CUDA with rollout.vllm.sleep: its memory is the update's until the next
+        backend.sleep()
     t1 = time.time()
     rewards, stats = score_groups(run, rows, completion_ids, truncated, count_failures)
     stats["time/rollout_s"], stats["time/reward_s"] = t1 - t0, time.time() - t1

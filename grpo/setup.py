@@ -215,7 +215,10 @@ def _install_signal_handlers(run: Run) -> None:
 
 
 def close_run(run: Run) -> None:
-    """Give back what the run holds outside Python's reach: signal handlers and the reward worker."""
+    """Give back what the run holds outside Python's reach: signal handlers, the reward worker, a rollout engine."""
+    from grpo.rollout_backends import close_backend
+
+    close_backend(run)
     for sig, old in getattr(run, "previous_handlers", {}).items():
         signal.signal(sig, old)
     for worker in {id(rf.worker): rf.worker for rf in run.rewards if rf.worker is not None}.values():
