@@ -17,6 +17,7 @@ starts. On CPU the KV cache size is ``VLLM_CPU_KVCACHE_SPACE`` GiB (``rollout.vl
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -60,7 +61,8 @@ class VLLMBackend:
                       generation_config="vllm", tensor_parallel_size=1)
         if device == "cuda":
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
-        self.llm = LLM(**kwargs)
+        with _keep_global_rng():  # vLLM seeds python/numpy/torch at start; the trainer's checkpointed streams stay
+            self.llm = LLM(**kwargs)
         self.asleep = False
         self.sync_weights(model)
 
@@ -174,6 +176,24 @@ class VLLMBackend:
                 pass
             del llm
         shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _keep_global_rng():
+    import random
+
+    import numpy as np
+
+    state = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.set_rng_state(state[2])
+        if state[3] is not None:
+            torch.cuda.set_rng_state_all(state[3])
 
 
 def _base_model(model):

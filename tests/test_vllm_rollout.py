@@ -216,9 +216,8 @@ def test_smoke_run_with_the_vllm_backend(cfg_factory):
     from grpo.train import train
 
     _close_engines()  # the run starts its own
-    cfg = cfg_factory({"rollout": {"backend": "vllm", "vllm": {"max_model_len": 256}},
-                       "model": {"tiny": TINY}, "trainer": {"max_steps": 2}, "data": {"num_eval": 2},
-                       "algorithm": {"rollout_is": "token_truncate", "rollout_is_cap": 2.0}})
+    cfg = cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 2},
+                                       "algorithm": {"rollout_is": "token_truncate", "rollout_is_cap": 2.0}}))
     out = train(cfg)
     assert out["steps"] == 2
     rows = [json.loads(line) for line in open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"))]
@@ -227,3 +226,48 @@ def test_smoke_run_with_the_vllm_backend(cfg_factory):
     for r in steps:
         assert r["rollout_is/logp_diff_abs_mean"] < 1e-4 and r["rollout_is/capped_frac"] == 0.0
         assert 0.99 < r["rollout_is/ratio_max"] < 1.01 and r["loss"] is not None
+
+
+VLLM_RUN = {"rollout": {"backend": "vllm", "vllm": {"max_model_len": 256}}, "model": {"tiny": TINY},
+            "data": {"num_eval": 2}}
+
+
+def _with(*parts):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.merge(*[OmegaConf.create(p) for p in parts]))
+
+
+def test_resume_samples_what_an_uninterrupted_run_samples(cfg_factory, tmp_path):
+    """Three steps straight vs one step, then resumed for two: the same completions (same lengths and rewards),
+    loss and gradient norms, and the engine's start does not disturb the trainer's random state."""
+    from grpo.train import train
+    from tests.test_reliability import assert_same_run, steps
+
+    _close_engines()
+    train(cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 3, "output_dir": str(tmp_path / "a")}})))
+    train(cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "b")}})))
+    out = train(cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 3, "output_dir": str(tmp_path / "b"),
+                                                         "resume": "auto"}})))
+    assert out["steps"] == 3
+    a, b = steps(tmp_path / "a"), steps(tmp_path / "b")
+    assert_same_run(a, b)
+    assert [a[s]["completion_len_mean"] for s in a] == [b[s]["completion_len_mean"] for s in b]
+
+
+def test_engine_start_keeps_the_global_random_state(tok):
+    import random
+
+    import numpy as np
+
+    _close_engines()
+    torch.manual_seed(123)
+    random.seed(4)
+    np.random.seed(5)
+    want = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(123)
+    random.seed(4)
+    np.random.seed(5)
+    _engine(tok, "llama")
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(got[0], want[0]) and got[1:] == want[1:]
