@@ -20,6 +20,7 @@ class Batch:
     old_logps: list | None = None             # nested like completion_ids, or None (mu = 1)
     ref_logps: list | None = None             # nested like completion_ids, or None (beta = 0)
     stats: dict = field(default_factory=dict)  # rollout/reward metrics of this batch
+    sampling_logps: list | None = None        # the rollout backend's own log-probs (vLLM), nested; None: hf
 
     @property
     def group_sizes(self) -> list[int]:

@@ -20,6 +20,7 @@ from grpo.data import PromptSampler
 from grpo.errors import SetupError
 from grpo.models import check_name, load_model, load_reference, load_tokenizer
 from grpo.rewards.score import build as build_rewards
+from grpo.rollout_backends import close_backend
 from grpo.run import Run
 from grpo.runtime.base import Runtime
 
@@ -137,6 +138,7 @@ def lr_lambda(tcfg: TrainerConfig):
 
 
 def close_run(run: Run) -> None:
-    """Give back what the run holds outside Python's reach: the reward worker."""
+    """Give back what the run holds outside Python's reach: the rollout engine and the reward worker."""
+    close_backend(run)
     for worker in {id(rf.worker): rf.worker for rf in run.rewards if rf.worker is not None}.values():
         worker.kill()

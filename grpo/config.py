@@ -67,6 +67,17 @@ class RewardConfig:
 
 
 @dataclass
+class VLLMConfig:
+    # rollout.backend=vllm (docs/rollout.md): an in-process engine colocated with training, weights synced each step
+    gpu_memory_utilization: float = 0.3  # CUDA: fraction of the GPU's memory vLLM may take (weights + KV cache)
+    kv_cache_gib: float = 1.0        # CPU: KV cache size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE)
+    max_model_len: Optional[int] = None  # null = the longest prompt of the data + rollout.max_new_tokens
+    enforce_eager: bool = True       # no graph capture / compilation (fast start; false: CUDA graphs, faster decode)
+    enable_prefix_caching: bool = True  # a group's prompt prefilled once, its KV blocks shared by the G samples
+    sleep: bool = False              # CUDA: free the KV cache and offload the weights while the policy updates
+
+
+@dataclass
 class RolloutConfig:
     prompts_per_step: int = 8        # prompts per optimizer step (each gets group_size completions)
     max_new_tokens: int = 64         # completion length cap; longer completions are cut (truncated)
@@ -75,6 +86,10 @@ class RolloutConfig:
     top_k: int = 0                   # sample from the k most likely tokens; 0 = off
     batch_size: int = 8              # prompts generated together (each with G samples)
     share_prompt: bool = True        # prefill each prompt once and fork its KV cache for the G samples
+    # auto | hf | vllm: hf = our decode loop on the training model; vllm = a vLLM engine (pip install -e '.[vllm]');
+    # auto = vllm on CUDA when it is installed, else hf
+    backend: str = "auto"
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # vLLM engine settings (rollout.vllm.*)
 
 
 @dataclass
@@ -94,6 +109,10 @@ class AlgorithmConfig:
     filter_zero_std_groups: bool = False  # drop groups whose rewards are all equal (DAPO dynamic sampling)
     resample_zero_std: int = 0       # with filtering: at most this many extra rollout rounds to refill the batch
     mask_truncated: bool = False     # completions cut at max_new_tokens do not contribute
+    # correction for a sampler whose log-probs differ from the trainer's (vLLM; hf samples exactly on-policy):
+    # none | token_truncate | token_mask | sequence_truncate | sequence_mask (docs/rollout.md#the-correction)
+    rollout_is: str = "token_truncate"
+    rollout_is_cap: float = 2.0      # C: the cap on pi_old / pi_sampler (truncate) or the cut-off (mask)
 
 
 @dataclass
@@ -172,6 +191,8 @@ _CHOICES = {
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"),
     "algorithm.scale_rewards": ("group", "batch", "none"),
     "algorithm.importance_sampling": ("token", "sequence"),
+    "algorithm.rollout_is": ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+    "rollout.backend": ("auto", "hf", "vllm"),
     "trainer.lr_schedule": ("constant", "cosine", "linear"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "distributed.backend": ("none", "deepspeed"),
@@ -195,6 +216,10 @@ _RANGES = {
     "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "rollout.top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "rollout.batch_size": (lambda v: v >= 1, ">= 1"),
+    "rollout.vllm.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "rollout.vllm.kv_cache_gib": (lambda v: v > 0, "> 0"),
+    "rollout.vllm.max_model_len": (lambda v: v is None or v >= 2, ">= 2 or null"),
+    "algorithm.rollout_is_cap": (lambda v: v >= 1, ">= 1"),
     "engine.max_tokens_per_micro_batch": (
         lambda v: v == "auto" or (not isinstance(v, bool) and isinstance(v, (int, str)) and str(v).isdigit()
                                   and int(v) >= 1),

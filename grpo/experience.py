@@ -9,10 +9,10 @@ import torch
 from grpo.advantages import compute_advantages, zero_std_groups
 from grpo.batch import Batch
 from grpo.config import Config
-from grpo.logger import interactive
 from grpo.loss import kl_estimate
 from grpo.rewards.score import reward_inputs, score
 from grpo.rollout import generate
+from grpo.rollout_backends import Sampling, backend_for, step_seed
 from grpo.runtime.base import Runtime
 from grpo.update import nested_logprobs
 
@@ -69,15 +69,19 @@ def _rollout(run: Run, cfg: Config) -> Batch:
     rows = [run.splits.train[i] for i in indices[rt.rank * per_rank:(rt.rank + 1) * per_rank]]
     prompt_ids = [row["prompt_ids"] for row in rows]
     t0 = time.time()
-    completion_ids, truncated = generate(rt.model, run.tokenizer, prompt_ids, group_size=G,
-                                         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                         top_k=r.top_k, batch_size=r.batch_size,
-                                         progress=rt.is_main and interactive(),
-                                         share_prompt=r.share_prompt)
+    # hf: our decode loop (this module's `generate`, looked up at each call); vllm: the engine, synced if the policy
+    # changed since its last rollout
+    backend = backend_for(run, cfg, hf_generate=lambda *a, **k: generate(*a, **k))
+    seed = None if backend.name == "hf" else step_seed(cfg.trainer.seed, rt.rank, run.sampler.epoch,
+                                                       run.sampler.position)
+    out = backend.generate(prompt_ids, G, Sampling(r.max_new_tokens, r.temperature, r.top_p, r.top_k), seed=seed)
+    completion_ids, truncated = out.ids, out.truncated
+    backend.sleep()  # vLLM on CUDA with rollout.vllm.sleep: its memory is the update's until the next rollout
     t1 = time.time()
     rewards, stats = score_groups(run, rows, completion_ids, truncated)
     stats["time/rollout_s"], stats["time/reward_s"] = t1 - t0, time.time() - t1
-    return Batch(rows, prompt_ids, completion_ids, truncated, rewards, torch.zeros_like(rewards), stats=stats)
+    return Batch(rows, prompt_ids, completion_ids, truncated, rewards, torch.zeros_like(rewards), stats=stats,
+                 sampling_logps=out.logprobs)
 
 
 def _filter_and_refill(run: Run, cfg: Config, batch: Batch, zero: list[bool]) -> Batch:
@@ -158,7 +162,8 @@ def _select_groups(batch: Batch, keep: list[bool]) -> Batch:
     return Batch(pick(batch.rows), pick(batch.prompt_ids), pick(batch.completion_ids), pick(batch.truncated),
                  batch.rewards[idx], batch.advantages[idx],
                  pick(batch.old_logps) if batch.old_logps is not None else None,
-                 pick(batch.ref_logps) if batch.ref_logps is not None else None, dict(batch.stats))
+                 pick(batch.ref_logps) if batch.ref_logps is not None else None, dict(batch.stats),
+                 sampling_logps=pick(batch.sampling_logps) if batch.sampling_logps is not None else None)
 
 
 def _concat(a: Batch, b: Batch, limit: int) -> Batch:
@@ -167,7 +172,8 @@ def _concat(a: Batch, b: Batch, limit: int) -> Batch:
     b = _select_groups(b, [i < room for i in range(len(b.completion_ids))])
     return Batch(a.rows + b.rows, a.prompt_ids + b.prompt_ids, a.completion_ids + b.completion_ids,
                  a.truncated + b.truncated, torch.cat([a.rewards, b.rewards]), torch.cat([a.advantages, b.advantages]),
-                 stats=a.stats)
+                 stats=a.stats, sampling_logps=None if a.sampling_logps is None or b.sampling_logps is None
+                 else a.sampling_logps + b.sampling_logps)
 
 
 def sample_rows(run: Run, batch: Batch, n: int) -> list[dict]:

@@ -68,12 +68,14 @@ def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Ten
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, weights, *, beta: float = 0.0,
               epsilon: float = 0.2, epsilon_high: float | None = None, delta: float | None = None,
-              kl_estimator: str = "k3", importance_sampling: str = "token"):
+              kl_estimator: str = "k3", importance_sampling: str = "token", rollout_weights=None):
     """Returns ``(loss, stats)``: the weighted loss of this (micro-)batch and token-summed statistics.
 
     logp, old_logp, ref_logp, mask, weights: ``[B, T]``; advantages: ``[B]``. ``old_logp=None`` means
     one inner iteration (old = logp.detach(), ratio 1); ``ref_logp=None`` or ``beta=0`` skips the KL.
-    stats are sums over masked tokens (divide by ``stats["tokens"]`` for means).
+    stats are sums over masked tokens (divide by ``stats["tokens"]`` for means). ``rollout_weights`` ``[B, T]``
+    (optional, no gradient): the rollout importance-sampling weights (`grpo.rollout_is`) that multiply the policy
+    term of every token, not the KL penalty.
     """
     mask = mask.float()
     old_logp = logp.detach() if old_logp is None else old_logp
@@ -84,6 +86,8 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, weights, *, beta: floa
     unclipped = capped * adv
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv
     per_token = -torch.min(unclipped, clipped)
+    if rollout_weights is not None:
+        per_token = per_token * rollout_weights
     stats = {"tokens": mask.sum()}
     if beta > 0 and ref_logp is not None:
         kl = kl_estimate(logp, ref_logp, kl_estimator)

@@ -2,7 +2,8 @@
 few values the training loop changes from step to step (and `grpo.checkpoint` saves and restores).
 
 The built objects keep their own internal state (weights, optimizer moments, the schedule, the sampler's
-position), which checkpoints save and restore in place; nothing else writes into a `Run`.
+position), which checkpoints save and restore in place; nothing else writes into a `Run` (except
+`grpo.rollout_backends`, which creates the rollout engine on first use and notes when it last synced).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from grpo.batch import Batch
 from grpo.data import PromptSampler, Splits
 from grpo.rewards.score import RewardFunction
 from grpo.runtime.base import Runtime
+from grpo.sampling import RolloutBackend
 
 
 @dataclass
@@ -31,6 +33,10 @@ class Run:
     completion_format: str = "auto"       # what rewards receive: text | messages | auto (follow the data)
     owns_output_dir: bool = True          # finalises checkpoints in its output_dir (rank 0; a node's first rank
                                           # when that node's output_dir is not rank 0's, see `build.owns_output_dir`)
+    # the rollout engine, created at the first rollout and closed by `build.close_run`; the optimizer/scheduler
+    # step its weights were last synced at (both set only by `grpo.rollout_backends`)
+    rollout_backend: RolloutBackend | None = None
+    rollout_synced_at: tuple | None = None
 
     @property
     def model(self) -> torch.nn.Module:

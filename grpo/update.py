@@ -14,6 +14,7 @@ from grpo.config import AlgorithmConfig, Config, EngineConfig
 from grpo.engine import plan_micro_batches, token_logprobs
 from grpo.engine.memory import budget_for
 from grpo.loss import BatchCounts, grpo_loss, pad, token_weights
+from grpo.rollout_is import MismatchMeter
 from grpo.runtime.base import Runtime
 
 
@@ -26,11 +27,14 @@ class UpdateSettings:
     max_len: int               # rollout.max_new_tokens (dr_grpo's constant normaliser)
     mask_truncated: bool       # truncated completions contribute no loss
     max_grad_norm: float       # clip to this norm (0 = no clipping)
+    rollout_is: str = "token_truncate"  # algorithm.rollout_is: the correction for a sampler's own log-probs (vLLM)
+    rollout_is_cap: float = 2.0         # algorithm.rollout_is_cap
 
     @classmethod
     def from_config(cls, cfg: Config) -> UpdateSettings:
-        return cls(cfg.algorithm, cfg.engine, cfg.rollout.temperature, cfg.rollout.max_new_tokens,
-                   cfg.algorithm.mask_truncated, cfg.trainer.max_grad_norm)
+        a = cfg.algorithm
+        return cls(a, cfg.engine, cfg.rollout.temperature, cfg.rollout.max_new_tokens, a.mask_truncated,
+                   cfg.trainer.max_grad_norm, a.rollout_is, a.rollout_is_cap)
 
 
 def nested_logprobs(runtime: Runtime, model, batch: Batch, ecfg: EngineConfig, temperature: float) -> list:
@@ -103,9 +107,11 @@ def policy_update(runtime: Runtime, batch: Batch, settings: UpdateSettings) -> d
     totals: dict[str, float] = {"loss": 0.0, "entropy": 0.0}
     plan = _plan(batch, settings.engine, runtime.model)
     n_micro = _most_micro_batches(runtime, len(plan))
+    # a sampler with its own log-probs (vLLM): each token re-weighted by pi_old / pi_sampler (grpo.rollout_is)
+    meter = MismatchMeter(settings.rollout_is, settings.rollout_is_cap) if batch.sampling_logps is not None else None
     runtime.expect_backwards(n_micro)  # DeepSpeed: the last backward closes the accumulation
     for mb in plan + [None] * (n_micro - len(plan)):  # None: idle, another rank has more micro-batches
-        for k, v in _micro_batch(runtime, batch, mb, keep, counts, settings).items():
+        for k, v in _micro_batch(runtime, batch, mb, keep, counts, settings, meter).items():
             totals[k] = totals.get(k, 0.0) + v
     grad_norm, stepped = runtime.step(settings.max_grad_norm)
     totals = runtime.all_reduce(totals)
@@ -117,13 +123,16 @@ def policy_update(runtime: Runtime, batch: Batch, settings: UpdateSettings) -> d
            "ratio_mean": totals["ratio"] / tokens}
     if "kl" in totals:
         out["kl"] = totals["kl"] / tokens
+    if meter is not None:
+        out.update(meter.metrics(runtime))
     return out
 
 
 def _micro_batch(runtime: Runtime, batch: Batch, mb, keep: list[bool], counts: BatchCounts,
-                 settings: UpdateSettings) -> dict[str, float]:
+                 settings: UpdateSettings, meter: MismatchMeter | None = None) -> dict[str, float]:
     """Forward and backward of one micro-batch (``mb`` None: one idle token, weight 0, the same code path);
-    returns its sums: loss, entropy and grpo_loss's statistics."""
+    returns its sums: loss, entropy and grpo_loss's statistics. ``meter``: the rollout importance-sampling
+    correction (batches with the sampler's own log-probs), which also records the mismatch."""
     acfg, ecfg = settings.algorithm, settings.engine
     if mb is None:
         prompts, comps, flat = [[0]], [[[0]]], []
@@ -139,10 +148,13 @@ def _micro_batch(runtime: Runtime, batch: Batch, mb, keep: list[bool], counts: B
     old = _gather(batch.old_logps, flat, lp) if batch.old_logps is not None and mb else None
     ref = None if batch.ref_logps is None else _gather(batch.ref_logps, flat, lp) if mb else lp.detach()
     adv = batch.advantages[flat].to(lp.device) if mb else torch.zeros(1, device=lp.device)
+    is_w = meter.weights(old if old is not None else lp, _gather(batch.sampling_logps, flat, lp), mask) \
+        if meter is not None and mb else None
     loss, stats = grpo_loss(lp, old, ref, adv, mask, token_weights(mask, acfg.loss_agg, counts),
                             beta=0.0 if acfg.kl_in_reward else acfg.beta, epsilon=acfg.epsilon,
                             epsilon_high=acfg.epsilon_high, delta=acfg.delta,
-                            kl_estimator=acfg.kl_estimator, importance_sampling=acfg.importance_sampling)
+                            kl_estimator=acfg.kl_estimator, importance_sampling=acfg.importance_sampling,
+                            rollout_weights=is_w)
     runtime.backward(loss)
     ent, _ = pad([t.detach() for group in ents for t in group])
     return {"loss": float(loss.detach()), "entropy": float((ent * mask).sum()),

@@ -4,7 +4,7 @@
 behaviour as default: a collective over one process returns its input, a barrier does nothing. A
 multi-process runtime overrides what differs. Rules every runtime keeps:
 
-- Collectives (`all_reduce`, `any_rank`, `gather`, `barrier`) are called by every rank at the same
+- Collectives (`all_reduce`, `all_max`, `any_rank`, `gather`, `barrier`) are called by every rank at the same
   point, with the same keys; nothing outside ``grpo/runtime/`` talks to the process group.
 - `backward` receives this rank's share of the batch-wide loss; after the announced number of
   backwards (`expect_backwards`), `step` applies one optimizer step whose gradient is the global one.
@@ -82,6 +82,10 @@ class Runtime:
     # ----------------------------------------------------------------------------- collectives
     def all_reduce(self, values: dict[str, float]) -> dict[str, float]:
         """Each value summed over every rank, by name (every rank passes the same names)."""
+        return dict(values)
+
+    def all_max(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value's maximum over every rank, by name (every rank passes the same names)."""
         return dict(values)
 
     def any_rank(self, flag: bool) -> bool:

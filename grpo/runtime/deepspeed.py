@@ -269,10 +269,16 @@ class DeepSpeedRuntime(Runtime):
 
     # ---------------------------------------------------------------------------- collectives
     def all_reduce(self, values: dict[str, float]) -> dict[str, float]:
+        return self._reduce(values, torch.distributed.ReduceOp.SUM)
+
+    def all_max(self, values: dict[str, float]) -> dict[str, float]:
+        return self._reduce(values, torch.distributed.ReduceOp.MAX)
+
+    def _reduce(self, values: dict[str, float], op) -> dict[str, float]:
         """One float64 all-reduce of every value (in sorted-name order, the same on every rank)."""
         names = sorted(values)
         t = torch.tensor([float(values[k]) for k in names], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(t)
+        torch.distributed.all_reduce(t, op=op)
         return dict(zip(names, t.tolist()))
 
     def any_rank(self, flag: bool) -> bool:

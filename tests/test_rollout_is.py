@@ -1,0 +1,100 @@
+"""Rollout importance sampling against a hand-computed example (no vLLM needed)."""
+import math
+
+import pytest
+import torch
+
+from grpo.loss import grpo_loss
+from grpo.rollout_is import mismatch_stats, rollout_is_weights, summarize
+
+# two completions: 3 tokens and 2 tokens (right-padded); log pi_old - log pi_sampler per token:
+#   seq 0: ln 2, 0, ln 0.5 -> token ratios 2, 1, 0.5; sequence ratio 1
+#   seq 1: ln 4, ln 1.5    -> token ratios 4, 1.5;    sequence ratio 6
+LN = math.log
+OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, 0.0]])
+SAMPLER = OLD - torch.tensor([[LN(2), 0.0, LN(0.5)], [LN(4), LN(1.5), 0.0]])
+SAMPLER[1, 2] = -7.0  # padding: whatever is there must not count
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+@pytest.mark.parametrize("mode,cap,want", [
+    ("none", 3.0, [[1, 1, 1], [1, 1, 0]]),
+    ("token_truncate", 3.0, [[2, 1, 0.5], [3, 1.5, 0]]),
+    ("token_mask", 3.0, [[2, 1, 0.5], [0, 1.5, 0]]),
+    ("sequence_truncate", 3.0, [[1, 1, 1], [3, 3, 0]]),
+    ("sequence_mask", 3.0, [[1, 1, 1], [0, 0, 0]]),
+    ("sequence_mask", 10.0, [[1, 1, 1], [6, 6, 0]]),
+    ("token_truncate", 1.0, [[1, 1, 0.5], [1, 1, 0]]),
+])
+def test_weights_hand_computed(mode, cap, want):
+    w = rollout_is_weights(OLD, SAMPLER, MASK, mode, cap)
+    assert torch.allclose(w, torch.tensor(want, dtype=torch.float32), atol=1e-5)
+    assert not w.requires_grad
+
+
+def test_weights_carry_no_gradient():
+    logp = OLD.clone().requires_grad_(True)
+    w = rollout_is_weights(logp, SAMPLER, MASK, "token_truncate", 3.0)
+    assert not w.requires_grad
+
+
+def test_mismatch_stats_hand_computed():
+    s = mismatch_stats(OLD, SAMPLER, MASK, "token_truncate", 3.0)
+    assert s["tokens"] == 5
+    assert s["abs_diff"] == pytest.approx(LN(2) + 0 + LN(2) + LN(4) + LN(1.5))
+    assert s["ratio_max"] == pytest.approx(4.0)
+    assert s["abs_diff_max"] == pytest.approx(LN(4))
+    assert s["capped"] == 1  # the token with ratio 4
+    seq = mismatch_stats(OLD, SAMPLER, MASK, "sequence_mask", 3.0)
+    assert seq["ratio_max"] == pytest.approx(6.0) and seq["capped"] == 2  # both tokens of completion 1
+    assert mismatch_stats(OLD, SAMPLER, MASK, "none", 3.0)["capped"] == 0
+    m = summarize(s)
+    assert m["rollout_is/logp_diff_abs_mean"] == pytest.approx(s["abs_diff"] / 5)
+    assert m["rollout_is/capped_frac"] == pytest.approx(0.2) and m["rollout_is/ratio_max"] == pytest.approx(4.0)
+
+
+def test_unknown_mode_is_an_error():
+    with pytest.raises(ValueError, match="rollout_is"):
+        rollout_is_weights(OLD, SAMPLER, MASK, "tis", 2.0)
+
+
+def test_loss_multiplies_only_the_policy_term():
+    """With one iteration (ratio 1, no clipping) the per-token policy loss is -A * w; the KL term is unweighted."""
+    logp = OLD.clone().requires_grad_(True)
+    ref = OLD - 0.1
+    adv = torch.tensor([1.0, -2.0])
+    weights = MASK / MASK.sum()
+    w = rollout_is_weights(OLD, SAMPLER, MASK, "token_truncate", 3.0)
+    loss, _ = grpo_loss(logp, None, ref, adv, MASK, weights, beta=0.5, rollout_weights=w)
+    base, _ = grpo_loss(logp, None, ref, adv, MASK, weights, beta=0.5)
+    kl = (torch.exp(ref - OLD) - (ref - OLD) - 1)
+    want = ((-adv[:, None] * w + 0.5 * kl) * weights).sum()
+    assert float(loss.detach()) == pytest.approx(float(want), rel=1e-6)
+    assert float(base.detach()) == pytest.approx(float(((-adv[:, None] + 0.5 * kl) * weights).sum()), rel=1e-6)
+    # gradient of the policy term: d/dlogp (-A * w * exp(logp - logp.detach())) = -A * w per token
+    g, = torch.autograd.grad(loss, logp)
+    dkl = 0.5 * (1 - torch.exp(ref - OLD))
+    assert torch.allclose(g, (-adv[:, None] * w + dkl) * weights, atol=1e-6)
+
+
+def test_meter_sums_by_all_reduce_and_maxes_by_all_max():
+    """Two ranks seen through the runtime interface: sums add up, maxima take the larger one (the one-process
+    base class returns its input)."""
+    from grpo.rollout_is import MismatchMeter
+    from grpo.runtime.base import Runtime
+
+    class TwoRanks(Runtime):  # the other rank measured half the difference and a ratio of 10
+        def all_reduce(self, values):
+            return {k: 2 * v for k, v in values.items()}
+
+        def all_max(self, values):
+            return {k: max(v, {"ratio_max": 10.0, "abs_diff_max": 0.0}[k]) for k, v in values.items()}
+
+    meter = MismatchMeter("token_truncate", 2.0)
+    meter.weights(OLD, SAMPLER, MASK)
+    one = meter.metrics(Runtime())
+    assert one == summarize(mismatch_stats(OLD, SAMPLER, MASK, "token_truncate", 2.0))
+    two = meter.metrics(TwoRanks())
+    assert two["rollout_is/ratio_max"] == 10.0
+    assert two["rollout_is/logp_diff_abs_max"] == one["rollout_is/logp_diff_abs_max"]
+    assert two["rollout_is/logp_diff_abs_mean"] == pytest.approx(one["rollout_is/logp_diff_abs_mean"])

