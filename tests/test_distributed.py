@@ -292,7 +292,7 @@ def test_config_rejects_settings_deepspeed_cannot_run(cfg_factory):
 
 def test_deepspeed_config_is_derived_from_the_recipe(cfg_factory):
     from grpo.errors import SetupError
-    from grpo.runtime.deepspeed import check, ds_config
+    from grpo.runtime.deepspeed_config import check, ds_config
 
     cfg = cfg_factory({"distributed": {"backend": "deepspeed", "zero_stage": 3, "bf16": True,
                                        "ds_config": {"zero_optimization": {"reduce_bucket_size": 1000}}},
