@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 .PHONY: setup model train test lint recipes-check bench bench-env bench-prefix sweep clean
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(PIP) || python3 -m venv --clear $(VENV)   # a venv left half-made (no pip) is made again
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -e '.[dev]'
