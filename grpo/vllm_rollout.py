@@ -113,9 +113,6 @@ class VLLMBackend:
             raise WeightSyncError("the trainer's model has no weights to copy into vLLM")
         self.llm.reset_prefix_cache()  # cached prompt K/V belong to the old weights
 
-    def vllm_model(self):
-        return self._runner().model
-
     # ------------------------------------------------------------------------------------ sampling
     def sampling_params(self, sampling: Sampling, group_size: int, seed: int | None):
         from vllm import SamplingParams
@@ -136,7 +133,10 @@ class VLLMBackend:
         from grpo.rollout import _cut_at_eos
 
         self.wake()
-        params = self.sampling_params(sampling, group_size, seed)
+        # one SamplingParams per prompt: vLLM seeds a prompt's G samples seed, seed + 1, ..., so one seed for the
+        # whole call would give every prompt's j-th sample the same random stream
+        params = [self.sampling_params(sampling, group_size, None if seed is None else seed + i * group_size)
+                  for i in range(len(prompt_ids))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
                                  use_tqdm=False)
         ids, truncated, logps = [], [], []
