@@ -184,6 +184,8 @@ class Config:
 
 
 # --------------------------------------------------------------------------------------- checking
+# the off-policy corrections of grpo/rollout_is.py (docs/rollout.md#the-correction)
+ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.attn_implementation": ("sdpa", "eager", "flex_attention", "flash_attention_2"),
@@ -191,7 +193,7 @@ _CHOICES = {
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"),
     "algorithm.scale_rewards": ("group", "batch", "none"),
     "algorithm.importance_sampling": ("token", "sequence"),
-    "algorithm.rollout_is": ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+    "algorithm.rollout_is": ROLLOUT_IS_MODES,
     "rollout.backend": ("auto", "hf", "vllm"),
     "trainer.lr_schedule": ("constant", "cosine", "linear"),
     "trainer.device": ("auto", "cpu", "cuda"),

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from grpo.config import ROLLOUT_IS_MODES as MODES
 from grpo.runtime.base import Runtime
-
-MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def rollout_is_ratio(logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor,
