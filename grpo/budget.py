@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 from grpo.engine.memory import choose_budget, estimate, free_for, group_score_bytes
 from grpo.engine.unwrap import unwrap_model
 from grpo.errors import SetupError
+from grpo.runtime.base import Runtime
 
 
-def plan(cfg, model, splits, runtime) -> int:
-    """Resolve ``cfg.engine.max_tokens_per_micro_batch`` for this run (called once the model is loaded); raises
+def plan(cfg, splits, runtime: Runtime) -> int:
+    """Resolve ``cfg.engine.max_tokens_per_micro_batch`` for this run (called after `Runtime.setup`); raises
     grpo.errors.SetupError with one line when the longest prompt of the training data plus
     ``rollout.max_new_tokens`` cannot fit."""
     limit = cfg.engine.memory_limit_gib
@@ -23,15 +22,15 @@ def plan(cfg, model, splits, runtime) -> int:
         raise SetupError(f"engine.memory_limit_gib={limit} must be > 0 (GiB the update may plan for) or null")
     longest_prompt = max((len(r["prompt_ids"]) for r in splits.train), default=0)
     longest = longest_prompt + cfg.rollout.max_new_tokens
-    device = getattr(runtime, "device", torch.device("cpu"))
-    est = estimate(runtime.model if getattr(runtime, "model", None) is not None else model)
-    est.transient += group_score_bytes(unwrap_model(model).config, cfg.algorithm.group_size, longest_prompt,
+    device = runtime.device
+    est = estimate(runtime.model)
+    est.transient += group_score_bytes(unwrap_model(runtime.model).config, cfg.algorithm.group_size, longest_prompt,
                                        cfg.rollout.max_new_tokens)
     try:
         tokens, note = choose_budget(cfg.engine.max_tokens_per_micro_batch, est, free_for(device, cfg.engine),
                                      longest, device.type == "cuda")
     except ValueError as e:
         raise SetupError(str(e)) from None
-    if getattr(runtime, "is_main", True):
+    if runtime.is_main:
         print(f"[grpo] {note}", file=sys.stderr, flush=True)
     return tokens

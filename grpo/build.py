@@ -95,7 +95,7 @@ def _build(cfg: Config, runtime: Runtime) -> Run:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.trainer))
     runtime.setup(policy, optimizer, scheduler)
     from grpo.budget import plan as plan_memory  # sizes `auto`, refuses a prompt + completion that cannot fit
-    cfg.engine.max_tokens_per_micro_batch = plan_memory(cfg, policy, splits, runtime)
+    cfg.engine.max_tokens_per_micro_batch = plan_memory(cfg, splits, runtime)
     sampler = PromptSampler(len(splits.train), seed=cfg.trainer.seed)
     return Run(runtime, tokenizer, policy, reference, splits, rewards, runtime.optimizer, runtime.scheduler, sampler,
                completion_format=cfg.reward.completion_format, owns_output_dir=owner)
