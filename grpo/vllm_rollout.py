@@ -18,6 +18,7 @@ starts. On CPU the KV cache size is ``VLLM_CPU_KVCACHE_SPACE`` GiB (``rollout.vl
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import shutil
@@ -41,10 +42,18 @@ class VLLMBackend:
 
     def __init__(self, model, *, eos_ids: list[int], max_model_len: int, seed: int = 0, device: str = "cpu",
                  gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 1.0, enforce_eager: bool = True,
-                 enable_prefix_caching: bool = True, sleep: bool = False):
+                 enable_prefix_caching: bool = True, sleep: bool = False, full_weights=None,
+                 process_group: tuple[int, int] | None = None):
+        """``full_weights(params)``: the runtime's context manager in which ``params`` hold their full values
+        (`grpo.runtime.base.Runtime.full_weights`; ZeRO-3 gathers them). ``process_group``: (rank, local_rank) when
+        this process is one of several training processes (DeepSpeed): vLLM then joins the runtime's process group
+        as an external launcher (one engine per rank, tensor-parallel 1, each sampling its own prompts) and
+        leaves that group alone when it closes."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model must live in this process for the sync
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
+        self.full_weights = full_weights or _as_they_are
+        self.shares_process_group = process_group is not None
         from vllm import LLM
 
         base = unwrap_model(model)
@@ -55,7 +64,11 @@ class VLLMBackend:
         self.eos_ids = list(eos_ids)
         self.sleep_enabled = bool(sleep) and device == "cuda"
         self._dir = tempfile.mkdtemp(prefix="grpo-vllm-")
-        base.config.save_pretrained(self._dir)  # config only: the weights are copied from memory below
+        config = copy.deepcopy(base.config)  # config only: the weights are copied from memory below
+        # the class vLLM must build; a model made from a config (not a checkpoint) has none recorded, and vLLM
+        # would then guess (a tiny qwen3 became a pooling model)
+        config.architectures = [type(base).__name__]
+        config.save_pretrained(self._dir)
         dtype = str(next(base.parameters()).dtype).replace("torch.", "")
         kwargs = dict(model=self._dir, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
                       max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
@@ -63,6 +76,9 @@ class VLLMBackend:
                       generation_config="vllm", tensor_parallel_size=1)
         if device == "cuda":
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
+        if process_group is not None:  # vLLM reads the rank and the device index (LOCAL_RANK) from the environment
+            os.environ["RANK"], os.environ["LOCAL_RANK"] = (str(r) for r in process_group)
+            kwargs.update(distributed_executor_backend="external_launcher")
         with _keep_global_rng():  # vLLM seeds python/numpy/torch at start; the trainer's checkpointed streams stay
             self.llm = LLM(**kwargs)
         self.asleep = False
@@ -72,9 +88,6 @@ class VLLMBackend:
     def from_run(cls, run, cfg) -> "VLLMBackend":
         """One engine for this run: max_model_len from the longest prompt of the data + rollout.max_new_tokens."""
         rt, v = run.runtime, cfg.rollout.vllm
-        if rt.world_size > 1 or cfg.distributed.backend != "none":
-            raise SetupError("rollout.backend=vllm runs with one process for now (distributed.backend=none); "
-                             "use rollout.backend=hf with DeepSpeed")
         longest = max((len(r["prompt_ids"]) for split in (run.splits.train, run.splits.eval) for r in split),
                       default=cfg.data.max_prompt_tokens)
         max_len = v.max_model_len or longest + cfg.rollout.max_new_tokens
@@ -85,7 +98,8 @@ class VLLMBackend:
             return cls(rt.model, eos_ids=_eos_ids(unwrap_model(rt.model), run.tokenizer), max_model_len=max_len,
                        seed=cfg.trainer.seed, device=device, gpu_memory_utilization=v.gpu_memory_utilization,
                        kv_cache_gib=v.kv_cache_gib, enforce_eager=v.enforce_eager,
-                       enable_prefix_caching=v.enable_prefix_caching, sleep=v.sleep)
+                       enable_prefix_caching=v.enable_prefix_caching, sleep=v.sleep, full_weights=rt.full_weights,
+                       process_group=(rt.rank, rt.local_rank) if rt.process_group else None)
         except ValueError as e:
             raise SetupError(str(e).splitlines()[0]) from None
 
@@ -100,7 +114,7 @@ class VLLMBackend:
         seen: list[str] = []
 
         def items():
-            for name, t in hf_weights(model):
+            for name, t in hf_weights(model, self.full_weights):
                 seen.append(name)
                 yield name, t
 
@@ -171,11 +185,28 @@ class VLLMBackend:
         self.llm = None
         if llm is not None:
             try:
-                llm.llm_engine.engine_core.shutdown()
+                _shutdown(llm, keep_process_group=self.shares_process_group)
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
             del llm
         shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)
+
+
+def _shutdown(llm, keep_process_group: bool) -> None:
+    """Stop the in-process engine. Its own shutdown (also run when the engine is garbage-collected) destroys
+    torch's default process group; with a training runtime's group that would end the run's collectives, so then
+    the engine's finaliser is detached and only the engine and vLLM's own groups are torn down."""
+    client = llm.llm_engine.engine_core  # vLLM's in-process client (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    if not keep_process_group:
+        client.shutdown()
+        return
+    client._finalizer.detach()
+    core = client.engine_core
+    core.model_executor.shutdown()
+    core.scheduler.shutdown()
+    from vllm.distributed import destroy_model_parallel
+
+    destroy_model_parallel()  # vLLM's tensor/pipeline groups; its world group stays for a later engine
 
 
 @contextlib.contextmanager
@@ -196,30 +227,42 @@ def _keep_global_rng():
             torch.cuda.set_rng_state_all(state[3])
 
 
-def hf_weights(model):
-    """(name, tensor) of every weight of the policy under the plain Hugging Face checkpoint names, detached.
+@contextlib.contextmanager
+def _as_they_are(params):
+    yield False
 
-    PEFT LoRA: each adapted layer's merged weight W + scale * B A (computed, the trainer's W left untouched); the
-    adapter's own tensors are not sent."""
+
+def hf_weights(model, full_weights=_as_they_are):
+    """(name, tensor) of every weight of the policy under the plain Hugging Face checkpoint names, one at a time.
+
+    ``full_weights(params)`` (`grpo.runtime.base.Runtime.full_weights`): the parameters of one weight (a LoRA layer:
+    its base weight and adapters) are made whole for the time it is read (ZeRO-3 gathers them, then gives them
+    back: a copy is yielded, never the whole model at once). PEFT LoRA: each adapted layer's merged weight
+    W + scale * B A (computed, the trainer's W left untouched); the adapter's own tensors are not sent."""
     model = unwrap_model(model, peft=False)  # under DeepSpeed's engine; PEFT's wrapper kept
-    if not hasattr(model, "get_base_model"):
-        for name, t in model.state_dict().items():
-            yield name, t.detach()
-        return
-    base = model.get_base_model()
-    merged = {}
-    for mod_name, module in base.named_modules():
-        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
-            active = [a for a in getattr(module, "active_adapters", []) if a in getattr(module, "lora_A", {})]
-            w = module.base_layer.weight.detach()
-            for a in active:
-                w = w + module.get_delta_weight(a).detach().to(w.dtype)
-            merged[f"{mod_name}.weight"] = w
-    for name, t in base.state_dict().items():
+    peft = hasattr(model, "get_base_model")
+    base = model.get_base_model() if peft else model
+    lora = {f"{name}.weight": m for name, m in base.named_modules()
+            if peft and hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
+    for name, t in base.state_dict(keep_vars=True).items():
         if ".lora_" in name or "lora_embedding" in name:
             continue
         plain = name.replace(".base_layer.", ".")
-        yield plain, merged.get(plain, t).detach()
+        layer = lora.get(plain)
+        params = list(layer.parameters()) if layer is not None else \
+            [t] if isinstance(t, torch.nn.Parameter) else []
+        with torch.no_grad(), full_weights(params) as temporary:
+            w = _merged(layer) if layer is not None else t.detach()
+            yield plain, w.clone() if temporary and layer is None else w
+
+
+def _merged(layer) -> torch.Tensor:
+    """A PEFT LoRA layer's effective weight: its base weight plus each active adapter's scaled B A (a new tensor)."""
+    active = [a for a in getattr(layer, "active_adapters", []) if a in getattr(layer, "lora_A", {})]
+    w = layer.base_layer.weight.detach()
+    for a in active:
+        w = w + layer.get_delta_weight(a).detach().to(w.dtype)
+    return w if active else w.clone()
 
 
 class _CaptureNotLoaded(logging.Handler):

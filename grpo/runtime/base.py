@@ -38,6 +38,9 @@ class Runtime:
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     model = optimizer = scheduler = None
+    # whether this process holds a torch.distributed process group of the runtime's: a library that would set up
+    # or tear down its own (vLLM) must use this one and leave it alone
+    process_group: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -114,6 +117,13 @@ class Runtime:
             if lost is None:
                 raise
             raise lost from e
+
+    @contextlib.contextmanager
+    def full_weights(self, params: list[torch.nn.Parameter]):
+        """Inside it, ``params`` (parameters of the trained model) hold their full values on this rank, to read.
+        Yields True when those values are temporary (gathered for the block: copy what must outlive it). Every rank
+        calls it with the same parameters in the same order. One process: the parameters as they are."""
+        yield False
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter as a CPU float copy, on every rank (gathered when partitioned; for checks)."""

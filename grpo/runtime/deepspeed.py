@@ -49,6 +49,8 @@ PEER_LOST = ("timed out waiting", "connection closed by peer", "connection reset
 
 # ----------------------------------------------------------------------------------- runtime
 class DeepSpeedRuntime(Runtime):
+    process_group = True  # deepspeed.init_distributed's, kept until the process exits
+
     def __init__(self, cfg):
         self.cfg = cfg
         self.rank, self.world_size, self.local_rank = launcher_env()
@@ -250,6 +252,16 @@ class DeepSpeedRuntime(Runtime):
             finally:  # (named _register_hooks_recursively before deepspeed 0.16.4)
                 register = getattr(offload, "_register_deepspeed_module", None) or offload._register_hooks_recursively
                 register(offload.module)
+
+    @contextlib.contextmanager
+    def full_weights(self, params):
+        """ZeRO-3: ``params`` gathered for the block (only these: one layer at a time, never the whole model);
+        ZeRO-2: every rank holds every parameter already."""
+        if self.stage < 3:
+            yield False
+            return
+        with self._ds.zero.GatheredParameters(list(params), modifier_rank=None):
+            yield True
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, gathered, as CPU tensors on every rank (for checks; needs the full model in memory)."""
