@@ -63,3 +63,32 @@ def test_config_choices(cfg_factory):
         cfg_factory({"algorithm": {"rollout_is": "tis"}})
     with pytest.raises(ConfigError, match="rollout_is_cap"):
         cfg_factory({"algorithm": {"rollout_is_cap": 0.5}})
+
+
+def test_the_documented_vllm_commands_are_what_make_test_vllm_runs():
+    """docs/rollout.md's install steps and test command are the ones `make test-vllm` runs (`make -n`: printed, not
+    run; -q aside, and the Makefile's own `test -x ... ||` guard that makes it idempotent)."""
+    import re
+    import shlex
+    import shutil
+    import subprocess
+
+    from tests.helpers import ROOT
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    made = subprocess.run(["make", "-n", "-B", "test-vllm", "TEST_WORKERS=2"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout
+    made = [[w for w in shlex.split(line) if w != "-q"] for line in made.splitlines()]
+    text = (ROOT / "docs" / "rollout.md").read_text()
+    install = re.search(r"```bash\n(python3 -m venv \.venv-vllm\n.*?)```", text, re.S).group(1)
+    documented = [shlex.split(line, comments=True) for line in install.splitlines()]
+    test_block = re.search(r"```bash\nmake test-vllm\n(.*?)```", text, re.S).group(1).replace("\\\n", " ")
+    documented += [[w for w in shlex.split(line) if w != "-q"] for line in test_block.splitlines()
+                   if not line.startswith("#")]
+    assert len(documented) == 5
+    for words in documented:
+        if words[:3] == ["python3", "-m", "venv"]:  # the Makefile: test -x .venv-vllm/bin/pip || python3 -m venv ...
+            assert [w for w in made[0][made[0].index("||") + 1:] if w != "--clear"] == words, made[0]
+        else:
+            assert words in made, (words, made)
