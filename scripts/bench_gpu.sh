@@ -3,6 +3,7 @@
 #
 #   scripts/bench_gpu.sh [--dry-run]          # step: the whole-GRPO-step comparison, under 8 minutes
 #   scripts/bench_gpu.sh [--dry-run] prefix   # prefix: the shared-prefix engine's kernels, under 4 minutes
+#   scripts/bench_gpu.sh [--dry-run] rollout  # rollout: our decode loop vs vLLM, tokens/s and whole step, < 8 min
 #
 # step: scripts/bench_trl.py on SmolLM2-135M and a Qwen2-0.5B-shaped random model (151936 vocab), bf16, this
 # framework with the shared prefix on and off vs TRL's GRPOTrainer; tokens/s, peak GPU memory and the model
@@ -10,6 +11,7 @@
 # Needs `make bench-env` first (TRL lives only in .venv-bench).
 # prefix: scripts/bench_prefix.py (forward+backward of token_logprobs, standard vs shared layout) in bf16 with
 # the FlexAttention kernel, then the grouped kernel, on the tiny 49k-vocab Llama shapes and SmolLM2.
+# rollout: see its section below.
 # --dry-run prints the plan and runs nothing (works on CPU; the tests run it).
 #
 # Env: PEAK_TFLOPS (default 989, H200 dense bf16), STEPS (2), PROMPTS (8 prompts/step), OUT (bench_gpu.json),
@@ -23,7 +25,7 @@ PY=${BENCH_PY:-.venv-bench/bin/python}
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 MODE=step
-if [ "${1:-}" = "prefix" ] || [ "${1:-}" = "step" ]; then MODE=$1; shift; fi
+if [ "${1:-}" = "prefix" ] || [ "${1:-}" = "step" ] || [ "${1:-}" = "rollout" ]; then MODE=$1; shift; fi
 
 if [ "$MODE" = "prefix" ]; then
   for KERNEL in flex grouped; do
@@ -32,6 +34,33 @@ if [ "$MODE" = "prefix" ]; then
   done
   exit 0
 fi
+
+# ---- rollout (issue 16): completion tokens/s of our decode loop (hf) vs vLLM, then the whole step with each ------
+# 1. scripts/bench_rollout.py: a Qwen2.5-0.5B-shaped model with random weights (151936 vocab), bf16, 8 prompts of
+#    P=512 random tokens x G=16 samples x S=512 new tokens (exactly: min tokens), hf then vLLM (CUDA graphs); median
+#    of 2 timed calls after a warm-up; vLLM's engine start reported apart. ~3 minutes.
+# 2. scripts/bench_trl.py --systems ours,ours-vllm: the whole GRPO step (rollout, reward, reference, update) at the
+#    same shape, rollout.backend=hf vs vllm (eager), 1 measured step after a warm-up step. ~3-4 minutes.
+# Needs vLLM importable by BENCH_PY (else its rows say so and the hf rows still run) and, for 2, hydra-core,
+# omegaconf and datasets. Writes ${OUT:-bench_rollout}.json and ${OUT:-bench_rollout}_step.json.
+if [ "$MODE" = "rollout" ]; then
+  R=${OUT:-bench_rollout}
+  CMD1=("$PY" scripts/bench_rollout.py --device cuda --dtype bfloat16 --model qwen05-shape --prompt-len 512
+        --prompts 8 --group 16 --new 512 --repeats 2 --backends hf,vllm --vllm-graphs --threads 4
+        --json "$R.json")
+  CMD2=("$PY" scripts/bench_trl.py --device cuda --dtype bfloat16 --models qwen05 --shapes 512x512x16
+        --prompts-per-step 8 --systems ours,ours-vllm --steps 1 --repeats 1 --timeout 110 --json "${R}_step.json")
+  [ -n "${TOKENIZER:-}" ] && CMD2+=(--tokenizer "$TOKENIZER")
+  if [ "$DRY" = 1 ]; then
+    echo "timeout 230 ${CMD1[*]} $*"
+    "${CMD2[@]}" --dry-run "$@"
+  else
+    timeout --signal=INT 230 "${CMD1[@]}" "$@" || echo "bench_rollout.py ended with status $?"
+    timeout --signal=INT 240 "${CMD2[@]}" "$@"
+  fi
+  exit 0
+fi
+# ---- end of rollout ------------------------------------------------------------------------------------------------
 
 EXTRA=()
 [ "$DRY" = 1 ] && EXTRA=(--dry-run)

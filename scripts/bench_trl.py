@@ -44,7 +44,9 @@ QWEN05 = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hi
 MODELS = {"tiny": ("llama", TINY_LLAMA), "quick": ("llama", QUICK_LLAMA), "qwen05": ("qwen2", QWEN05),
           "smollm2-shape": ("llama", SMOLLM2_SHAPE), "smollm2": None}
 DEFAULT_SHAPES = "64x64x8,1024x32x8"
-SYSTEMS = ("ours", "ours-noshare", "trl")
+SYSTEMS = ("ours", "ours-noshare", "trl")  # the default comparison
+# ours with rollout.backend=vllm (an in-process vLLM engine samples; needs vLLM in the workers' environment)
+EXTRA_SYSTEMS = ("ours-vllm",)
 
 
 # ------------------------------------------------------------------------------------------------ reward
@@ -135,14 +137,15 @@ def worker_ours(spec: dict) -> dict:
     from grpo.update import UpdateSettings, policy_update
 
     P, S, G, n = spec["P"], spec["S"], spec["G"], spec["prompts_per_step"]
-    shared = spec["system"] == "ours"
+    shared = spec["system"] in ("ours", "ours-vllm")
+    backend = "vllm" if spec["system"] == "ours-vllm" else "hf"
     cfg = load({
         "model": {"name_or_path": spec["model_dir"], "dtype": spec["dtype"]},
         "data": {"source": "builtin:arithmetic", "num_train": 4, "num_eval": 0, "chat_template": False},
         # the key "accuracy" replaces the default reward of that name (dicts merge onto the defaults)
         "reward": {"functions": {"accuracy": {"fn": "bench_trl:bench_reward", "weight": 1.0}}},
         "rollout": {"prompts_per_step": n, "max_new_tokens": S, "batch_size": n, "share_prompt": shared,
-                    "temperature": 1.0},
+                    "temperature": 1.0, "backend": backend},
         "algorithm": {"group_size": G, "beta": 0.04, "num_iterations": 1},
         "engine": {"shared_prefix": shared},
         "trainer": {"max_steps": spec["steps"] + 1, "lr": 1e-6, "output_dir": spec["out"], "seed": 0,
@@ -159,6 +162,8 @@ def worker_ours(spec: dict) -> dict:
 
     # exactly S new tokens, as in the TRL run (generation_kwargs min_new_tokens)
     experience.generate = functools.partial(grpo.rollout.generate, min_new_tokens=S)
+    if backend == "vllm":
+        _vllm_exact_length(S)
     settings = dataclasses.replace(UpdateSettings.from_config(cfg), mask_truncated=False)
     times, upd, lens, roll = [], [], [], []
     for _ in range(spec["steps"] + 1):
@@ -183,6 +188,22 @@ def worker_ours(spec: dict) -> dict:
     return {"step_s": times[1:], "update_s": upd[1:], "rollout_s": roll[1:], "completion_tokens": lens[1:],
             "prompt_len": P,
             "peak_rss_mib": _peak_rss_mib(), **_gpu_mem(spec["device"]), "torch_threads": torch.get_num_threads()}
+
+
+def _vllm_exact_length(S: int) -> None:
+    """The vLLM backend's sampling parameters with min_tokens = S (as min_new_tokens for our decode loop)."""
+    from vllm import SamplingParams
+
+    from grpo.vllm_rollout import VLLMBackend
+
+    original = VLLMBackend.sampling_params
+
+    def exact(self, sampling, group_size, seed):
+        p = original(self, sampling, group_size, seed)
+        keep = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "logprobs", "seed")
+        return SamplingParams(**{k: getattr(p, k) for k in keep}, min_tokens=S, detokenize=False)
+
+    VLLMBackend.sampling_params = exact
 
 
 def _timed(fn, sink: list, device):
@@ -325,7 +346,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="tiny,smollm2", help=f"comma list of {', '.join(MODELS)}")
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory for the random-init models (default: the "
                     "embedded SmolLM2's, prepared on demand)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of ours, ours-noshare, trl")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of ours, ours-noshare, trl, ours-vllm "
+                    "(rollout.backend=vllm)")
     ap.add_argument("--prompts-per-step", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = torch's default); 1 keeps "
                                                           "timings sane on a CPU shared with other jobs")
@@ -362,8 +384,8 @@ def main(argv=None) -> int:
         if m not in MODELS:
             ap.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
     for s in systems:
-        if s not in SYSTEMS:
-            ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+        if s not in SYSTEMS + EXTRA_SYSTEMS:
+            ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS + EXTRA_SYSTEMS)}")
     shapes = parse_shapes(a.shapes)
     bench_py = ROOT / ".venv-bench" / "bin" / "python"
     python = a.python or (str(bench_py) if bench_py.exists() else sys.executable)

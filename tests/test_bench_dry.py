@@ -87,3 +87,46 @@ def test_bench_quick_ours_whole_step(tmp_path):
         assert summary["mfu"] == pytest.approx(flops / (run["update_s"][0] * 1e12))  # --peak-tflops 1
         assert run["peak_rss_mib"] > 100  # a worker that imported torch and built a model
     assert "| quick | 16 | 8 | 4 | ours |" in p.stdout
+
+
+def test_bench_gpu_rollout_dry_run_plans_both_parts():
+    """scripts/bench_gpu.sh rollout: bench_rollout.py (hf vs vLLM tokens/s at the Qwen2.5-0.5B shape, G=16, P=512,
+    S=512) and bench_trl.py's whole step with rollout.backend=hf and vllm, both under their timeouts (< 8 min)."""
+    out = _gpu_dry("rollout").stdout
+    first = out.splitlines()[0].split()
+    assert first[:4] == ["timeout", "230", sys.executable, "scripts/bench_rollout.py"]
+    words = first[4:]
+    opts = {w: (words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else True)
+            for i, w in enumerate(words) if w.startswith("--")}
+    assert {k: opts[k] for k in ("--device", "--dtype", "--model", "--prompt-len", "--group", "--new", "--backends")} \
+        == {"--device": "cuda", "--dtype": "bfloat16", "--model": "qwen05-shape", "--prompt-len": "512",
+            "--group": "16", "--new": "512", "--backends": "hf,vllm"}
+    helptext = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_rollout.py"), "--help"],
+                              capture_output=True, text=True, check=True).stdout
+    assert all(o in helptext for o in opts) and opts["--vllm-graphs"] is True
+    header, rows = _plan(out)
+    assert header.startswith("# plan: 2 worker runs, 1 measured steps each (+1 warm-up), 8 prompts/step, device cuda")
+    assert rows == [("qwen05", 512, 512, 16, 0, "ours"), ("qwen05", 512, 512, 16, 0, "ours-vllm")]
+
+
+def test_bench_rollout_measures_our_decode_loop(tmp_path):
+    """bench_rollout.py on a random SmolLM2-shaped model, a few tokens: the hf record (exactly the tokens asked),
+    and a vLLM record that says why it was skipped where vLLM does not import."""
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_rollout.py"), "--model", "smollm2-shape",
+                        "--prompt-len", "8", "--prompts", "2", "--group", "2", "--new", "3", "--repeats", "1",
+                        "--threads", "1", "--backends", "hf" if _vllm_imports() else "hf,vllm", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    records = json.loads(out.read_text())
+    hf = records[0]
+    assert hf["backend"] == "hf" and hf["tokens"] == 2 * 2 * 3 and hf["prompt_len"] == 8
+    assert hf["tokens_per_s"] == pytest.approx(hf["tokens"] / hf["median_s"], rel=0.05)
+    if not _vllm_imports():
+        assert records[1]["backend"] == "vllm" and records[1]["skipped"].startswith("vllm does not import")
+
+
+def _vllm_imports() -> bool:
+    from tests.helpers import vllm_problem
+
+    return vllm_problem() is None
