@@ -118,8 +118,12 @@ class VLLMBackend:
                 seen.append(name)
                 yield name, t
 
-        with _CaptureNotLoaded() as missing:
-            self._runner().reload_weights(weights_iterator=items(), is_checkpoint_format=True)
+        weights = items()
+        try:
+            with _CaptureNotLoaded() as missing:
+                self._runner().reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        finally:  # a sync vLLM stopped (a name it refused) releases a gathered weight now, not when collected
+            weights.close()
         if missing.messages:
             raise WeightSyncError("vLLM parameters that the trainer's weights did not fill: "
                                   + missing.messages[0][:300])
@@ -251,7 +255,8 @@ def hf_weights(model, full_weights=_as_they_are):
         layer = lora.get(plain)
         params = list(layer.parameters()) if layer is not None else \
             [t] if isinstance(t, torch.nn.Parameter) else []
-        with torch.no_grad(), full_weights(params) as temporary:
+        # no grad-mode context across the yield: a generator left suspended would restore it whenever collected
+        with full_weights(params) as temporary:
             w = _merged(layer) if layer is not None else t.detach()
             yield plain, w.clone() if temporary and layer is None else w
 
@@ -259,10 +264,11 @@ def hf_weights(model, full_weights=_as_they_are):
 def _merged(layer) -> torch.Tensor:
     """A PEFT LoRA layer's effective weight: its base weight plus each active adapter's scaled B A (a new tensor)."""
     active = [a for a in getattr(layer, "active_adapters", []) if a in getattr(layer, "lora_A", {})]
-    w = layer.base_layer.weight.detach()
-    for a in active:
-        w = w + layer.get_delta_weight(a).detach().to(w.dtype)
-    return w if active else w.clone()
+    with torch.no_grad():
+        w = layer.base_layer.weight.detach()
+        for a in active:
+            w = w + layer.get_delta_weight(a).detach().to(w.dtype)
+        return w if active else w.clone()
 
 
 class _CaptureNotLoaded(logging.Handler):

@@ -77,8 +77,11 @@ def test_the_documented_vllm_commands_are_what_make_test_vllm_runs():
 
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
-    made = subprocess.run(["make", "-n", "-B", "test-vllm", "TEST_WORKERS=2"], cwd=ROOT, capture_output=True,
-                          text=True, check=True).stdout
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # run by make too
+    made = subprocess.run(["make", "--no-print-directory", "-n", "-B", "test-vllm", "TEST_WORKERS=2"], cwd=ROOT,
+                          capture_output=True, text=True, check=True, env=env).stdout
     made = [[w for w in shlex.split(line) if w != "-q"] for line in made.splitlines()]
     text = (ROOT / "docs" / "rollout.md").read_text()
     install = re.search(r"```bash\n(python3 -m venv \.venv-vllm\n.*?)```", text, re.S).group(1)

@@ -97,6 +97,10 @@ def test_greedy_tokens_equal_our_decode_loop_and_every_name_maps(tok, family):
         backend.sync_weights(_Weights({**weights, "model.layers.0.mlp.nonexistent.weight": torch.zeros(3)}))
     with pytest.raises(WeightSyncError, match="did not fill"):
         backend.sync_weights(_Weights({k: v for k, v in weights.items() if k != "model.layers.1.mlp.down_proj.weight"}))
+    import gc
+
+    gc.collect()
+    assert torch.is_grad_enabled()  # the refused syncs left nothing behind (a suspended no_grad, a gathered weight)
     backend.sync_weights(model)
     assert backend.generate(prompts, 4, Sampling(max_new_tokens=12, greedy=True)).ids == want
 
