@@ -116,3 +116,32 @@ def test_zero3_lora_two_processes_equal_one_process(tmp_path):
     adapter = load_file(str(final / "adapter_model.safetensors"))
     assert adapter.keys() == trained.keys()
     assert all(torch.equal(adapter[n], trained[n]) for n in adapter)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_holding_merges_like_the_model_it_copies(dtype):
+    """`grpo.runtime.base.holding` (the ZeRO-3 merge path, here without DeepSpeed): a meta-built copy holding a
+    state dict merges to the same weights as the model itself, tied embeddings included, no tensor copied."""
+    from peft import LoraConfig, get_peft_model
+
+    from grpo.models import tiny_model
+    from grpo.runtime.base import holding
+
+    model = tiny_model("llama", 40, seed=3).to(dtype)  # tiny models are untied: tie them here
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model = get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)  # a trained adapter (B starts at zero)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    copy = holding(model, state)
+    assert all(p.device.type == "cpu" for p in copy.parameters())
+    held = dict(copy.named_parameters())
+    assert all(held[k].data_ptr() == state[k].data_ptr() for k in held)  # the state's own tensors
+    got = copy.merge_and_unload().state_dict()
+    want = model.merge_and_unload().state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert got["lm_head.weight"].data_ptr() == got["model.embed_tokens.weight"].data_ptr()  # still tied
