@@ -19,6 +19,7 @@ from grpo.config import Config, TrainerConfig
 from grpo.data import PromptSampler
 from grpo.errors import SetupError
 from grpo.models import check_name, load_model, load_reference, load_tokenizer
+from grpo.rewards.score import RewardFunction, in_worker
 from grpo.rewards.score import build as build_rewards
 from grpo.rollout_backends import close_backend
 from grpo.run import Run
@@ -41,9 +42,10 @@ def make_runtime(cfg: Config) -> Runtime:
     return LocalRuntime(cfg.trainer.device)
 
 
-def preflight(cfg: Config) -> None:
+def preflight(cfg: Config) -> list[RewardFunction]:
     """Every check that needs no model: the command line runs it before a run directory exists (a mistake
-    leaves nothing behind), and `build_run` runs it again."""
+    leaves nothing behind), and `build_run` runs it again. Returns the reward functions it resolved and
+    checked (without a worker process: `build_run` attaches one when ``reward.timeout_s`` > 0)."""
     out = cfg.trainer.output_dir
     if not out:
         raise SetupError("trainer.output_dir is not set")
@@ -59,21 +61,21 @@ def preflight(cfg: Config) -> None:
         raise SetupError(f"engine.attention_kernel=flex needs a CUDA device (this run is on {device}: "
                          "PyTorch's FlexAttention has no CPU backward); use auto or grouped")
     check_name(cfg.model.name_or_path)
-    build_rewards(cfg.reward.functions)  # resolves every fn and checks its arguments
+    rewards = build_rewards(cfg.reward.functions)  # resolves every fn and checks its arguments
     data.check_source(cfg.data)
+    return rewards
 
 
 def build_run(cfg: Config) -> Run:
-    preflight(cfg)
+    rewards = in_worker(preflight(cfg), cfg.reward.timeout_s)
     runtime = make_runtime(cfg)  # a multi-process runtime checks the number of processes before any collective
     with runtime.peer_failures_as_errors():  # a collective that timed out or lost a rank: one line
-        return _build(cfg, runtime)
+        return _build(cfg, runtime, rewards)
 
 
-def _build(cfg: Config, runtime: Runtime) -> Run:
+def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
     owner = owns_output_dir(runtime, cfg.trainer.output_dir)
     set_seed(cfg.trainer.seed + runtime.rank)
-    rewards = build_rewards(cfg.reward.functions, cfg.reward.timeout_s)
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     splits = data.build(cfg.data, tokenizer)
     if splits.dropped and runtime.is_main:
@@ -97,7 +99,7 @@ def _build(cfg: Config, runtime: Runtime) -> Run:
     from grpo.budget import plan as plan_memory  # sizes `auto`, refuses a prompt + completion that cannot fit
     cfg.engine.max_tokens_per_micro_batch = plan_memory(cfg, splits, runtime)
     sampler = PromptSampler(len(splits.train), seed=cfg.trainer.seed)
-    return Run(runtime, tokenizer, policy, reference, splits, rewards, runtime.optimizer, runtime.scheduler, sampler,
+    return Run(runtime, tokenizer, policy, reference, splits, rewards, sampler,
                completion_format=cfg.reward.completion_format, owns_output_dir=owner)
 
 

@@ -27,8 +27,6 @@ class Run:
     reference: torch.nn.Module | None     # None: beta = 0, or LoRA (the policy with its adapter disabled)
     splits: Splits
     rewards: list[RewardFunction]
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: PromptSampler
     completion_format: str = "auto"       # what rewards receive: text | messages | auto (follow the data)
     owns_output_dir: bool = True          # finalises checkpoints in its output_dir (rank 0; a node's first rank
@@ -41,6 +39,14 @@ class Run:
     @property
     def model(self) -> torch.nn.Module:
         return self.runtime.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.runtime.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        return self.runtime.scheduler
 
     def reference_context(self):
         """Context in which `reference_model()` gives the frozen reference (LoRA: adapter disabled)."""

@@ -4,6 +4,7 @@
 #   scripts/bench_gpu.sh [--dry-run]          # step: the whole-GRPO-step comparison, under 8 minutes
 #   scripts/bench_gpu.sh [--dry-run] prefix   # prefix: the shared-prefix engine's kernels, under 4 minutes
 #   scripts/bench_gpu.sh [--dry-run] rollout  # rollout: our decode loop vs vLLM, tokens/s and whole step, < 8 min
+#   scripts/bench_gpu.sh [--dry-run] dist     # dist: the NCCL + bf16 + ZeRO-3 smoke, under 4 minutes
 #
 # step: scripts/bench_trl.py on SmolLM2-135M and a Qwen2-0.5B-shaped random model (151936 vocab), bf16, this
 # framework with the shared prefix on and off vs TRL's GRPOTrainer; tokens/s, peak GPU memory and the model
@@ -12,6 +13,11 @@
 # prefix: scripts/bench_prefix.py (forward+backward of token_logprobs, standard vs shared layout) in bf16 with
 # the FlexAttention kernel, then the grouped kernel, on the tiny 49k-vocab Llama shapes and SmolLM2.
 # rollout: see its section below.
+# dist: torchrun with one process on one GPU (world size 1: NCCL), distributed=zero3 with bf16, the smoke recipe's
+# tiny model, 2 steps with a checkpoint each and the consolidated final model; scripts/dist_smoke.py checks that
+# the run took that path (backend, dtype, partitioned weights) and ended well, and prints one JSON line.
+# Needs deepspeed, hydra-core and omegaconf importable by BENCH_PY. DEVICE=cpu runs the same on the CPU (gloo; the
+# tests do). DIST_DIR: the run's output directory (default: a fresh temporary one).
 # --dry-run prints the plan and runs nothing (works on CPU; the tests run it).
 #
 # Env: PEAK_TFLOPS (default 989, H200 dense bf16), STEPS (2), PROMPTS (8 prompts/step), OUT (bench_gpu.json),
@@ -25,7 +31,9 @@ PY=${BENCH_PY:-.venv-bench/bin/python}
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 MODE=step
-if [ "${1:-}" = "prefix" ] || [ "${1:-}" = "step" ] || [ "${1:-}" = "rollout" ]; then MODE=$1; shift; fi
+if [ "${1:-}" = "prefix" ] || [ "${1:-}" = "step" ] || [ "${1:-}" = "dist" ] || [ "${1:-}" = "rollout" ]; then
+  MODE=$1; shift
+fi
 
 if [ "$MODE" = "prefix" ]; then
   for KERNEL in flex grouped; do
@@ -61,6 +69,23 @@ if [ "$MODE" = "rollout" ]; then
   exit 0
 fi
 # ---- end of rollout ------------------------------------------------------------------------------------------------
+if [ "$MODE" = "dist" ]; then
+  DEVICE=${DEVICE:-cuda}
+  BACKEND=nccl
+  [ "$DEVICE" = cpu ] && BACKEND=gloo
+  RUN_DIR=${DIST_DIR:-}
+  if [ -z "$RUN_DIR" ]; then
+    if [ "$DRY" = 1 ]; then RUN_DIR=/tmp/grpo-dist-XXXXXX/run; else RUN_DIR=$(mktemp -d -t grpo-dist-XXXXXX)/run; fi
+  fi
+  CMD=("$PY" -m torch.distributed.run --standalone --nproc_per_node 1 scripts/dist_smoke.py
+       --expect-backend "$BACKEND" --expect-dtype bfloat16 --json "${OUT:-bench_dist.json}"
+       recipe=smoke distributed=zero3 distributed.bf16=true trainer.device="$DEVICE" trainer.max_steps=2
+       +distributed.ds_config.zero_optimization.stage3_param_persistence_threshold=0
+       trainer.save_every=1 data.num_eval=4 logging.sample_every=0 logging.plot=false
+       trainer.output_dir="$RUN_DIR" "$@")
+  if [ "$DRY" = 1 ]; then echo "timeout 230 ${CMD[*]}"; else OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} timeout --signal=INT 230 "${CMD[@]}"; fi
+  exit 0
+fi
 
 EXTRA=()
 [ "$DRY" = 1 ] && EXTRA=(--dry-run)

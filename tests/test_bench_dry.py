@@ -130,3 +130,58 @@ def _vllm_imports() -> bool:
     from tests.helpers import vllm_problem
 
     return vllm_problem() is None
+def _dist_command(stdout: str) -> tuple[list[str], dict, list[str]]:
+    """(launcher words, dist_smoke.py options, grpo.train overrides) of `bench_gpu.sh --dry-run dist`."""
+    (line,) = stdout.splitlines()
+    words = line.split()
+    at = words.index("scripts/dist_smoke.py")
+    rest = words[at + 1:]
+    opts = dict(zip(rest[0:6:2], rest[1:6:2]))
+    return words[:at], opts, rest[6:]
+
+
+def test_bench_gpu_dist_dry_run_is_a_valid_one_gpu_zero3_bf16_run():
+    from omegaconf import OmegaConf
+
+    from grpo.config import load
+    from tests.helpers import compose_recipe
+
+    launcher, opts, overrides = _dist_command(_gpu_dry("dist", "trainer.seed=7").stdout)
+    assert launcher == ["timeout", "230", sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node", "1"]                      # one process: world size 1
+    assert opts == {"--expect-backend": "nccl", "--expect-dtype": "bfloat16", "--json": "bench_dist.json"}
+    assert overrides[-1] == "trainer.seed=7"                          # extra overrides pass through
+    helptext = subprocess.run([sys.executable, str(ROOT / "scripts" / "dist_smoke.py"), "--help"],
+                              capture_output=True, text=True, check=True).stdout
+    assert all(o in helptext for o in opts)
+    # the overrides compose into a valid config: ZeRO-3, bf16, on the GPU, 2 steps with checkpoints
+    recipe = next(o.split("=", 1)[1] for o in overrides if o.startswith("recipe="))
+    cfg = load(OmegaConf.to_container(compose_recipe(recipe, [o for o in overrides if not o.startswith("recipe=")]),
+                                      resolve=True))
+    assert (cfg.distributed.backend, cfg.distributed.zero_stage, cfg.distributed.bf16) == ("deepspeed", 3, True)
+    assert (cfg.trainer.device, cfg.trainer.max_steps, cfg.trainer.save_every) == ("cuda", 2, 1)
+    # DEVICE=cpu: the same run on the CPU, checked against gloo
+    launcher, opts, overrides = _dist_command(_gpu_dry("dist", DEVICE="cpu").stdout)
+    assert opts["--expect-backend"] == "gloo" and "trainer.device=cpu" in overrides
+
+
+@pytest.mark.slow
+def test_bench_gpu_dist_smoke_runs_on_cpu(tmp_path):
+    """The dist smoke for real with DEVICE=cpu (gloo instead of NCCL): ZeRO-3 with bf16, 2 steps, every check of
+    scripts/dist_smoke.py passes; a check that fails makes the script fail."""
+    out = tmp_path / "dist.json"
+    env = {"PATH": "/usr/bin:/bin", "BENCH_PY": sys.executable, "DEVICE": "cpu", "DIST_DIR": str(tmp_path / "run"),
+           "OUT": str(out), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)}
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "bench_gpu.sh"), "dist"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["ok"] and res["problems"] == []
+    assert (res["backend"], res["dtype"], res["zero_stage"], res["world_size"]) == ("gloo", "bfloat16", 3, 1)
+    assert res["partitioned"] and len(res["update_s"]) == 2
+    # the checks are real: the same finished run, held to a dtype it does not have, fails them
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from dist_smoke import check
+
+    assert check(res, "gloo", "float32") == ["dtype is 'bfloat16', expected 'float32'",
+                                             "final/ holds torch.bfloat16 weights, expected float32"]

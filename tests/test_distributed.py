@@ -38,6 +38,7 @@ def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...
     from grpo.batch import Batch
     from grpo.build import build_run
     from grpo.config import load
+    from grpo.engine.unwrap import unwrap_model
     from grpo.update import UpdateSettings, _plan, nested_logprobs, policy_update
     from tests.helpers import compose_recipe
 
@@ -66,11 +67,20 @@ def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...
         batch.ref_logps = nested_logprobs(rt, run.reference_model(), batch, cfg.engine, cfg.rollout.temperature)
     if cfg.algorithm.num_iterations > 1:  # pi_old: the weights before the first update, for both updates
         batch.old_logps = nested_logprobs(rt, rt.model, batch, cfg.engine, cfg.rollout.temperature)
-    record = {"micro_batches": len(_plan(batch, cfg.engine)), "stats": [], "params": [_params(rt)]}
+    record = {"micro_batches": len(_plan(batch, cfg.engine)), "stats": [], "params": [_params(rt)],
+              # per parameter: (elements this rank holds, elements in all); ZeRO-3 holds a partition
+              "held": {n: (getattr(p, "ds_tensor", p).numel(), getattr(p, "ds_numel", p.numel()))
+                       for n, p in rt.unwrap().named_parameters()}}
+    # forwards of the first attention layer in the first update: twice per micro-batch with gradient checkpointing
+    layer = unwrap_model(rt.model).model.layers[0].self_attn
+    calls = []
+    hook = layer.register_forward_hook(lambda *_: calls.append(1))
     for k in range(3):
         if k == 2:
             batch.advantages = torch.full_like(batch.advantages, float("nan"))
         stats = policy_update(rt, batch, UpdateSettings.from_config(cfg))
+        record.setdefault("layer_calls", len(calls))
+        hook.remove()
         record["stats"].append(stats)
         record["params"].append(_params(rt))
     out.mkdir(parents=True, exist_ok=True)
@@ -99,8 +109,8 @@ def _worker(argv: list[str]) -> None:
     if mode in ("update", "cli"):
         drop = [a for a in args if a.startswith("drop=")]
         dropped = tuple(int(g) for g in drop[0][5:].split(",")) if drop else ()
-        fixed_batch_updates([a for a in args if a.startswith(("distributed", "+distributed", "algorithm."))], out,
-                            dropped)
+        keys = ("distributed", "+distributed", "algorithm.", "model.")
+        fixed_batch_updates([a for a in args if a.startswith(keys)], out, dropped)
     if mode in ("cli", "train"):
         cli(args)
 
@@ -224,6 +234,19 @@ def test_zero3_two_processes_then_resume(tmp_path, one_process):
     _check_run(out, 3)
 
 
+@pytest.mark.slow
+def test_zero3_gradient_checkpointing_with_the_shared_prefix_engine(tmp_path, one_process):
+    """model.gradient_checkpointing=true under ZeRO-3 with the shared-prefix engine (ragged prompts and
+    completions, G=4): every layer is recomputed in backward, and the gradients and updates equal one process's
+    without checkpointing."""
+    worker("update", tmp_path / "update", *ZERO3, "model.gradient_checkpointing=true", cwd=tmp_path)
+    _check_updates(tmp_path / "update", one_process)
+    ranks = [torch.load(tmp_path / "update" / f"update_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    forwards = max(r["micro_batches"] for r in ranks)  # every rank runs as many (rank 1's extra ones are idle)
+    assert [r["layer_calls"] for r in ranks] == [2 * forwards] * 2      # forward, then the recompute in backward
+    assert one_process["layer_calls"] == one_process["micro_batches"]  # the reference does not checkpoint
+
+
 # mu = 2 (old log-probs; the second update has ratios away from 1), GSPO, token_mean, mask_truncated, clip-higher
 BEYOND = ["algorithm.num_iterations=2", "algorithm.importance_sampling=sequence", "algorithm.loss_agg=token_mean",
           "algorithm.mask_truncated=true", "algorithm.epsilon=0.05", "algorithm.epsilon_high=0.08"]
@@ -305,8 +328,7 @@ def test_deepspeed_config_is_derived_from_the_recipe(cfg_factory):
     with pytest.raises(SetupError, match="divisible"):
         check(cfg, 3)
     cfg.model.lora.enabled = True
-    with pytest.raises(SetupError, match="zero_stage=3 with model.lora.enabled is not supported"):
-        check(cfg, 2)
+    check(cfg, 2)  # ZeRO-3 with LoRA runs (tests/test_zero3_lora.py)
     cfg.model.lora.enabled = False
     cfg.distributed.ds_config = {"zero_optimization": {"stage": 2}}
     with pytest.raises(SetupError, match="zero_optimization.stage is derived"):

@@ -13,7 +13,7 @@ import math
 import os
 import sys
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from grpo.errors import RewardCountError, RewardSpecError, RewardTimeout
@@ -39,19 +39,23 @@ class RewardFunction:
 def build(functions: dict, timeout_s: float = 0.0) -> list[RewardFunction]:
     """``reward.functions`` (name -> {fn, weight, **kwargs}) to resolved functions. Resolving here
     (also when a worker will run them) makes a bad ``fn`` fail before any model loads."""
-    worker = None
-    if timeout_s > 0:
-        from grpo.rewards.worker import RewardWorker
-
-        worker = RewardWorker()
     out = []
     for name, spec in functions.items():
         spec = dict(spec)
         fn, kwargs = resolve(spec["fn"]), {k: v for k, v in spec.items() if k not in _RESERVED}
         check_kwargs(name, spec["fn"], fn, kwargs)
-        out.append(RewardFunction(name, fn, float(spec.get("weight", 1.0)), kwargs,
-                                  spec=spec["fn"], timeout_s=timeout_s, worker=worker))
-    return out
+        out.append(RewardFunction(name, fn, float(spec.get("weight", 1.0)), kwargs, spec=spec["fn"]))
+    return in_worker(out, timeout_s)
+
+
+def in_worker(rewards: list[RewardFunction], timeout_s: float) -> list[RewardFunction]:
+    """The same functions run in one worker process, hard-killed after ``timeout_s`` (0: in this process)."""
+    if timeout_s <= 0:
+        return rewards
+    from grpo.rewards.worker import RewardWorker
+
+    worker = RewardWorker()
+    return [replace(r, timeout_s=timeout_s, worker=worker) for r in rewards]
 
 
 def check_kwargs(name: str, spec: str, fn: Callable, kwargs: dict) -> None:

@@ -143,17 +143,49 @@ class Runtime:
     def save_final(self, tmp: Path, tokenizer, merge_lora: bool) -> None:
         """An ordinary Hugging Face directory in ``tmp`` written by rank 0 (every rank calls it): the model,
         with its LoRA adapter merged when ``merge_lora`` (else the adapter alone), and the tokenizer."""
-        state = self._final_state_dict()
+        # merging needs the base weights too; the adapter alone is only the trainable parameters
+        state = self._final_state_dict(trainable_only=_is_peft(self.unwrap()) and not merge_lora)
         if self.is_main:
             if Path(tmp).exists():
                 shutil.rmtree(tmp)
             model = self.unwrap()
+            if merge_lora and state is not None:  # partitioned weights: merge into a CPU copy holding them whole
+                model, state = holding(model, state), None
             if merge_lora:
                 model = model.merge_and_unload()
             model.save_pretrained(tmp, **({} if state is None else {"state_dict": state}))
             tokenizer.save_pretrained(tmp)
         self.barrier()
 
-    def _final_state_dict(self) -> dict | None:
-        """The weights for `save_final` when the model does not hold them whole (collective); None: its own."""
+    def _final_state_dict(self, trainable_only: bool = False) -> dict | None:
+        """The weights for `save_final` on rank 0 when the model does not hold them whole (a collective: every rank
+        calls it), only the trainable ones with ``trainable_only``; None: the model's own."""
         return None
+
+
+def _is_peft(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")
+
+
+def holding(model: torch.nn.Module, state: dict) -> torch.nn.Module:
+    """A copy of ``model`` (a transformers causal LM, or a peft model around one) whose parameters are the
+    tensors of ``state`` (its full state dict, on the CPU): built on the meta device, so no weight is allocated
+    twice. For a model whose own parameters are partitioned (ZeRO-3), so that peft can merge the adapter."""
+    from transformers import AutoModelForCausalLM
+
+    peft = _is_peft(model)
+    base = model.get_base_model() if peft else model
+    with torch.device("meta"):
+        copy = AutoModelForCausalLM.from_config(base.config)
+        if peft:
+            from peft import get_peft_model
+
+            copy = get_peft_model(copy, model.peft_config[model.active_adapter], adapter_name=model.active_adapter)
+    copy.generation_config = base.generation_config
+    result = copy.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in result.missing_keys if k in dict(copy.named_parameters())]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"the gathered weights do not match the model (missing {missing[:3]}, unexpected "
+                           f"{result.unexpected_keys[:3]})")
+    copy.tie_weights()
+    return copy.eval()

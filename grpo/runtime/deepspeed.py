@@ -276,7 +276,8 @@ class DeepSpeedRuntime(Runtime):
         """Weights, optimizer and ZeRO partitions of every rank under ``tmp/deepspeed`` (all ranks call this);
         trainer_state.pt holds no optimizer state (None)."""
         self.barrier()  # rank 0 has created tmp
-        self.engine.save_checkpoint(str(tmp), tag=TAG, save_latest=False)
+        # frozen weights (a LoRA run's base model) are not trained: they come back from model.name_or_path
+        self.engine.save_checkpoint(str(tmp), tag=TAG, save_latest=False, exclude_frozen_parameters=self._frozen())
         if self.is_main or (self.node_local and self.local_rank == 0):
             (Path(tmp) / TAG / WORLD_FILE).write_text(json.dumps({"world_size": self.world_size,
                                                                   "zero_stage": self.stage}))
@@ -293,13 +294,19 @@ class DeepSpeedRuntime(Runtime):
             raise SetupError(f"checkpoint {ckpt} was written by {saved['world_size']} processes but this run has "
                              f"{self.world_size}; resume with {saved['world_size']} processes")
         path, _ = self.engine.load_checkpoint(str(ckpt), tag=TAG, load_optimizer_states=True,
-                                              load_lr_scheduler_states=False)
+                                              load_lr_scheduler_states=False, load_module_strict=not self._frozen())
         if path is None:
             raise SetupError(f"DeepSpeed could not load checkpoint {ckpt}")
 
-    def _final_state_dict(self) -> dict | None:
+    def _frozen(self) -> bool:
+        """Whether the model has frozen parameters (LoRA's base): checkpoints leave them out."""
+        return any(not p.requires_grad for p in self.engine.module.parameters())
+
+    def _final_state_dict(self, trainable_only: bool = False) -> dict | None:
         """ZeRO-3: the weights consolidated layer by layer onto rank 0 (a collective); ZeRO-2: the module's own."""
-        return self.engine._zero3_consolidated_16bit_state_dict() if self.stage == 3 else None
+        if self.stage < 3:
+            return None
+        return self.engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=trainable_only)
 
 
 def _param_offload(engine):

@@ -43,9 +43,6 @@ def check(cfg, world_size: int) -> None:
     raises the same one-line SetupError before any collective call (no rank is left waiting)."""
     d = cfg.distributed
     check_world_size(cfg, world_size)
-    if d.zero_stage == 3 and cfg.model.lora.enabled:
-        raise SetupError("distributed.zero_stage=3 with model.lora.enabled is not supported (the adapter cannot be "
-                         "merged into partitioned weights); use distributed=zero2")
     for key in _flat_keys(d.ds_config):
         if key in OWNED_KEYS or any(key.startswith(k + ".") for k in OWNED_KEYS):
             raise SetupError(f"distributed.ds_config.{key} is derived from the recipe and cannot be overridden "
