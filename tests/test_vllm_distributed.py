@@ -15,7 +15,8 @@ Then two steps of the real training loop under ZeRO-3 with the vLLM backend.
 
 Cases run one after another in the same two processes: ZeRO-2, ZeRO-2 with LoRA (merged weights), ZeRO-3 (every
 parameter gathered on its own while it is copied; ``stage3_param_persistence_threshold=0`` partitions even the
-smallest ones). Elsewhere than the vLLM environment with deepspeed, skipped, saying why.
+smallest ones), ZeRO-3 with LoRA (a layer's base weight and adapters gathered together, merged, released).
+Elsewhere than the vLLM environment with deepspeed, skipped, saying why.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ CASES = {
     "zero2": ["distributed=zero2"],
     "zero2-lora": ["distributed=zero2", "model.lora.enabled=true", "model.lora.target_modules=[q_proj,v_proj]"],
     "zero3": ["distributed=zero3", "+distributed.ds_config.zero_optimization.stage3_param_persistence_threshold=0"],
+    "zero3-lora": ["distributed=zero3", "+distributed.ds_config.zero_optimization.stage3_param_persistence_threshold=0",
+                   "model.lora.enabled=true", "model.lora.target_modules=[q_proj,v_proj]"],
 }
 
 
@@ -169,6 +172,7 @@ def test_each_rank_engine_gets_the_weights_after_a_zero_step(tmp_path):
     z3 = ranks[0]["zero3"]
     assert z3["largest_gather"] < z3["params"] / 4, z3       # ZeRO-3: one weight at a time, never the model
     assert z3["moved"] == pytest.approx(ranks[0]["zero2"]["moved"], rel=1e-4)  # the same step as ZeRO-2
+    assert ranks[0]["zero3-lora"]["moved"] == pytest.approx(ranks[0]["zero2-lora"]["moved"], rel=1e-4)
     for rec in (r["train-zero3"] for r in ranks):
         assert rec["steps"] == 2 and rec["final"], rec
         assert len(rec["diffs"]) == 2 and max(rec["diffs"]) < 1e-4, rec  # step 2 samples the stepped weights
