@@ -178,6 +178,7 @@ class TurnLoop:
         tok, ts = self.tokenizer, self.toolset
         e.add(ids, True, logps)
         e.turns += 1
+        e.truncated = cut  # a turn cut at max_new_tokens ends the episode, truncated
         body = ids if cut else ids[:-1]  # without the stop token the turn ended with
         e.segments.append({"role": "assistant", "text": tok.decode(ids, skip_special_tokens=True)})
         if ts.protocol == "text":
