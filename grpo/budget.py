@@ -32,7 +32,10 @@ def plan(cfg, splits, runtime: Runtime) -> int:
         tokens, note = choose_budget(cfg.engine.max_tokens_per_micro_batch, est, free_for(device, cfg.engine),
                                      longest, device.type == "cuda")
     except ValueError as e:
-        raise SetupError(str(e)) from None
+        note = "" if completion == cfg.rollout.max_new_tokens else (
+            f" (multi-turn: a completion is up to {completion} tokens, rollout.max_turns turns of max_new_tokens with "
+            "tool text of up to rollout.max_tool_tokens between them)")
+        raise SetupError(str(e) + note) from None
     if runtime.is_main:
         print(f"[grpo] {note}", file=sys.stderr, flush=True)
     return tokens

@@ -231,14 +231,21 @@ def test_environment_tools_keep_state_and_reward(tok):
 
 
 def test_text_protocol_with_observations(tok):
-    loop, _, worker = _loop(tok, lambda c, j: "RAISE" if "#r" in c and "obs" not in c and "Error" not in c
-                            else "hello", [], env=f"{F}:Echo", chat=False, max_turns=5)
+    def script(context, j):
+        if "#r" in context and "obs" not in context and "Error" not in context:
+            return "RAISE"
+        return "a long turn" if "#c" in context else "hello"
+
+    loop, _, worker = _loop(tok, script, [], env=f"{F}:Echo", chat=False, max_turns=5)
     try:
-        rows = _rows(tok, "p#a") + _rows(tok, "p#b", stop_at=1) + _rows(tok, "p#r")
-        eps = loop.run(rows, [r["prompt_ids"] for r in rows], 1, Sampling(80))
+        rows = _rows(tok, "p#a") + _rows(tok, "p#b", stop_at=1) + _rows(tok, "p#r") + _rows(tok, "p#c", stop_at=9)
+        eps = loop.run(rows, [r["prompt_ids"] for r in rows], 1, Sampling(6))
     finally:
         worker.kill()
-    a, b, r = (g[0] for g in eps.groups)
+    a, b, r, c = (g[0] for g in eps.groups)
+    # turns cut at max_new_tokens still go to step(): the environment decides; max_turns ends the episode
+    assert tok.decode(c.ids).startswith("a long\nobs1: 6\na long\nobs2: 6\n")
+    assert (c.turns, c.truncated, c.hit_max_turns, c.mask[-1]) == (5, True, True, 1)
     assert tok.decode(a.ids) == "hello<eos>\nobs1: 5\nhello<eos>\nobs2: 5\nhello<eos>"
     assert (a.turns, a.tool_calls, a.env_reward) == (3, 2, 3.0)
     assert (b.turns, b.tool_calls, b.mask) == (1, 0, [1] * len(b.ids))

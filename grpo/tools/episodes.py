@@ -175,10 +175,13 @@ class TurnLoop:
         return prompts, prompt_ids
 
     def _turn(self, e: Episode, key, ids: list[int], cut: bool, logps, turn: int) -> None:
-        tok, ts = self.tokenizer, self.toolset
+        """One model turn of episode ``e``: append it, then end the episode or append what answers it. A turn cut at
+        max_new_tokens ends a tool episode (its call cannot be trusted); a text-protocol environment still gets it
+        and decides. ``truncated``: the episode's last turn was cut."""
+        tok, ts, last = self.tokenizer, self.toolset, turn == self.settings.max_turns
         e.add(ids, True, logps)
         e.turns += 1
-        e.truncated = cut  # a turn cut at max_new_tokens ends the episode, truncated
+        e.truncated = cut
         body = ids if cut else ids[:-1]  # without the stop token the turn ended with
         e.segments.append({"role": "assistant", "text": tok.decode(ids, skip_special_tokens=True)})
         if ts.protocol == "text":
@@ -191,22 +194,20 @@ class TurnLoop:
             messages = [{"role": "user", "content": clip_tokens(tok, res.text, self.settings.max_tool_tokens)}]
         else:
             calls = parse_tool_calls(tok.decode(body, skip_special_tokens=False), tok)
-            if not calls:
+            if not calls or cut:
                 e.done = True
                 return
-            if cut or turn == self.settings.max_turns:
-                e.done, e.truncated, e.hit_max_turns = True, cut, not cut
-                return
-            results = [self._call(key, c) for c in calls]
-            self._count(e, results)
-            limit = self.settings.max_tool_tokens
-            messages = [{"role": "tool", "name": c.name, "content": clip_tokens(tok, r.text, limit)}
-                        for c, r in zip(calls, results)]
-        if cut or turn == self.settings.max_turns:
-            e.done, e.truncated, e.hit_max_turns = True, cut, not cut
+            if not last:  # on the last turn the call is not run: the episode ends on the model's turn
+                results = [self._call(key, c) for c in calls]
+                self._count(e, results)
+                limit = self.settings.max_tool_tokens
+                messages = [{"role": "tool", "name": c.name, "content": clip_tokens(tok, r.text, limit)}
+                            for c, r in zip(calls, results)]
+        if last:
+            e.done, e.hit_max_turns = True, True
             return
         text = after_turn(tok, messages, chat=self.settings.chat, tools=list(ts.schemas) or None,
-                          ended_with=tok.decode(ids[-1:], skip_special_tokens=False))
+                          ended_with=None if cut else tok.decode(ids[-1:], skip_special_tokens=False))
         e.add(tok(text, add_special_tokens=False)["input_ids"], False, None)
         e.segments += [{"role": m["role"], "text": m["content"], **({"name": m["name"]} if "name" in m else {})}
                        for m in messages]
