@@ -34,8 +34,9 @@ class RankSteps:
 def test_ranks_finishing_at_different_turns_do_not_hang(tmp_path):
     (tmp_path / "rank_env.py").write_text(ENV)
     out = tmp_path / "run"
-    p = torchrun("-m", "grpo.train", *SMOKE, *ZERO3, f"trainer.output_dir={out}", "rollout.environment=rank_env:RankSteps",
-                 "rollout.max_turns=4", "rollout.max_new_tokens=6", "rollout.max_tool_tokens=8", "data.num_eval=0",
+    p = torchrun("-m", "grpo.train", *SMOKE, *ZERO3, f"trainer.output_dir={out}",
+                 "rollout.environment=rank_env:RankSteps", "rollout.max_turns=4", "rollout.max_new_tokens=6",
+                 "rollout.max_tool_tokens=8", "data.num_eval=0",
                  cwd=tmp_path, timeout=400)
     assert p.returncode == 0, p.stderr[-4000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
