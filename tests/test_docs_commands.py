@@ -208,7 +208,7 @@ CASES = {
     "grpo-train recipe=quickstart 'reward.functions={acc: {fn: arithmetic, strict: true}}'":
         ([], check_rewards({"acc": "arithmetic"})),
     "grpo-train recipe=quickstart reward=math": ([], check_rewards({"accuracy": "math_accuracy", "format": "format"})),
-    "grpo-train recipe=smoke rollout.environment=myenv:Guess rollout.max_turns=3":
+    "grpo-train recipe=smoke rollout.environment=myenv:Guess rollout.max_turns=3 rollout.max_tool_tokens=16":
         ([], check_episodes({"accuracy", "format", "Guess"})),
     "grpo-train recipe=calculator-tools": ([], check_episodes({"accuracy"})),
 }

@@ -123,7 +123,7 @@ class Scripted:
         return Completions(ids, cut)
 
 
-def _loop(tok, script, tools, env=None, max_turns=3, timeout=5.0, chat=True):
+def _loop(tok, script, tools, env=None, max_turns=3, timeout=5.0, chat=True, settings=None):
     ts = build_toolset(tools, env)
     worker = ToolWorker(ts.environment, timeout)
     backend = Scripted(tok, script)
@@ -132,7 +132,7 @@ def _loop(tok, script, tools, env=None, max_turns=3, timeout=5.0, chat=True):
         p = row["prompt"] + text
         return p, tok(p, add_special_tokens=False)["input_ids"]
 
-    loop = TurnLoop(backend, tok, ts, worker, EpisodeSettings(max_turns, 200, chat), prompt_for=prompt_for)
+    loop = TurnLoop(backend, tok, ts, worker, settings or EpisodeSettings(max_turns, 200, chat), prompt_for=prompt_for)
     return loop, backend, worker
 
 
@@ -287,3 +287,25 @@ def test_sampler_logprobs_are_padded_with_zeros_for_tool_tokens(tok):
     assert torch.equal(got, torch.tensor([-1.0, -2.0, 0.0, 0.0, 0.0, -3.0])) and e.mask == [1, 1, 0, 0, 0, 1]
     e.add([11], True, None)  # the hf backend has no log-probs of its own
     assert Episodes([[1]], ["p"], [[e]]).sampling_logps is None
+
+
+def test_episodes_stay_within_the_planned_length(tok):
+    """Tool text that would take an episode past `max_completion_tokens` (what the update's micro-batches were sized
+    for) ends the episode instead: two calls per turn overrun a cap planned for one result per turn."""
+    from types import SimpleNamespace
+
+    from grpo.tools.spec import max_completion_tokens
+
+    call = '<tool_call>[{"name": "slow", "arguments": {"seconds": 0}}, {"name": "slow", "arguments": {"seconds": 0}}]'
+    settings = EpisodeSettings(3, 2, True, max_new_tokens=120, overhead=2)
+    loop, _, worker = _loop(tok, lambda c, j: call + "</tool_call>", [f"{F}:slow"], settings=settings)
+    try:
+        rows = _rows(tok, "[user]go<eos>[assistant]")
+        eps = loop.run(rows, [r["prompt_ids"] for r in rows], 1, Sampling(120))
+    finally:
+        worker.kill()
+    e = eps.groups[0][0]
+    cap = max_completion_tokens(SimpleNamespace(tools=["x"], environment=None, max_new_tokens=120, max_turns=3,
+                                                max_tool_tokens=2), overhead=2)
+    assert e.over_length and e.done and len(e.ids) <= cap and e.turns < 3
+    assert episode_metrics(eps.sums())["episode/over_length_frac"] == 1.0

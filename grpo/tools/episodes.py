@@ -28,6 +28,9 @@ class EpisodeSettings:
     max_turns: int
     max_tool_tokens: int
     chat: bool                 # turns are rendered by the chat template (else tool text is added as it is)
+    max_new_tokens: int = 0    # > 0: keep every episode within `spec.max_completion_tokens` (what the update planned
+                               # micro-batches for): tool text that would pass it ends the episode instead
+    overhead: int = 32         # template tokens allowed around each tool result (`spec.max_completion_tokens`)
 
 
 @dataclass
@@ -44,6 +47,7 @@ class Episode:
     tool_timeouts: int = 0
     tool_time: float = 0.0
     hit_max_turns: bool = False
+    over_length: bool = False                        # ended because the next tool text would pass the length cap
     env_reward: float | None = None
 
     def add(self, ids: list[int], sampled: bool, logps: torch.Tensor | None) -> None:
@@ -90,6 +94,7 @@ class Episodes:
                 "tool_time": float(sum(e.tool_time for e in eps)),
                 "used_tool": float(sum(e.tool_calls > 0 for e in eps)),
                 "hit_max_turns": float(sum(e.hit_max_turns for e in eps)),
+                "over_length": float(sum(e.over_length for e in eps)),
                 "tool_tokens": float(sum(len(e.mask) - sum(e.mask) for e in eps))}
 
 
@@ -99,7 +104,7 @@ def episode_metrics(sums: dict[str, float], prefix: str = "episode/") -> dict[st
     return {f"{prefix}turns_mean": sums["turns"] / n, f"{prefix}tool_calls_mean": sums["tool_calls"] / n,
             f"{prefix}tool_use_rate": sums["used_tool"] / n, f"{prefix}tool_failures": int(sums["tool_failures"]),
             f"{prefix}tool_timeouts": int(sums["tool_timeouts"]), f"{prefix}tool_time_s": sums["tool_time"],
-            f"{prefix}max_turns_frac": sums["hit_max_turns"] / n,
+            f"{prefix}max_turns_frac": sums["hit_max_turns"] / n, f"{prefix}over_length_frac": sums["over_length"] / n,
             f"{prefix}tool_tokens_mean": sums["tool_tokens"] / n}
 
 
@@ -208,7 +213,13 @@ class TurnLoop:
             return
         text = after_turn(tok, messages, chat=self.settings.chat, tools=list(ts.schemas) or None,
                           ended_with=None if cut else tok.decode(ids[-1:], skip_special_tokens=False))
-        e.add(tok(text, add_special_tokens=False)["input_ids"], False, None)
+        written = tok(text, add_special_tokens=False)["input_ids"]
+        st = self.settings
+        cap = turn * (st.max_new_tokens + st.max_tool_tokens + st.overhead)  # within spec.max_completion_tokens
+        if st.max_new_tokens and len(e.ids) + len(written) > cap:
+            e.done, e.over_length = True, True
+            return
+        e.add(written, False, None)
         e.segments += [{"role": m["role"], "text": m["content"], **({"name": m["name"]} if "name" in m else {})}
                        for m in messages]
 

@@ -29,7 +29,7 @@ def turn_loop(run: Run, cfg: Config, generate: Callable, seed_for: Callable | No
 
     most = lambda n: int(run.runtime.all_max({"n": float(n)})["n"])  # noqa: E731
     return TurnLoop(generate, tok, run.toolset, run.tool_worker,
-                    EpisodeSettings(r.max_turns, r.max_tool_tokens, uses_chat(cfg, tok)), most=most,
+                    EpisodeSettings(r.max_turns, r.max_tool_tokens, uses_chat(cfg, tok), r.max_new_tokens), most=most,
                     seed_for=seed_for or (lambda turn: None), prompt_for=prompt_for)
 
 
