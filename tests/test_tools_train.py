@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 ENV = '''
 class Steps:
     """Answers each turn with an observation; the third turn ends the episode. reward(): 1 after three turns."""
@@ -26,6 +28,7 @@ def _cli(tmp_path, *args):
                           cwd=tmp_path, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_smoke_run_with_an_environment(tmp_path):
     (tmp_path / "smoke_env.py").write_text(ENV)
     out = tmp_path / "run"
