@@ -21,6 +21,10 @@ class Batch:
     ref_logps: list | None = None             # nested like completion_ids, or None (beta = 0)
     stats: dict = field(default_factory=dict)  # rollout/reward metrics of this batch
     sampling_logps: list | None = None        # the rollout backend's own log-probs (vLLM), nested; None: hf
+    # multi-turn episodes (grpo.tools): nested like completion_ids, 1 = a token the policy sampled, 0 = one a tool
+    # or the environment wrote (no loss, KL or entropy, not counted); None: every token was sampled
+    completion_masks: list | None = None
+    episodes: list | None = None              # nested: each episode's turns and tool counts (samples.jsonl)
 
     @property
     def group_sizes(self) -> list[int]:
@@ -28,3 +32,15 @@ class Batch:
 
     def flat_index(self, group: int, completion: int) -> int:
         return sum(self.group_sizes[:group]) + completion
+
+    def sampled_count(self, group: int, completion: int) -> int:
+        """Tokens of a completion the policy sampled (all of them, unless tools wrote some)."""
+        if self.completion_masks is None:
+            return len(self.completion_ids[group][completion])
+        return sum(self.completion_masks[group][completion])
+
+    def token_mask(self, group: int, completion: int) -> torch.Tensor:
+        """1.0 for each token the policy sampled, 0.0 for tool/environment tokens."""
+        if self.completion_masks is None:
+            return torch.ones(len(self.completion_ids[group][completion]))
+        return torch.tensor(self.completion_masks[group][completion], dtype=torch.float32)

@@ -11,6 +11,7 @@ from grpo.engine.memory import choose_budget, estimate, free_for, group_score_by
 from grpo.engine.unwrap import unwrap_model
 from grpo.errors import SetupError
 from grpo.runtime.base import Runtime
+from grpo.tools.spec import max_completion_tokens
 
 
 def plan(cfg, splits, runtime: Runtime) -> int:
@@ -21,16 +22,20 @@ def plan(cfg, splits, runtime: Runtime) -> int:
     if limit is not None and not limit > 0:
         raise SetupError(f"engine.memory_limit_gib={limit} must be > 0 (GiB the update may plan for) or null")
     longest_prompt = max((len(r["prompt_ids"]) for r in splits.train), default=0)
-    longest = longest_prompt + cfg.rollout.max_new_tokens
+    completion = max_completion_tokens(cfg.rollout)  # multi-turn: every turn and the tool text between them
+    longest = longest_prompt + completion
     device = runtime.device
     est = estimate(runtime.model)
     est.transient += group_score_bytes(unwrap_model(runtime.model).config, cfg.algorithm.group_size, longest_prompt,
-                                       cfg.rollout.max_new_tokens)
+                                       completion)
     try:
         tokens, note = choose_budget(cfg.engine.max_tokens_per_micro_batch, est, free_for(device, cfg.engine),
                                      longest, device.type == "cuda")
     except ValueError as e:
-        raise SetupError(str(e)) from None
+        note = "" if completion == cfg.rollout.max_new_tokens else (
+            f" (multi-turn: a completion is up to {completion} tokens, rollout.max_turns turns of max_new_tokens with "
+            "tool text of up to rollout.max_tool_tokens between them)")
+        raise SetupError(str(e) + note) from None
     if runtime.is_main:
         print(f"[grpo] {note}", file=sys.stderr, flush=True)
     return tokens

@@ -24,6 +24,9 @@ from grpo.rewards.score import build as build_rewards
 from grpo.rollout_backends import close_backend
 from grpo.run import Run
 from grpo.runtime.base import Runtime
+from grpo.tools.runs import environment_reward
+from grpo.tools.spec import build_toolset, check_template
+from grpo.tools.worker import ToolWorker
 
 
 def set_seed(seed: int) -> None:
@@ -62,6 +65,10 @@ def preflight(cfg: Config) -> list[RewardFunction]:
                          "PyTorch's FlexAttention has no CPU backward); use auto or grouped")
     check_name(cfg.model.name_or_path)
     rewards = build_rewards(cfg.reward.functions)  # resolves every fn and checks its arguments
+    toolset = build_toolset(cfg.rollout.tools, cfg.rollout.environment)  # imports and checks tools/environment
+    if toolset is not None and toolset.env_reward and toolset.env_name in cfg.reward.functions:
+        raise SetupError(f"reward.functions.{toolset.env_name}: the environment's reward() is logged under that name; "
+                         "rename the reward function")
     data.check_source(cfg.data)
     return rewards
 
@@ -77,7 +84,13 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
     owner = owns_output_dir(runtime, cfg.trainer.output_dir)
     set_seed(cfg.trainer.seed + runtime.rank)
     tokenizer = load_tokenizer(cfg.model.name_or_path)
-    splits = data.build(cfg.data, tokenizer)
+    toolset = build_toolset(cfg.rollout.tools, cfg.rollout.environment)
+    if toolset is not None:
+        check_template(toolset, tokenizer, cfg.data.chat_template)
+        if toolset.env_reward:
+            rewards.append(environment_reward(toolset))
+    splits = data.build(cfg.data, tokenizer, tools=list(toolset.schemas) if toolset else None,
+                        keep_turns=toolset is not None)
     if splits.dropped and runtime.is_main:
         print(f"[grpo] dropped {splits.dropped} prompts longer than data.max_prompt_tokens="
               f"{cfg.data.max_prompt_tokens}; {len(splits.train)} train / {len(splits.eval)} held-out remain",
@@ -99,8 +112,10 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
     from grpo.budget import plan as plan_memory  # sizes `auto`, refuses a prompt + completion that cannot fit
     cfg.engine.max_tokens_per_micro_batch = plan_memory(cfg, splits, runtime)
     sampler = PromptSampler(len(splits.train), seed=cfg.trainer.seed)
+    worker = ToolWorker(toolset.environment, cfg.rollout.tool_timeout_s) if toolset is not None else None
     return Run(runtime, tokenizer, policy, reference, splits, rewards, sampler,
-               completion_format=cfg.reward.completion_format, owns_output_dir=owner)
+               completion_format=cfg.reward.completion_format, owns_output_dir=owner, toolset=toolset,
+               tool_worker=worker)
 
 
 def owns_output_dir(runtime: Runtime, output_dir: str) -> bool:
@@ -140,7 +155,9 @@ def lr_lambda(tcfg: TrainerConfig):
 
 
 def close_run(run: Run) -> None:
-    """Give back what the run holds outside Python's reach: the rollout engine and the reward worker."""
+    """Give back what the run holds outside Python's reach: the rollout engine, the tool and reward workers."""
     close_backend(run)
+    if run.tool_worker is not None:
+        run.tool_worker.kill()
     for worker in {id(rf.worker): rf.worker for rf in run.rewards if rf.worker is not None}.values():
         worker.kill()

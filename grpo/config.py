@@ -90,6 +90,15 @@ class RolloutConfig:
     # auto = vllm on CUDA when it is installed, else hf
     backend: str = "auto"
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # vLLM engine settings (rollout.vllm.*)
+    # multi-turn episodes (docs/tools-and-environments.md): Python functions the model may call, each
+    # 'package.module:function' with type hints and a docstring, shown through the chat template's tool format
+    tools: list = field(default_factory=list)
+    # 'package.module:Class', one instance per sample: reset(row), public methods = tools, optional reward();
+    # or the plain-text protocol: step(completion_text) -> observation text, or None when the episode is done
+    environment: Optional[str] = None
+    max_turns: int = 4               # model turns per episode at most (tools/environment); each up to max_new_tokens
+    tool_timeout_s: float = 10.0     # a tool/environment call running longer is killed; the model sees an error
+    max_tool_tokens: int = 256       # a tool result or observation longer than this many tokens is cut
 
 
 @dataclass
@@ -218,6 +227,9 @@ _RANGES = {
     "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "rollout.top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "rollout.batch_size": (lambda v: v >= 1, ">= 1"),
+    "rollout.max_turns": (lambda v: v >= 1, ">= 1"),
+    "rollout.tool_timeout_s": (lambda v: v > 0 and math.isfinite(v), "> 0 (seconds)"),
+    "rollout.max_tool_tokens": (lambda v: v >= 1, ">= 1"),
     "rollout.vllm.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "rollout.vllm.kv_cache_gib": (lambda v: v > 0, "> 0"),
     "rollout.vllm.max_model_len": (lambda v: v is None or v >= 2, ">= 2 or null"),
@@ -317,9 +329,19 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"algorithm.delta={a.delta} must be >= 1 + epsilon_high = {1 + high:g} or null (a smaller "
                           "cap silently zeroes the gradient of positive-advantage tokens whose ratio is above delta)")
     _check_distributed(cfg)
+    _check_tools(cfg)
     if cfg.trainer.resume not in (None, "auto", "") and not isinstance(cfg.trainer.resume, str):
         raise ConfigError("trainer.resume must be null, 'auto' or a checkpoint path")
     return cfg
+
+
+def _check_tools(cfg: Config) -> None:
+    r = cfg.rollout
+    if not isinstance(r.tools, (list, tuple)) or not all(isinstance(t, str) and ":" in t for t in r.tools):
+        raise ConfigError(f"rollout.tools={list(r.tools) if isinstance(r.tools, (list, tuple)) else r.tools!r} must "
+                          "be a list of 'package.module:function' strings")
+    if r.environment is not None and (not isinstance(r.environment, str) or ":" not in r.environment):
+        raise ConfigError(f"rollout.environment={r.environment!r} must be 'package.module:Class' or null")
 
 
 def _check_distributed(cfg: Config) -> None:

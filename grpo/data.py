@@ -113,11 +113,19 @@ def messages_of(value, where: str) -> list[dict] | None:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def format_prompt(row: dict, dcfg, tokenizer, where: str = "data row") -> tuple[str, list[dict] | None]:
+def format_prompt(row: dict, dcfg, tokenizer, where: str = "data row",
+                  tools: list[dict] | None = None) -> tuple[str, list[dict] | None]:
     """(the text the model continues, the prompt's messages or None). A text prompt is templated
     (``data.prompt_template``) and gets ``data.system_prompt``; a message list goes as it is (the system
-    prompt only when it has no system turn). The tokenizer's chat template applies when it has one;
-    without, the messages' contents are joined by blank lines."""
+    prompt only when it has no system turn). The tokenizer's chat template applies when it has one (with
+    ``tools``: their schemas, as multi-turn episodes show them); without, the messages' contents are joined by
+    blank lines."""
+    turns, messages = prompt_turns(row, dcfg, where)
+    return render_turns(turns, dcfg, tokenizer, tools), messages
+
+
+def prompt_turns(row: dict, dcfg, where: str = "data row") -> tuple[list[dict], list[dict] | None]:
+    """(the prompt's turns, system prompt included; the row's own messages or None for a text prompt)."""
     value = row[dcfg.prompt_column]
     messages = messages_of(value, where)
     if messages is None:
@@ -133,20 +141,33 @@ def format_prompt(row: dict, dcfg, tokenizer, where: str = "data row") -> tuple[
         turns = messages
     if dcfg.system_prompt and not any(m["role"] == "system" for m in turns):
         turns = [{"role": "system", "content": dcfg.system_prompt}, *turns]
+    return turns, messages
+
+
+def render_turns(turns: list[dict], dcfg, tokenizer, tools: list[dict] | None = None) -> str:
     if dcfg.chat_template and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True), messages
-    return "\n\n".join(m["content"] for m in turns), messages
+        return tokenizer.apply_chat_template(turns, tools=tools or None, tokenize=False, add_generation_prompt=True)
+    return "\n\n".join(m["content"] for m in turns)
 
 
-def prepare(rows: list[dict], dcfg, tokenizer) -> tuple[list[dict], int]:
+def with_extra_text(turns: list[dict], extra: str) -> list[dict]:
+    """The turns with ``extra`` (what an environment's reset(row) adds) appended to the last user turn."""
+    last = max(i for i, m in enumerate(turns) if m["role"] == "user")
+    return [dict(m, content=m["content"] + "\n\n" + extra) if i == last else m for i, m in enumerate(turns)]
+
+
+def prepare(rows: list[dict], dcfg, tokenizer, tools: list[dict] | None = None,
+            keep_turns: bool = False) -> tuple[list[dict], int]:
     """Template and tokenize rows; returns (kept rows, number dropped for length). A conversational row
-    keeps its messages under ``prompt_messages`` (what conversational rewards receive as the prompt)."""
+    keeps its messages under ``prompt_messages`` (what conversational rewards receive as the prompt); with
+    ``keep_turns`` (multi-turn episodes) every row keeps its turns under ``prompt_turns``."""
     out, dropped = [], 0
     for i, row in enumerate(rows):
         if dcfg.prompt_column not in row or row[dcfg.prompt_column] is None or row[dcfg.prompt_column] == "":
             raise DataError(f"data row {i} has no '{dcfg.prompt_column}' value (data.prompt_column); "
                             f"its columns are: {', '.join(map(str, row))}")
-        text, messages = format_prompt(row, dcfg, tokenizer, where=f"data row {i}")
+        turns, messages = prompt_turns(row, dcfg, where=f"data row {i}")
+        text = render_turns(turns, dcfg, tokenizer, tools)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > dcfg.max_prompt_tokens:
             dropped += 1
@@ -156,6 +177,8 @@ def prepare(rows: list[dict], dcfg, tokenizer) -> tuple[list[dict], int]:
             cols["answer"] = row[dcfg.answer_column]
         if messages is not None:
             cols["prompt_messages"] = messages
+        if keep_turns:
+            cols["prompt_turns"] = turns
         out.append({**cols, "prompt": text, "prompt_ids": ids})
     return out, dropped
 
@@ -167,12 +190,13 @@ class Splits:
     dropped: int = 0
 
 
-def build(dcfg, tokenizer) -> Splits:
-    """Train and held-out rows. Built-in tasks draw disjoint prompts; files hold out their tail."""
+def build(dcfg, tokenizer, tools: list[dict] | None = None, keep_turns: bool = False) -> Splits:
+    """Train and held-out rows. Built-in tasks draw disjoint prompts; files hold out their tail. ``tools`` and
+    ``keep_turns``: see `prepare`."""
     rows = load_rows(dcfg)
     if not rows:
         raise DataError(f"data.source={dcfg.source!r} has no rows")
-    rows, dropped = prepare(rows, dcfg, tokenizer)
+    rows, dropped = prepare(rows, dcfg, tokenizer, tools, keep_turns)
     if not rows:
         raise DataError(f"every prompt is longer than data.max_prompt_tokens={dcfg.max_prompt_tokens}")
     n_eval = min(dcfg.num_eval, len(rows) // 5) if not dcfg.source.startswith("builtin:") else dcfg.num_eval

@@ -14,6 +14,8 @@ from grpo.rewards.score import reward_inputs, score
 from grpo.rollout import generate
 from grpo.rollout_backends import Sampling, backend_for, step_seed
 from grpo.runtime.base import Runtime
+from grpo.tools.episodes import episode_metrics
+from grpo.tools.runs import episode_columns, episode_records, turn_loop
 from grpo.update import nested_logprobs
 
 if TYPE_CHECKING:
@@ -45,9 +47,11 @@ def collect(run: Run, cfg: Config) -> Batch:
     # KL of the batch to the reference. With the KL in the loss and mu = 1 the update measures it itself
     # (no extra forward here); with mu > 1 or the KL in the reward the old log-probs are at hand.
     if batch.ref_logps is not None and batch.old_logps is not None:
-        seq_kl = torch.tensor([float(kl_estimate(lp, ref, a.kl_estimator).sum()) for gl, gr in
-                               zip(batch.old_logps, batch.ref_logps) for lp, ref in zip(gl, gr)])
-        tokens = sum(len(c) for g in batch.completion_ids for c in g)
+        # only tokens the policy sampled: tool/environment tokens carry no KL
+        seq_kl = torch.tensor([float((kl_estimate(lp, ref, a.kl_estimator) * batch.token_mask(g, j)).sum())
+                               for g, (gl, gr) in enumerate(zip(batch.old_logps, batch.ref_logps))
+                               for j, (lp, ref) in enumerate(zip(gl, gr))])
+        tokens = sum(batch.sampled_count(g, j) for g, c in enumerate(batch.completion_ids) for j in range(len(c)))
         kl = rt.all_reduce({"kl": float(seq_kl.sum()), "tokens": float(tokens)})
         stats["kl"] = kl["kl"] / max(kl["tokens"], 1)
         if a.kl_in_reward:  # r_i - beta * sum_t KL_t, before the group normalisation
@@ -72,16 +76,27 @@ def _rollout(run: Run, cfg: Config) -> Batch:
     # hf: our decode loop (this module's `generate`, looked up at each call); vllm: the engine, synced if the policy
     # changed since its last rollout
     backend = backend_for(run, cfg, hf_generate=lambda *a, **k: generate(*a, **k))
-    seed = None if backend.name == "hf" else step_seed(cfg.trainer.seed, rt.rank, run.sampler.epoch,
-                                                       run.sampler.position)
-    out = backend.generate(prompt_ids, G, Sampling(r.max_new_tokens, r.temperature, r.top_p, r.top_k), seed=seed)
-    completion_ids, truncated = out.ids, out.truncated
+    seed_for = (lambda turn: None) if backend.name == "hf" else \
+        (lambda turn: step_seed(cfg.trainer.seed, rt.rank, run.sampler.epoch, run.sampler.position,
+                                *((turn,) if turn > 1 else ())))
+    sampling = Sampling(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
+    masks = episodes = extra = None
+    if run.toolset is None:
+        out = backend.generate(prompt_ids, G, sampling, seed=seed_for(1))
+        completion_ids, truncated, sampling_logps = out.ids, out.truncated, out.logprobs
+    else:  # multi-turn: one backend call per turn (grpo.tools.episodes)
+        eps = turn_loop(run, cfg, backend.generate, seed_for).run(rows, prompt_ids, G, sampling)
+        prompt_ids, completion_ids, truncated = eps.prompt_ids, eps.completion_ids, eps.truncated
+        sampling_logps, masks, episodes = eps.sampling_logps, eps.masks, episode_records(eps)
+        extra = episode_columns(eps)
     backend.sleep()  # vLLM on CUDA with rollout.vllm.sleep: its memory is the update's until the next rollout
     t1 = time.time()
-    rewards, stats = score_groups(run, rows, completion_ids, truncated)
+    rewards, stats = score_groups(run, rows, completion_ids, truncated, extra)
+    if run.toolset is not None:
+        stats.update(episode_metrics(rt.all_reduce(eps.sums())))
     stats["time/rollout_s"], stats["time/reward_s"] = t1 - t0, time.time() - t1
     return Batch(rows, prompt_ids, completion_ids, truncated, rewards, torch.zeros_like(rewards), stats=stats,
-                 sampling_logps=out.logprobs)
+                 sampling_logps=sampling_logps, completion_masks=masks, episodes=episodes)
 
 
 def _filter_and_refill(run: Run, cfg: Config, batch: Batch, zero: list[bool]) -> Batch:
@@ -106,17 +121,19 @@ def _filter_and_refill(run: Run, cfg: Config, batch: Batch, zero: list[bool]) ->
     return kept
 
 
-def score_groups(run: Run, rows, completion_ids, truncated):
+def score_groups(run: Run, rows, completion_ids, truncated, extra: dict | None = None):
     """Decode, score with every reward function, and summarise (all-reduced across ranks). ``reward/<name>_errors``
-    counts the samples a function failed on (the loop's reward.max_failed_steps check reads it)."""
+    counts the samples a function failed on (the loop's reward.max_failed_steps check reads it). ``extra``: more
+    per-sample columns for the reward functions (multi-turn episodes: turns, tool counts, the episode's turns)."""
     rt, tok = run.runtime, run.tokenizer
     G = len(completion_ids[0]) if completion_ids else 0
     texts = [tok.decode(c, skip_special_tokens=True) for g in completion_ids for c in g]
     prompts, completions = reward_inputs(rows, texts, G, run.completion_format)
-    skip = {"prompt", "prompt_ids", "prompt_messages"}
+    skip = {"prompt", "prompt_ids", "prompt_messages", "prompt_turns"}
     columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k not in skip}
     columns["completion_ids"] = [c for g in completion_ids for c in g]
     columns["truncated"] = [t for g in truncated for t in g]
+    columns.update(extra or {})
     s = score(run.rewards, prompts, completions, columns)
     rewards = torch.tensor(s.total, dtype=torch.float32)
     n = len(texts)
@@ -163,7 +180,9 @@ def _select_groups(batch: Batch, keep: list[bool]) -> Batch:
                  batch.rewards[idx], batch.advantages[idx],
                  pick(batch.old_logps) if batch.old_logps is not None else None,
                  pick(batch.ref_logps) if batch.ref_logps is not None else None, dict(batch.stats),
-                 sampling_logps=pick(batch.sampling_logps) if batch.sampling_logps is not None else None)
+                 sampling_logps=pick(batch.sampling_logps) if batch.sampling_logps is not None else None,
+                 completion_masks=pick(batch.completion_masks) if batch.completion_masks is not None else None,
+                 episodes=pick(batch.episodes) if batch.episodes is not None else None)
 
 
 def _concat(a: Batch, b: Batch, limit: int) -> Batch:
@@ -173,7 +192,12 @@ def _concat(a: Batch, b: Batch, limit: int) -> Batch:
     return Batch(a.rows + b.rows, a.prompt_ids + b.prompt_ids, a.completion_ids + b.completion_ids,
                  a.truncated + b.truncated, torch.cat([a.rewards, b.rewards]), torch.cat([a.advantages, b.advantages]),
                  stats=a.stats, sampling_logps=None if a.sampling_logps is None or b.sampling_logps is None
-                 else a.sampling_logps + b.sampling_logps)
+                 else a.sampling_logps + b.sampling_logps,
+                 completion_masks=_join(a.completion_masks, b.completion_masks), episodes=_join(a.episodes, b.episodes))
+
+
+def _join(a: list | None, b: list | None) -> list | None:
+    return None if a is None or b is None else a + b
 
 
 def sample_rows(run: Run, batch: Batch, n: int) -> list[dict]:
@@ -186,4 +210,6 @@ def sample_rows(run: Run, batch: Batch, n: int) -> list[dict]:
         out.append({"prompt": row["prompt"][-200:],
                     "completion": tok.decode(batch.completion_ids[g][j], skip_special_tokens=True),
                     "reward": float(batch.rewards[batch.flat_index(g, j)]), "answer": row.get("answer")})
+        if batch.episodes is not None:  # the whole episode, turn by turn, tool/environment turns marked by role
+            out[-1]["episode"] = batch.episodes[g][j]
     return out

@@ -17,6 +17,8 @@ from grpo.data import PromptSampler, Splits
 from grpo.rewards.score import RewardFunction
 from grpo.runtime.base import Runtime
 from grpo.sampling import RolloutBackend
+from grpo.tools.spec import Toolset
+from grpo.tools.worker import ToolWorker
 
 
 @dataclass
@@ -35,6 +37,9 @@ class Run:
     # step its weights were last synced at (both set only by `grpo.rollout_backends`)
     rollout_backend: RolloutBackend | None = None
     rollout_synced_at: tuple | None = None
+    # multi-turn episodes (rollout.tools / rollout.environment): what they are, and the process their calls run in
+    toolset: Toolset | None = None
+    tool_worker: ToolWorker | None = None
 
     @property
     def model(self) -> torch.nn.Module:

@@ -16,6 +16,7 @@ from grpo.engine.memory import budget_for
 from grpo.loss import BatchCounts, grpo_loss, pad, token_weights
 from grpo.rollout_is import MismatchMeter
 from grpo.runtime.base import Runtime
+from grpo.tools.spec import max_sampled_tokens
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class UpdateSettings:
     algorithm: AlgorithmConfig
     engine: EngineConfig
     temperature: float         # rollout.temperature: log-probs of softmax(logits / T), as sampled
-    max_len: int               # rollout.max_new_tokens (dr_grpo's constant normaliser)
+    max_len: int               # dr_grpo's constant normaliser: the most tokens the policy samples per completion
     mask_truncated: bool       # truncated completions contribute no loss
     max_grad_norm: float       # clip to this norm (0 = no clipping)
     rollout_is: str = "token_truncate"  # algorithm.rollout_is: the correction for a sampler's own log-probs (vLLM)
@@ -33,7 +34,7 @@ class UpdateSettings:
     @classmethod
     def from_config(cls, cfg: Config) -> UpdateSettings:
         a = cfg.algorithm
-        return cls(a, cfg.engine, cfg.rollout.temperature, cfg.rollout.max_new_tokens, a.mask_truncated,
+        return cls(a, cfg.engine, cfg.rollout.temperature, max_sampled_tokens(cfg.rollout), a.mask_truncated,
                    cfg.trainer.max_grad_norm, a.rollout_is, a.rollout_is_cap)
 
 
@@ -83,7 +84,8 @@ def loss_mask(batch: Batch, mask_truncated: bool) -> list[bool]:
 
 def batch_counts(batch: Batch, keep: list[bool], max_len: int, runtime: Runtime) -> BatchCounts:
     """Batch-wide denominators, summed over every process."""
-    lengths = [len(c) for g in batch.completion_ids for c in g]
+    lengths = [batch.sampled_count(g, j) for g in range(len(batch.completion_ids))
+               for j in range(len(batch.completion_ids[g]))]  # tool/environment tokens are not counted
     seqs = sum(keep)
     tokens = sum(n for n, k in zip(lengths, keep) if k)
     total = runtime.all_reduce({"seqs": float(seqs), "tokens": float(tokens)})
@@ -145,6 +147,9 @@ def _micro_batch(runtime: Runtime, batch: Batch, mb, keep: list[bool], counts: B
                                  attention_kernel=ecfg.attention_kernel)
     lp, mask = pad([t for group in logps for t in group])
     mask = mask * torch.tensor([float(keep[i]) for i in flat] if mb else [0.0], device=mask.device)[:, None]
+    if batch.completion_masks is not None and mb:  # tool/environment tokens: in the input, out of the loss
+        mask = mask * pad([batch.token_mask(g, j) for g, s in mb
+                           for j in range(*s.indices(len(batch.completion_ids[g])))])[0].to(mask.device)
     old = _gather(batch.old_logps, flat, lp) if batch.old_logps is not None and mb else None
     ref = None if batch.ref_logps is None else _gather(batch.ref_logps, flat, lp) if mb else lp.detach()
     adv = batch.advantages[flat].to(lp.device) if mb else torch.zeros(1, device=lp.device)

@@ -44,15 +44,22 @@ def oracle_loss(model, batch, acfg, *, temperature: float, max_len: int, mask_tr
 
     ``old`` / ``ref``: flat lists (one 1-D tensor per completion) of pi_old / pi_ref log-probs; None means
     pi_old = pi (one pass: ratio 1, gradient of log pi) and no reference. ``kl_mean`` is the mean per-token
-    KL estimate over the completions that count (None without a reference or with beta = 0)."""
+    KL estimate over the completions that count (None without a reference or with beta = 0). A batch with
+    ``completion_masks`` (multi-turn episodes): only the tokens marked 1 exist for the loss, as if the others
+    (tool output) were context; they still sit in the forward's input."""
     prompts = [p for p, g in zip(batch.prompt_ids, batch.completion_ids) for _ in g]
     comps = flat(batch.completion_ids)
     truncated = flat(batch.truncated)
     adv = [float(a) for a in batch.advantages]
     logps = hf_logprobs(model, prompts, comps, temperature)
+    masks = flat(batch.completion_masks) if getattr(batch, "completion_masks", None) is not None else None
+    sampled = [[k for k in range(len(c)) if masks is None or masks[i][k]] for i, c in enumerate(comps)]
+    logps = [lp[sampled[i]] for i, lp in enumerate(logps)]
+    old = None if old is None else [o[sampled[i]] for i, o in enumerate(old)]
+    ref = None if ref is None else [r[sampled[i]] for i, r in enumerate(ref)]
     keep = [i for i in range(len(comps)) if not (mask_truncated and truncated[i])]
     n_seqs = len(keep)
-    n_tokens = sum(len(comps[i]) for i in keep)
+    n_tokens = sum(len(sampled[i]) for i in keep)
     eps_low = acfg.epsilon
     eps_high = acfg.epsilon if acfg.epsilon_high is None else acfg.epsilon_high
     beta = 0.0 if acfg.kl_in_reward else acfg.beta

@@ -13,7 +13,8 @@ import yaml
 
 from tests.helpers import ROOT
 
-DOCS = ["README.md", "docs/getting-started.md", "docs/data.md", "docs/tasks.md", "docs/rewards.md"]
+DOCS = ["README.md", "docs/getting-started.md", "docs/data.md", "docs/tasks.md", "docs/rewards.md",
+        "docs/tools-and-environments.md"]
 # key -> value appended unless the command sets the key itself: the tiny model, one short step
 SCALE = {"model": "tiny", "trainer.max_steps": "1", "data.num_eval": "0", "rollout.max_new_tokens": "8",
          "rollout.prompts_per_step": "2", "data.num_train": "32"}
@@ -147,6 +148,15 @@ def check_task(expected: dict):
     return check
 
 
+def check_episodes(rewards: set):
+    """A multi-turn run: episode metrics logged, and these rewards scored (an environment's reward() included)."""
+    def check(ctx, p):
+        run = new_run(ctx)
+        assert scored(run) == rewards, scored(run)
+        assert all(m["episode/turns_mean"] >= 1 and "episode/tool_use_rate" in m for m in steps(run))
+    return check
+
+
 QS = {"accuracy": "arithmetic", "format": "number_only"}
 MINE = {"mine": "myrewards:short_and_right", "format": "number_only"}
 # command as documented -> (extra arguments for the scaled run, check)
@@ -198,6 +208,9 @@ CASES = {
     "grpo-train recipe=quickstart 'reward.functions={acc: {fn: arithmetic, strict: true}}'":
         ([], check_rewards({"acc": "arithmetic"})),
     "grpo-train recipe=quickstart reward=math": ([], check_rewards({"accuracy": "math_accuracy", "format": "format"})),
+    "grpo-train recipe=smoke rollout.environment=myenv:Guess rollout.max_turns=3 rollout.max_tool_tokens=16":
+        ([], check_episodes({"accuracy", "format", "Guess"})),
+    "grpo-train recipe=calculator-tools": ([], check_episodes({"accuracy"})),
 }
 
 
@@ -216,6 +229,7 @@ def ctx(tmp_path_factory):
     """One working directory for all commands, with the files the docs tell the user to write."""
     cwd = tmp_path_factory.mktemp("user")
     (cwd / "myrewards.py").write_text(block_starting_with("README.md", "# myrewards.py"))
+    (cwd / "myenv.py").write_text(block_starting_with("docs/tools-and-environments.md", "# myenv.py"))
     (cwd / "data").mkdir()
     (cwd / "data" / "qa.jsonl").write_text(block_starting_with("docs/data.md", '{"prompt"'))
     _verl_parquet(cwd)

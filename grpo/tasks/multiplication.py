@@ -1,0 +1,29 @@
+"""Multi-digit multiplication, ``Compute 347 * 589.``: hard to do in the head for a small model, one call for a
+calculator (the calculator-tools recipe: `grpo.tools.calculator`)."""
+from __future__ import annotations
+
+import random
+
+from grpo.tasks import register_task
+
+CALCULATOR_PROMPT = ("Compute {a} * {b}. You have a calculator: write <calc>expression</calc>, for example "
+                     "<calc>12 * 34</calc>, and its result is sent back to you. "
+                     "Then give the final answer as a number.")
+
+
+@register_task("multiplication")
+def multiplication(n: int, seed: int, digits: int = 3, template: str = CALCULATOR_PROMPT) -> list[dict]:
+    """``n`` distinct problems ``a * b`` with two ``digits``-digit numbers, deterministic in ``seed``. ``template``
+    gets ``{a}`` and ``{b}``."""
+    if not 1 <= digits <= 9:
+        raise ValueError(f"digits must be 1-9, got {digits}")
+    rng = random.Random(seed)
+    lo, hi = 10 ** (digits - 1), 10 ** digits - 1
+    rows, seen = [], set()
+    while len(rows) < n:
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        if (a, b) in seen and len(seen) < (hi - lo + 1) ** 2:
+            continue
+        seen.add((a, b))
+        rows.append({"prompt": template.format(a=a, b=b), "answer": a * b})
+    return rows

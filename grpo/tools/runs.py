@@ -1,0 +1,55 @@
+"""Multi-turn episodes inside a built run: the turn loop for the run's backend, the reward columns episodes add,
+and the environment's ``reward()`` as a reward function (logged as ``reward/<ClassName>``)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from grpo import data
+from grpo.rewards.score import RewardFunction
+from grpo.tools.episodes import Episodes, EpisodeSettings, TurnLoop
+from grpo.tools.spec import Toolset
+
+if TYPE_CHECKING:
+    from grpo.config import Config
+    from grpo.run import Run
+
+
+def uses_chat(cfg: Config, tokenizer) -> bool:
+    return bool(cfg.data.chat_template and getattr(tokenizer, "chat_template", None))
+
+
+def turn_loop(run: Run, cfg: Config, generate: Callable, seed_for: Callable | None = None) -> TurnLoop:
+    """The turn loop of ``run`` over ``generate`` (a backend's ``generate``)."""
+    r, tok = cfg.rollout, run.tokenizer
+    schemas = list(run.toolset.schemas) or None
+
+    def prompt_for(row: dict, text: str):
+        prompt = data.render_turns(data.with_extra_text(row["prompt_turns"], text), cfg.data, tok, schemas)
+        return prompt, tok(prompt, add_special_tokens=False)["input_ids"]
+
+    most = lambda n: int(run.runtime.all_max({"n": float(n)})["n"])  # noqa: E731
+    return TurnLoop(generate, tok, run.toolset, run.tool_worker,
+                    EpisodeSettings(r.max_turns, r.max_tool_tokens, uses_chat(cfg, tok), r.max_new_tokens), most=most,
+                    seed_for=seed_for or (lambda turn: None), prompt_for=prompt_for)
+
+
+def episode_columns(eps: Episodes) -> dict[str, list]:
+    """Per-sample columns the reward functions receive (flat order): the episode's turns and tool counts."""
+    flat = [e for g in eps.groups for e in g]
+    return {"turns": [e.turns for e in flat], "tool_calls": [e.tool_calls for e in flat],
+            "tool_failures": [e.tool_failures for e in flat], "hit_max_turns": [e.hit_max_turns for e in flat],
+            "episode": [e.segments for e in flat], "env_reward": [e.env_reward for e in flat]}
+
+
+def episode_records(eps: Episodes) -> list[list[dict]]:
+    """What samples.jsonl shows of each episode, nested like the completions."""
+    return [[{"turns": e.segments, "tool_calls": e.tool_calls, "tool_failures": e.tool_failures,
+              "hit_max_turns": e.hit_max_turns} for e in g] for g in eps.groups]
+
+
+def environment_reward(toolset: Toolset) -> RewardFunction:
+    """The environment's ``reward()`` as a reward function of weight 1, beside the configured ones."""
+    def env_reward(prompts, completions, env_reward=None, **columns):
+        return list(env_reward) if env_reward is not None else [None] * len(completions)
+
+    return RewardFunction(toolset.env_name, env_reward, 1.0, spec=f"{toolset.environment}.reward")

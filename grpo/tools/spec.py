@@ -1,0 +1,150 @@
+"""``rollout.tools`` and ``rollout.environment`` resolved and checked before any model loads.
+
+A tool is a plain function with type hints and a docstring (its JSON schema, as the chat template shows it, comes
+from `transformers.utils.get_json_schema`). An environment is a class with ``reset(row)``; its public methods are
+its tools, ``reward()`` (optional) scores the finished episode. An environment with ``step(text)`` speaks the
+plain-text protocol instead (no tools: each model turn goes to ``step``, whose text comes back as the next user
+turn, until it returns None).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass, field
+
+from grpo.errors import ConfigError
+
+RESERVED = ("reset", "reward", "step")
+
+
+@dataclass(frozen=True)
+class Toolset:
+    """What the turn loop needs to know about the configured tools/environment (picklable: no live objects)."""
+
+    protocol: str                                        # "tools" (the chat template's tool calls) | "text" (step)
+    functions: dict[str, str] = field(default_factory=dict)   # tool name -> 'module:function'
+    methods: tuple[str, ...] = ()                        # the environment's tool methods
+    schemas: tuple[dict, ...] = ()                       # JSON schemas shown through apply_chat_template(tools=)
+    environment: str | None = None                       # 'module:Class'
+    env_name: str | None = None                          # the class name (reward/<ClassName>)
+    env_reward: bool = False                             # the environment defines reward()
+
+
+def load_object(spec: str, key: str):
+    """The object ``'package.module:attr'`` names; a one-line ConfigError naming ``key`` when it cannot."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{key}={spec!r} must be 'package.module:name'")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # like `python -m`: modules beside where the trainer runs
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or the module failing on import
+        raise ConfigError(f"{key}={spec!r}: cannot import module {module_name!r} ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise ConfigError(f"{key}={spec!r}: module {module_name!r} has no {attr!r}")
+    return obj
+
+
+def tool_schema(fn, key: str) -> dict:
+    """The function's JSON schema (what the chat template shows); a one-line error without a docstring, a type
+    hint on every argument, or an ``Args:`` line per argument."""
+    from transformers.utils import get_json_schema
+
+    name = getattr(fn, "__qualname__", repr(fn))
+    if not (fn.__doc__ or "").strip():
+        raise ConfigError(f"{key}: tool {name} has no docstring; the model is shown its docstring (a summary line "
+                          "and an 'Args:' line per argument)")
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # TypeHintParsingException, DocstringParsingException
+        raise ConfigError(f"{key}: tool {name} cannot be shown to the model: {str(e).splitlines()[0]}") from None
+
+
+def env_methods(cls) -> list[str]:
+    return [n for n, v in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_") and n not in RESERVED]
+
+
+def build_toolset(tools: list[str], environment: str | None) -> Toolset | None:
+    """None for a single-turn run; else the checked `Toolset`."""
+    if not tools and environment is None:
+        return None
+    functions, schemas = {}, []
+    for i, spec in enumerate(tools):
+        fn = load_object(spec, f"rollout.tools[{i}]")
+        if not callable(fn) or inspect.isclass(fn):
+            raise ConfigError(f"rollout.tools[{i}]={spec!r} is not a function")
+        schema = tool_schema(fn, f"rollout.tools[{i}]={spec!r}")
+        name = schema["function"]["name"]
+        if name in functions:
+            raise ConfigError(f"rollout.tools[{i}]={spec!r}: a second tool named {name!r}")
+        functions[name] = spec
+        schemas.append(schema)
+    if environment is None:
+        return Toolset("tools", functions, (), tuple(schemas))
+    cls = load_object(environment, "rollout.environment")
+    key = f"rollout.environment={environment!r}"
+    if not inspect.isclass(cls):
+        raise ConfigError(f"{key} is not a class")
+    if not callable(getattr(cls, "reset", None)):
+        raise ConfigError(f"{key}: {cls.__name__} has no reset(row) method (it starts each episode)")
+    try:
+        inspect.signature(cls).bind()
+    except TypeError:
+        raise ConfigError(f"{key}: {cls.__name__}() must be callable without arguments (one instance per sample; "
+                          "reset(row) receives the sample's data row)") from None
+    reward = callable(getattr(cls, "reward", None))
+    if callable(getattr(cls, "step", None)):
+        if tools:
+            raise ConfigError(f"{key} speaks the plain-text protocol (it has step()); rollout.tools cannot be "
+                              "combined with it: give the environment the tools' work, or drop step()")
+        return Toolset("text", environment=environment, env_name=cls.__name__, env_reward=reward)
+    methods = env_methods(cls)
+    if not methods and not tools:
+        raise ConfigError(f"{key}: {cls.__name__} has neither public tool methods nor step(text); give it one")
+    for m in methods:
+        schema = tool_schema(getattr(cls, m), f"{key} method {m}")
+        if schema["function"]["name"] in functions:
+            raise ConfigError(f"{key}: method {m!r} has the name of a tool in rollout.tools")
+        schemas.append(schema)
+    return Toolset("tools", functions, tuple(methods), tuple(schemas), environment, cls.__name__, reward)
+
+
+def check_template(toolset: Toolset, tokenizer, use_chat_template: bool) -> None:
+    """A tool protocol needs a chat template that shows tools: rendering with and without them must differ."""
+    if toolset.protocol != "tools":
+        return
+    template = getattr(tokenizer, "chat_template", None) if use_chat_template else None
+    if not template:
+        raise ConfigError("rollout.tools/rollout.environment tools need the model's chat template (data.chat_template="
+                          "true and a tokenizer with one); without it use an environment with step(text) (the "
+                          "plain-text protocol)")
+    turns = [{"role": "user", "content": "hi"}]
+    plain = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    shown = tokenizer.apply_chat_template(turns, tools=list(toolset.schemas), tokenize=False,
+                                          add_generation_prompt=True)
+    if plain == shown:
+        name = getattr(tokenizer, "name_or_path", "") or "the model"
+        raise ConfigError(f"the chat template of {name} has no tool support (tools do not appear in the prompt); "
+                          "use rollout.environment with a step(text) method (the plain-text protocol) instead")
+
+
+def multi_turn(rollout) -> bool:
+    return bool(rollout.tools) or rollout.environment is not None
+
+
+def max_sampled_tokens(rollout) -> int:
+    """The most tokens the policy samples in one completion: ``max_new_tokens`` per turn (dr_grpo's constant)."""
+    return rollout.max_new_tokens * (rollout.max_turns if multi_turn(rollout) else 1)
+
+
+def max_completion_tokens(rollout, overhead: int = 32) -> int:
+    """The longest a completion can get: every turn's sampled tokens, plus between turns a tool result of at most
+    ``max_tool_tokens`` and ``overhead`` tokens of the chat template's framing."""
+    if not multi_turn(rollout):
+        return rollout.max_new_tokens
+    return max_sampled_tokens(rollout) + (rollout.max_turns - 1) * (rollout.max_tool_tokens + overhead)

@@ -1,0 +1,68 @@
+"""The calculator-tools recipe's parts: the multiplication task, the calculator (tool function and plain-text
+environment), the final-turn reward, and why the recipe uses the plain-text protocol for SmolLM2."""
+from __future__ import annotations
+
+import pytest
+
+from grpo.errors import ConfigError
+from grpo.rewards.registry import resolve
+from grpo.tasks import get_task
+from grpo.tools.calculator import Calculator, calculate, evaluate
+from grpo.tools.spec import build_toolset, check_template
+
+
+def test_multiplication_task():
+    rows = get_task("multiplication")(50, 3)
+    assert rows == get_task("multiplication")(50, 3) and len({r["prompt"] for r in rows}) == 50
+    for r in rows:
+        a, b = (int(x) for x in r["prompt"].split("Compute ")[1].split(".")[0].split(" * "))
+        assert 100 <= a <= 999 and 100 <= b <= 999 and r["answer"] == a * b and "<calc>" in r["prompt"]
+    assert get_task("multiplication")(2, 0, digits=1, template="{a}x{b}")[0]["prompt"].count("x") == 1
+    with pytest.raises(ValueError):
+        get_task("multiplication")(1, 0, digits=0)
+
+
+def test_the_calculator_evaluates_arithmetic_only():
+    assert evaluate("347 * 589") == 204383 and evaluate("(2 + 3) ** 2 - 7 / 2") == 21.5 and evaluate("6/3") == 2
+    assert evaluate("12 × 3") == 36 and evaluate("2^10") == 1024
+    for bad in ("__import__('os')", "x * 2", "2 ** 1000", "[1, 2]", "1 +"):
+        with pytest.raises(ValueError):
+            evaluate(bad)
+    assert calculate("19 * 21") == "399"
+
+
+def test_the_calculator_environment():
+    env = Calculator()
+    assert env.reset({"answer": 1}) is None
+    assert env.step("Let me use it: <calc>347 * 589</calc>") == "Result: 204383"
+    assert env.step("<calc> 3 * </calc>").startswith("Error: cannot parse")
+    assert env.step("<calc>10 // 0</calc>").startswith("Error:")
+    assert env.step("<calc>2 * 21") == "Result: 42"  # the turn ended before the closing tag
+    assert env.step("The answer is 204383.") is None and env.calls == 4
+
+
+def test_both_ways_pass_the_start_up_checks():
+    tools = build_toolset(["grpo.tools.calculator:calculate"], None)
+    assert tools.protocol == "tools" and tools.schemas[0]["function"]["parameters"]["required"] == ["expression"]
+    assert build_toolset([], "grpo.tools.calculator:Calculator").protocol == "text"
+
+
+def test_smollm2s_template_has_no_tool_support():
+    """Why recipes/calculator-tools.yaml uses the plain-text protocol."""
+    from grpo.models import load_tokenizer
+
+    tok = load_tokenizer("embedded:smollm2-135m-instruct")
+    with pytest.raises(ConfigError, match="has no tool support"):
+        check_template(build_toolset(["grpo.tools.calculator:calculate"], None), tok, True)
+
+
+def test_final_answer_reads_the_last_model_turn():
+    fn = resolve("final_answer")
+    episode = [{"role": "assistant", "text": "<calc>12*34</calc>"}, {"role": "user", "text": "Result: 408"},
+               {"role": "assistant", "text": "I am not sure."}]
+    whole = "<calc>12*34</calc>Result: 408I am not sure."
+    # the number in the calculator's result is not the model's answer
+    assert fn(["p"], [whole], answer=[408], episode=[episode]) == [0.0]
+    episode[-1]["text"] = "It is 408."
+    assert fn(["p"], [whole + " It is 408."], answer=[408], episode=[episode]) == [1.0]
+    assert fn(["p"], ["so 408"], answer=[408]) == [1.0]  # single-turn: the whole completion
