@@ -158,6 +158,64 @@ def measure_memory(spec: dict, P: int, S: int, G: int, shared: bool, device: str
     return (_rss_kb("VmHWM:") - base) / 1024
 
 
+def profile(P: int, S: int, G: int, repeats: int = 2) -> list[tuple]:
+    """Where the shared layout's CPU time goes on the tiny Llama: each part of a step timed alone at the step's
+    shapes (forward + backward, median of ``repeats``), the rest = the whole step minus the parts. Rows: (part,
+    FLOP-model GFLOP of forward + backward, CPU s)."""
+    import torch
+    import torch.nn.functional as F
+
+    from grpo.engine.completion_attention import completion_attention
+    from grpo.engine.logprob_head import head_logprobs
+    from grpo.engine.merged_attention import merged_attention
+
+    cfg = TINY_LLAMA
+    model, step = _setup({"config": cfg}, P, S, G, "cpu")
+    L, H, Hkv, h = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
+    D, rep = h // H, H // Hkv
+    r = lambda *shape: torch.randn(*shape).requires_grad_()  # noqa: E731
+    qp, kp, vp = r(1, H, P, D), r(1, H, P, D), r(1, H, P, D)
+    qc, kpc, vpc = r(1, Hkv, rep, G, S, D), r(1, Hkv, P, D), r(1, Hkv, P, D)
+    kc, vc = r(1, Hkv, G, S, D), r(1, Hkv, G, S, D)
+    hid, tgt = r(G * S, h), torch.randint(0, cfg["vocab_size"], (G * S,))
+    parts = {
+        "prompt self-attention (SDPA causal)": (lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=True),
+                                                L, 4 * H * D * P * P / 2 * L),
+        "completion attention, flash-merged": (lambda: merged_attention(qc, kpc, vpc, kc, vc, None, D ** -0.5),
+                                               L, 4 * H * D * G * S * (2 * P + S) / 2 * L),
+        "completion attention, chunked scores": (lambda: completion_attention(qc, kpc, vpc, kc, vc, None, D ** -0.5),
+                                                 L, 4 * H * D * G * S * (2 * P + S) / 2 * L),
+        "lm_head + log-softmax (fused)": (lambda: head_logprobs(hid, model.lm_head, model.config, tgt, 1.0, False)[0],
+                                          1, 2 * h * cfg["vocab_size"] * G * S),
+    }
+    rows = []
+    for name, (fn, times, fwd_flops) in parts.items():
+        rows.append((name, 3 * fwd_flops / 1e9, _cpu_median(lambda: fn().sum().backward(), repeats) * times))
+    whole = _cpu_median(lambda: step(True), repeats)
+    rest = whole - sum(t for name, _, t in rows if "chunked" not in name)
+    rows.append(("rest: linear layers, norms, rotary, gathers, copies", 3 * ceilings_flops(cfg, P, S, G) / 1e9, rest))
+    rows.append(("whole step (shared layout)", None, whole))
+    return rows
+
+
+def ceilings_flops(cfg: dict, P: int, S: int, G: int) -> float:
+    """Forward FLOPs of the shared layout's per-token linear layers (the model of :func:`ceilings`)."""
+    h, L, H = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    D = cfg.get("head_dim") or h // H
+    lin = 2 * (2 * h * H * D + 2 * h * cfg["num_key_value_heads"] * D + 3 * h * cfg["intermediate_size"])
+    return L * lin * (P + G * S)
+
+
+def _cpu_median(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        c0 = time.process_time()
+        fn()
+        times.append(time.process_time() - c0)
+    return statistics.median(times)
+
+
 def run_worker(kind: str, job: dict, threads: int):
     """Each measurement in a fresh process: a CPU allocator keeps freed memory, so only a fresh process has a
     meaningful peak."""
@@ -198,6 +256,7 @@ def main(argv=None) -> int:
     ap.add_argument("--also-chunked", action="store_true",
                     help="also time the shared layout with the generic chunked completion attention (alternated)")
     ap.add_argument("--no-memory", action="store_true", help="skip the fresh-process peak-memory measurements")
+    ap.add_argument("--profile", metavar="PxSxG", help="where the shared layout's time goes at one shape (tiny Llama)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     import torch
@@ -210,6 +269,8 @@ def main(argv=None) -> int:
         print(json.dumps(measure_time(**job) if kind == "time" else measure_memory(**job)))
         return 0
 
+    if args.profile:
+        return _print_profile(*(int(x) for x in args.profile.split("x")), repeats=args.repeats)
     if args.kernel == "flex" and args.device == "cpu":
         ap.error("--kernel flex needs --device cuda (PyTorch's FlexAttention has no CPU backward)")
     cases = _cases(args)
@@ -264,6 +325,19 @@ def _row(name: str, spec: dict, shape: tuple, t: dict, mem: list, key: str) -> s
     if "chunked" in t:
         row += f" {t['chunked'][key]:.3f} | {t['chunked'][key] / sh:.2f}x |"
     return row
+
+
+def _print_profile(P: int, S: int, G: int, repeats: int) -> int:
+    rows = profile(P, S, G, repeats)
+    whole = rows[-1][2]
+    print(f"# tiny Llama, P={P} S={S} G={G}, shared layout, forward + backward, CPU s (median of {repeats}, 1 thread)")
+    print("| part | FLOP model GFLOP (fwd+bwd) | CPU s | GFLOP/s | share of the step |")
+    print("|---|---|---|---|---|")
+    for name, gf, t in rows:
+        rate = f"{gf / t:.1f}" if gf and t > 0 else "-"
+        share = "(not in the step)" if "chunked" in name else f"{100 * t / whole:.0f}%"
+        print(f"| {name} | {f'{gf:.0f}' if gf else '-'} | {t:.2f} | {rate} | {share} |")
+    return 0
 
 
 def _config_dict(path: str) -> dict:

@@ -23,19 +23,23 @@ from __future__ import annotations
 
 import torch
 
-_flash = None
-_flash_backward = None
+
+def _flash(*args, **kwargs):
+    """PyTorch's fused CPU flash attention: (output, log-sum-exp)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(*args, **kwargs)
+
+
+def _flash_backward(*args, **kwargs):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(*args, **kwargs)
 
 
 def merged_attention_available(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether this path serves these inputs: PyTorch's CPU flash kernel, equal query and value head dims."""
-    global _flash, _flash_backward
     if q.device.type != "cpu" or q.shape[-1] != v.shape[-1] or q.dtype not in (torch.float32, torch.bfloat16):
         return False
     try:
-        _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-        _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-    except (AttributeError, RuntimeError):
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default  # noqa: B018
+    except (AttributeError, RuntimeError):  # a PyTorch without it
         return False
     return True
 
