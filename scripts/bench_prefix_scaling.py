@@ -101,12 +101,20 @@ def plan(grid: dict, layouts) -> list[tuple]:
     return sorted(runs, key=lambda r: (layouts.index(r[0]), tokens(*r)))
 
 
-def run_all(cfg: dict, runs: list[tuple], max_gib: float, dry: bool, max_seconds: float | None = None) -> dict:
-    results, per_token = {}, {}
+def run_all(cfg: dict, runs: list[tuple], max_gib: float, dry: bool, max_seconds: float | None = None,
+            save: str | None = None) -> dict:
+    """Measure ``runs`` in order (or plan them, ``dry``); with ``save``, the results so far are rewritten to that
+    JSON file after every run (``--render`` makes the table and plot from it); runs already in that file are kept,
+    not measured again."""
+    results = {}
+    if save and Path(save).exists():
+        results = {tuple(r): v for r, v in json.loads(Path(save).read_text()) if "cpu_s" in v}
     for run in runs:
         layout = run[0]
         n = tokens(*run)
-        predicted = per_token.get(layout, 0.0) * n / 1024  # GiB
+        if run in results:
+            continue
+        predicted = predict_gib(results, layout, n)
         rate = fitted_rates(cfg, results).get(layout)
         seconds = 3 * forward_flops(cfg, *run) / rate if rate else 0.0
         if predicted > max_gib:
@@ -117,11 +125,22 @@ def run_all(cfg: dict, runs: list[tuple], max_gib: float, dry: bool, max_seconds
             results[run] = {"planned": predicted}
         else:
             results[run] = run_worker({"cfg": cfg, "layout": layout, "P": run[1], "S": run[2], "G": run[3]}, max_gib)
-            if "peak_mib" in results[run]:
-                per_token[layout] = max(per_token.get(layout, 0.0), results[run]["peak_mib"] / n)
         print(f"# {layout:12s} P={run[1]:5d} S={run[2]} G={run[3]:3d} tokens={n:7d} -> {results[run]}",
               file=sys.stderr, flush=True)
+        if save:
+            Path(save).write_text(json.dumps([[list(r), v] for r, v in results.items()], indent=0))
     return results
+
+
+def predict_gib(results: dict, layout: str, n: int) -> float:
+    """Peak (GiB) of ``layout`` at ``n`` tokens, extrapolated along the line through its two largest measured runs
+    (the activations grow linearly in tokens), at least the largest measured peak; 0 before any run."""
+    done = sorted((tokens(*r), v["peak_mib"]) for r, v in results.items() if r[0] == layout and "peak_mib" in v)
+    if not done:
+        return 0.0
+    (n1, p1), (n2, p2) = done[-2] if len(done) > 1 else (0, 0.0), done[-1]
+    slope = (p2 - p1) / (n2 - n1) if n2 > n1 else p2 / n2
+    return max(p2, p2 + slope * (n - n2)) / 1024
 
 
 def fitted_rates(cfg: dict, results: dict) -> dict:
@@ -220,6 +239,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-gib", type=float, default=8.0, help="skip runs whose predicted peak exceeds this")
     ap.add_argument("--max-seconds", type=float,
                     help="skip runs predicted (FLOPs at the layout's rate so far) to take longer than this")
+    ap.add_argument("--results", help="JSON file of the results, rewritten after every run")
+    ap.add_argument("--render", action="store_true", help="run nothing: the table and plot from --results")
     ap.add_argument("--md", help="write the markdown table (with the command and the plan) here")
     ap.add_argument("--plot", help="write the plot (png) here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -237,7 +258,10 @@ def main(argv=None) -> int:
     runs = plan(grid, layouts)
     print(f"# plan: {len(runs)} runs, layouts {', '.join(layouts)}, P {grid['P']}, G {grid['G']}, S {grid['S']}, "
           f"cap {args.max_gib} GiB, {args.max_seconds or 'no'} s")
-    results = run_all(cfg, runs, args.max_gib, args.dry_run, args.max_seconds)
+    if args.render:
+        results = {tuple(r): v for r, v in json.loads(Path(args.results).read_text())}
+    else:
+        results = run_all(cfg, runs, args.max_gib, args.dry_run, args.max_seconds, args.results)
     text = table(cfg, grid, results, layouts)
     print(text)
     if args.md:
