@@ -73,8 +73,11 @@ sweep: model
 	$(PY) -m grpo.train -m $(SWEEP_ARGS) hydra.sweep.dir=$(SWEEP_DIR)
 	$(PY) -m grpo.report $(SWEEP_DIR)
 
+# docs/benchmarks.md's engine tables (several hours on 2 busy CPU cores): speed vs the FLOP ceiling, then how time
+# and memory grow with P and G (docs/prefix-scaling.md and .png)
 bench-prefix: model
-	$(PY) scripts/bench_prefix.py
+	$(PY) scripts/bench_prefix.py --also-chunked
+	$(PY) scripts/bench_prefix_scaling.py --md docs/prefix-scaling.md --plot docs/prefix-scaling.png
 
 # The whole GRPO step against TRL's GRPOTrainer (docs/benchmarks.md). TRL lives only in $(BENCH_VENV), at a
 # pinned version; torch stays $(TORCH) (installed first), transformers is pinned to what .venv has.

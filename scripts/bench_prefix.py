@@ -5,6 +5,7 @@
     python scripts/bench_prefix.py --model DIR      # SmolLM2 (or any Llama-like) from a local HF directory
     python scripts/bench_prefix.py --quick          # seconds; what the test suite runs
     python scripts/bench_prefix.py --device cuda --dtype bfloat16 --kernel flex   # GPU (scripts/bench_gpu.sh)
+    python scripts/bench_prefix.py --shapes 4096x256x16 --also-chunked   # + the generic chunked kernel, alternated
 
 Time: median of --repeats after one warm-up, both layouts alternating in one worker process (same machine
 load); on CPU the process CPU time with 1 thread (wall-clock speedup shown too). Memory: CUDA
@@ -40,7 +41,7 @@ QUICK_LLAMA = dict(TINY_LLAMA, vocab_size=1024, hidden_size=64, intermediate_siz
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
                      tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5)
-SHAPES = [(256, 32, 8), (1024, 64, 8), (2048, 128, 16)]
+SHAPES = [(256, 32, 8), (512, 32, 8), (1024, 64, 8), (2048, 128, 16), (4096, 256, 16), (2048, 512, 16)]
 SMOL_SHAPES = [(512, 64, 8)]
 
 
@@ -89,7 +90,10 @@ def load_model(spec: dict, device: str, dtype: str = "float32"):
 def _setup(spec: dict, P: int, S: int, G: int, device: str, kernel: str = "auto", dtype: str = "float32"):
     import torch
 
+    import grpo.engine.grouped_attention as ga
     from grpo import token_logprobs
+
+    merged_available = ga.merged_attention_available
 
     model = load_model(spec, device, dtype)
     V = model.config.vocab_size
@@ -98,9 +102,12 @@ def _setup(spec: dict, P: int, S: int, G: int, device: str, kernel: str = "auto"
     comps = [[torch.randint(0, V, (S,), generator=g).tolist() for _ in range(G)]]
     weights = torch.randn(G, S, generator=g).to(device)
 
-    def step(shared: bool):
+    def step(shared):
+        """shared: False (standard layout), True, or "chunked" (the shared layout with the generic chunked
+        completion attention instead of the CPU flash-merged one)."""
         model.zero_grad(set_to_none=True)
-        lps = token_logprobs(model, prompt, comps, shared_prefix=shared, attention_kernel=kernel)
+        ga.merged_attention_available = (lambda q, v: False) if shared == "chunked" else merged_available
+        lps = token_logprobs(model, prompt, comps, shared_prefix=bool(shared), attention_kernel=kernel)
         (torch.stack(lps[0]) * weights).sum().backward()
         if device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -108,13 +115,17 @@ def _setup(spec: dict, P: int, S: int, G: int, device: str, kernel: str = "auto"
     return model, step
 
 
-def measure_time(spec: dict, P: int, S: int, G: int, repeats: int, device: str, **opts) -> dict:
-    """Both layouts in one process, alternating, so that both see the same machine load. On CUDA also the peak
-    memory of one step of each (CUDA's allocator statistics need no fresh process)."""
+def measure_time(spec: dict, P: int, S: int, G: int, repeats: int, device: str, chunked: bool = False,
+                 **opts) -> dict:
+    """Both layouts in one process, alternating, so that both see the same machine load (with ``chunked`` also
+    the shared layout with the chunked completion attention). On CUDA also the peak memory of one step of each
+    (CUDA's allocator statistics need no fresh process). Returns medians, and every repeat under "runs"."""
     import torch
 
     model, step = _setup(spec, P, S, G, device, **opts)
-    step(False), step(True)  # warm-up (and FlexAttention's compilation)
+    variants = {"standard": False, "shared": True, **({"chunked": "chunked"} if chunked else {})}
+    for v in variants.values():
+        step(v)  # warm-up (and FlexAttention's compilation)
     mem = {}
     if device.startswith("cuda"):
         for shared in (False, True):
@@ -123,15 +134,15 @@ def measure_time(spec: dict, P: int, S: int, G: int, repeats: int, device: str, 
             base = torch.cuda.memory_allocated()
             step(shared)
             mem[shared] = (torch.cuda.max_memory_allocated() - base) / 2**20
-    res = {False: {"wall": [], "cpu": []}, True: {"wall": [], "cpu": []}}
+    res = {name: {"wall": [], "cpu": []} for name in variants}
     for _ in range(repeats):
-        for shared in (False, True):
+        for name, v in variants.items():
             w0, c0 = time.perf_counter(), time.process_time()
-            step(shared)
-            res[shared]["wall"].append(time.perf_counter() - w0)
-            res[shared]["cpu"].append(time.process_time() - c0)
-    return {name: {**{k: statistics.median(v) for k, v in res[shared].items()}, "mib": mem.get(shared)}
-            for name, shared in (("standard", False), ("shared", True))}
+            step(v)
+            res[name]["wall"].append(time.perf_counter() - w0)
+            res[name]["cpu"].append(time.process_time() - c0)
+    return {name: {**{k: statistics.median(x) for k, x in res[name].items()}, "mib": mem.get(v), "runs": res[name]}
+            for name, v in variants.items()}
 
 
 def measure_memory(spec: dict, P: int, S: int, G: int, shared: bool, device: str, **opts) -> float:
@@ -145,6 +156,64 @@ def measure_memory(spec: dict, P: int, S: int, G: int, shared: bool, device: str
     base = _rss_kb("VmRSS:")
     step(shared)
     return (_rss_kb("VmHWM:") - base) / 1024
+
+
+def profile(P: int, S: int, G: int, repeats: int = 2) -> list[tuple]:
+    """Where the shared layout's CPU time goes on the tiny Llama: each part of a step timed alone at the step's
+    shapes (forward + backward, median of ``repeats``), the rest = the whole step minus the parts. Rows: (part,
+    FLOP-model GFLOP of forward + backward, CPU s)."""
+    import torch
+    import torch.nn.functional as F
+
+    from grpo.engine.completion_attention import completion_attention
+    from grpo.engine.logprob_head import head_logprobs
+    from grpo.engine.merged_attention import merged_attention
+
+    cfg = TINY_LLAMA
+    model, step = _setup({"config": cfg}, P, S, G, "cpu")
+    L, H, Hkv, h = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
+    D, rep = h // H, H // Hkv
+    r = lambda *shape: torch.randn(*shape).requires_grad_()  # noqa: E731
+    qp, kp, vp = r(1, H, P, D), r(1, H, P, D), r(1, H, P, D)
+    qc, kpc, vpc = r(1, Hkv, rep, G, S, D), r(1, Hkv, P, D), r(1, Hkv, P, D)
+    kc, vc = r(1, Hkv, G, S, D), r(1, Hkv, G, S, D)
+    hid, tgt = r(G * S, h), torch.randint(0, cfg["vocab_size"], (G * S,))
+    parts = {
+        "prompt self-attention (SDPA causal)": (lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=True),
+                                                L, 4 * H * D * P * P / 2 * L),
+        "completion attention, flash-merged": (lambda: merged_attention(qc, kpc, vpc, kc, vc, None, D ** -0.5),
+                                               L, 4 * H * D * G * S * (2 * P + S) / 2 * L),
+        "completion attention, chunked scores": (lambda: completion_attention(qc, kpc, vpc, kc, vc, None, D ** -0.5),
+                                                 L, 4 * H * D * G * S * (2 * P + S) / 2 * L),
+        "lm_head + log-softmax (fused)": (lambda: head_logprobs(hid, model.lm_head, model.config, tgt, 1.0, False)[0],
+                                          1, 2 * h * cfg["vocab_size"] * G * S),
+    }
+    rows = []
+    for name, (fn, times, fwd_flops) in parts.items():
+        rows.append((name, 3 * fwd_flops / 1e9, _cpu_median(lambda: fn().sum().backward(), repeats) * times))
+    whole = _cpu_median(lambda: step(True), repeats)
+    rest = whole - sum(t for name, _, t in rows if "chunked" not in name)
+    rows.append(("rest: linear layers, norms, rotary, gathers, copies", 3 * ceilings_flops(cfg, P, S, G) / 1e9, rest))
+    rows.append(("whole step (shared layout)", None, whole))
+    return rows
+
+
+def ceilings_flops(cfg: dict, P: int, S: int, G: int) -> float:
+    """Forward FLOPs of the shared layout's per-token linear layers (the model of :func:`ceilings`)."""
+    h, L, H = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    D = cfg.get("head_dim") or h // H
+    lin = 2 * (2 * h * H * D + 2 * h * cfg["num_key_value_heads"] * D + 3 * h * cfg["intermediate_size"])
+    return L * lin * (P + G * S)
+
+
+def _cpu_median(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        c0 = time.process_time()
+        fn()
+        times.append(time.process_time() - c0)
+    return statistics.median(times)
 
 
 def run_worker(kind: str, job: dict, threads: int):
@@ -183,6 +252,11 @@ def main(argv=None) -> int:
                     help="attention kernel of the shared layout (auto: flex on CUDA, grouped elsewhere)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1: stable timings on a shared machine; 0 = torch default)")
+    ap.add_argument("--shapes", help="comma-separated PxSxG of the tiny-Llama rows (default: SHAPES)")
+    ap.add_argument("--also-chunked", action="store_true",
+                    help="also time the shared layout with the generic chunked completion attention (alternated)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the fresh-process peak-memory measurements")
+    ap.add_argument("--profile", metavar="PxSxG", help="where the shared layout's time goes at one shape (tiny Llama)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     import torch
@@ -195,45 +269,74 @@ def main(argv=None) -> int:
         print(json.dumps(measure_time(**job) if kind == "time" else measure_memory(**job)))
         return 0
 
+    if args.profile:
+        return _print_profile(*(int(x) for x in args.profile.split("x")), repeats=args.repeats)
     if args.kernel == "flex" and args.device == "cpu":
         ap.error("--kernel flex needs --device cuda (PyTorch's FlexAttention has no CPU backward)")
-    if args.quick:
-        cases = [("tiny-llama-quick", {"config": QUICK_LLAMA}, (64, 8, 4))]
-    else:
-        cases = [("tiny-llama-49k", {"config": TINY_LLAMA}, shape) for shape in SHAPES]
-        smol = None if args.no_smollm2 else find_smollm2(args.model)
-        if smol:
-            cases += [("SmolLM2-135M", {"path": smol}, shape) for shape in SMOL_SHAPES]
-        elif not args.no_smollm2:
-            print("# embedded SmolLM2 not available: its rows use its architecture with random weights",
-                  file=sys.stderr)
-            cases += [("SmolLM2-135M-shape", {"config": SMOLLM2_SHAPE}, shape) for shape in SMOL_SHAPES]
+    cases = _cases(args)
     repeats = 1 if args.quick else args.repeats
-
     print(f"# device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} {args.dtype}, "
           f"shared-layout kernel={args.kernel}, "
           f"forward+backward of token_logprobs; time = median of {repeats} after a warm-up, layouts alternating "
           f"in one process{'; CPU seconds (process_time)' if args.device == 'cpu' else ''}")
-    cols = ["model", "P", "S", "G", "standard s", "shared s", "speedup", "ceiling", "speedup/ceiling",
-            "ceiling lin / attn", "wall speedup", "standard MiB", "shared MiB"]
+    cols = ["model", "P", "S", "G", "standard s", "shared s", "speedup", "speedup range", "ceiling",
+            "speedup/ceiling", "ceiling lin / attn", "wall speedup", "standard MiB", "shared MiB"]
+    if args.also_chunked:
+        cols += ["chunked-kernel s", "shared vs chunked"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for name, spec, (P, S, G) in cases:
-        cfg = spec.get("config") or _config_dict(spec["path"])
         job = {"spec": spec, "P": P, "S": S, "G": G, "device": args.device, "kernel": args.kernel, "dtype": args.dtype}
-        t = run_worker("time", {**job, "repeats": repeats}, args.threads)
+        t = run_worker("time", {**job, "repeats": repeats, "chunked": args.also_chunked}, args.threads)
         if t["standard"]["mib"] is not None:
             mem = [f"{t[k]['mib']:.0f}" for k in ("standard", "shared")]
         else:
-            mem = ["-", "-"] if args.quick else [
+            mem = ["-", "-"] if args.quick or args.no_memory else [
                 f"{run_worker('memory', {**job, 'shared': sh}, args.threads):.0f}" for sh in (False, True)]
-        key = "cpu" if args.device == "cpu" else "wall"
-        std, sh = t["standard"][key], t["shared"][key]
-        c = ceilings(cfg, P, S, G)
-        speedup = std / sh
-        print(f"| {name} | {P} | {S} | {G} | {std:.3f} | {sh:.3f} | {speedup:.2f}x | {c['combined']:.2f}x "
-              f"| {speedup / c['combined']:.2f} | {c['linear']:.2f}x / {c['attention']:.2f}x "
-              f"| {t['standard']['wall'] / t['shared']['wall']:.2f}x | {mem[0]} | {mem[1]} |", flush=True)
+        print(_row(name, spec, (P, S, G), t, mem, "cpu" if args.device == "cpu" else "wall"), flush=True)
+    return 0
+
+
+def _cases(args) -> list:
+    """(model name, model spec, (P, S, G)) of every row to measure."""
+    if args.quick:
+        return [("tiny-llama-quick", {"config": QUICK_LLAMA}, (64, 8, 4))]
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    cases = [("tiny-llama-49k", {"config": TINY_LLAMA}, shape) for shape in shapes]
+    smol = None if args.no_smollm2 else find_smollm2(args.model)
+    if smol:
+        cases += [("SmolLM2-135M", {"path": smol}, shape) for shape in SMOL_SHAPES]
+    elif not args.no_smollm2:
+        print("# embedded SmolLM2 not available: its rows use its architecture with random weights", file=sys.stderr)
+        cases += [("SmolLM2-135M-shape", {"config": SMOLLM2_SHAPE}, shape) for shape in SMOL_SHAPES]
+    return cases
+
+
+def _row(name: str, spec: dict, shape: tuple, t: dict, mem: list, key: str) -> str:
+    """One markdown row: medians, the range of the per-repeat speedups, the FLOP ceiling."""
+    P, S, G = shape
+    c = ceilings(spec.get("config") or _config_dict(spec["path"]), P, S, G)
+    std, sh = t["standard"][key], t["shared"][key]
+    per_repeat = [a / b for a, b in zip(t["standard"]["runs"][key], t["shared"]["runs"][key])]
+    row = (f"| {name} | {P} | {S} | {G} | {std:.3f} | {sh:.3f} | {std / sh:.2f}x "
+           f"| {min(per_repeat):.2f}-{max(per_repeat):.2f}x | {c['combined']:.2f}x "
+           f"| {std / sh / c['combined']:.2f} | {c['linear']:.2f}x / {c['attention']:.2f}x "
+           f"| {t['standard']['wall'] / t['shared']['wall']:.2f}x | {mem[0]} | {mem[1]} |")
+    if "chunked" in t:
+        row += f" {t['chunked'][key]:.3f} | {t['chunked'][key] / sh:.2f}x |"
+    return row
+
+
+def _print_profile(P: int, S: int, G: int, repeats: int) -> int:
+    rows = profile(P, S, G, repeats)
+    whole = rows[-1][2]
+    print(f"# tiny Llama, P={P} S={S} G={G}, shared layout, forward + backward, CPU s (median of {repeats}, 1 thread)")
+    print("| part | FLOP model GFLOP (fwd+bwd) | CPU s | GFLOP/s | share of the step |")
+    print("|---|---|---|---|---|")
+    for name, gf, t in rows:
+        rate = f"{gf / t:.1f}" if gf and t > 0 else "-"
+        share = "(not in the step)" if "chunked" in name else f"{100 * t / whole:.0f}%"
+        print(f"| {name} | {f'{gf:.0f}' if gf else '-'} | {t:.2f} | {rate} | {share} |")
     return 0
 
 

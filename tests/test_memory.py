@@ -118,8 +118,10 @@ def test_completion_attention_keeps_no_scores():
 def test_chunked_completion_attention_matches_reference(monkeypatch, chunk):
     """Forward and gradients equal the per-sequence forward also when the kernel works one group at a time."""
     import grpo.engine.completion_attention as ca
+    import grpo.engine.grouped_attention as ga
 
     monkeypatch.setattr(ca, "CHUNK_SCORES", chunk)
+    monkeypatch.setattr(ga, "merged_attention_available", lambda q, v: False)  # the chunked kernel, also on CPU
     model = make_model("qwen2").train()
     prompts, comps = make_data()
     ref, w, want = reference_with_grads(model, prompts, comps)

@@ -7,7 +7,8 @@ Public entries: :func:`token_logprobs` and :func:`plan_micro_batches` (also ``gr
 - ``layout``: the packed row of a micro-batch: which tokens exist, their positions, segments, predicting positions
 - ``prefix_attention``: the ``grpo_prefix`` attention function every layer calls; dispatches to a kernel
 - ``grouped_attention``: the grouped kernel and the joint softmax shared with decoding
-- ``completion_attention``: the grouped kernel's completion half, with flash-style memory
+- ``completion_attention``: the grouped kernel's completion half, with flash-style memory (any device)
+- ``merged_attention``: that half on CPU: two fused flash-attention calls merged by their log-sum-exps
 - ``flex_kernel``: the FlexAttention kernel and its block mask
 - ``decode_attention``: ``grpo_prefix_decode``, the rollout's shared-prefix (cascade) decoding
 - ``patch``: switching a model's attention to ours, the placeholder mask, the every-layer check

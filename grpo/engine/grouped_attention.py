@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from grpo.engine.completion_attention import completion_attention
 from grpo.engine.layout import PrefixLayout
+from grpo.engine.merged_attention import merged_attention, merged_attention_available
 
 
 def joint_softmax(s_a: torch.Tensor, s_b: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,10 +47,10 @@ def grouped_attention(query, key, value, layout: PrefixLayout, scaling: float, d
     vc = v.index_select(1, layout.comp_idx).view(Hkv, B, Gmax, Smax, Dv)
     if dropout > 0.0:
         o = _completion_attention_with_dropout(qc, kp, vp, kc, vc, layout.prompt_valid, scaling, dropout)
-    else:  # no score matrix kept for backward (grpo/engine/completion_attention.py)
-        o = completion_attention(qc.permute(2, 0, 1, 3, 4, 5).contiguous(), kp.contiguous(), vp.contiguous(),
-                                 kc.transpose(0, 1).contiguous(), vc.transpose(0, 1).contiguous(),
-                                 layout.prompt_valid, scaling)
+    else:  # no score matrix kept for backward: fused flash kernels on CPU, else score chunks
+        attend = merged_attention if merged_attention_available(qc, vc) else completion_attention
+        o = attend(qc.permute(2, 0, 1, 3, 4, 5).contiguous(), kp.contiguous(), vp.contiguous(),
+                   kc.transpose(0, 1).contiguous(), vc.transpose(0, 1).contiguous(), layout.prompt_valid, scaling)
     out_c = o.permute(0, 3, 4, 1, 2, 5).reshape(B * Gmax * Smax, H * Dv)  # (B, Gmax, Smax, Hkv, rep, Dv)
 
     out = torch.cat([out_p, out_c.to(out_p.dtype)], dim=0).index_select(0, layout.src)
