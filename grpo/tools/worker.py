@@ -1,20 +1,19 @@
-"""Tool and environment calls behind a process boundary, so that a stuck one can be hard-killed.
+"""Tool and environment calls behind a process boundary, so that a stuck one can be hard-killed
+(`grpo.worker_process`).
 
-One persistent worker process (spawned: it shares nothing with the trainer) imports the tools, holds one
-environment instance per live episode, and serves calls. A call that overruns ``rollout.tool_timeout_s`` kills the
-worker; the next call starts a fresh one, which first replays the live episodes' history (``reset(row)`` and every
-call that returned) so that their environments are where they were. A call that raises or times out comes back
-as an error message for the model, never as an exception.
+One persistent worker process imports the tools, holds one environment instance per live episode, and serves
+calls. A call that overruns ``rollout.tool_timeout_s`` kills the worker; the next call starts a fresh one, which
+first replays the live episodes' history (``reset(row)`` and every call that returned) so that their environments
+are where they were. A call that raises or times out comes back as an error message for the model, never as an
+exception.
 """
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
-import signal
-import sys
 import time
 from dataclasses import dataclass
+
+from grpo.worker_process import KillableWorker
 
 
 @dataclass
@@ -25,25 +24,17 @@ class CallResult:
     timed_out: bool = False
 
 
-class ToolWorker:
+class ToolWorker(KillableWorker):
     """The trainer's side: ``reset``/``call``/``step``/``reward`` per episode key, each with ``timeout_s``."""
 
     def __init__(self, environment: str | None, timeout_s: float):
+        super().__init__("grpo-tool-worker", _handle, _describe)
         self.environment, self.timeout_s = environment, timeout_s
-        self.proc = self.conn = None
         self.history: dict[object, list[tuple]] = {}   # live episode -> the requests that built its state
         self.lost: set = set()
 
-    # ---------------------------------------------------------------- process
-    def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, list(sys.path), os.getcwd()), daemon=True,
-                                name="grpo-tool-worker")
-        self.proc.start()
-        child.close()
-        if self.conn.recv() != "ready":
-            raise RuntimeError("tool worker failed to start")
+    def start(self) -> None:
+        super().start()
         for key, requests in list(self.history.items()):  # a restarted worker: rebuild the live environments
             for req in requests:
                 ok, _, _ = self._send(req)
@@ -54,31 +45,10 @@ class ToolWorker:
 
     def _send(self, request: tuple) -> tuple[bool, object, bool]:
         """(ok, payload, timed_out); starts the worker when needed."""
-        if self.proc is None or not self.proc.is_alive():
-            self._start()
-        self.conn.send(request)
-        if not self.conn.poll(self.timeout_s):
-            self.kill()
-            return False, None, True
-        try:
-            ok, payload = self.conn.recv()
-        except EOFError:  # the worker died (a tool called os._exit, a segfault, ...)
-            self.kill()
+        status, payload = self.request(request, self.timeout_s)
+        if status == "died":
             return False, "the tool worker process died", False
-        return ok, payload, False
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.join(timeout=5)
-        self.proc = None
-
-    def __del__(self):
-        try:
-            self.kill()
-        except Exception:
-            pass
+        return status == "ok", payload, status == "timeout"
 
     # ---------------------------------------------------------------- episodes
     def reset(self, key, row: dict) -> str | None:
@@ -124,7 +94,7 @@ class ToolWorker:
 
     def drop_all(self) -> None:
         """Forget every episode (their instances are freed in the worker)."""
-        if self.history and self.proc is not None and self.proc.is_alive():
+        if self.history and self.alive():
             self._send(("drop",))
         self.history.clear()
         self.lost.clear()
@@ -140,26 +110,18 @@ def as_text(value) -> str:
         return str(value)
 
 
-def _serve(conn, path: list[str], cwd: str) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer handles Ctrl-C and then kills us
-    sys.path[:] = path
-    os.chdir(cwd)
-    conn.send("ready")
-    objects: dict = {}
-    envs: dict = {}
-    while True:
-        try:
-            request = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            conn.send((True, _handle(request, objects, envs)))
-        except BaseException as e:  # noqa: BLE001 - whatever the user's code raised goes back as text
-            conn.send((False, f"{type(e).__name__}: {e}"[:500]))
+_objects: dict = {}  # in the worker process: 'module:name' -> the imported object
+_envs: dict = {}     # in the worker process: episode key -> its environment instance
 
 
-def _handle(request: tuple, objects: dict, envs: dict):
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:500]
+
+
+def _handle(request: tuple):
     import importlib
+
+    objects, envs = _objects, _envs
 
     def load(spec):
         if spec not in objects:
