@@ -247,6 +247,31 @@ def test_smoke_run_with_the_vllm_backend(cfg_factory):
         assert 0.99 < r["rollout_is/ratio_max"] < 1.01 and r["loss"] is not None
 
 
+def test_multi_turn_episodes_with_the_vllm_backend(cfg_factory, tmp_path, monkeypatch):
+    """The one turn loop over vLLM (docs/tools-and-environments.md): an environment's observations enter every
+    episode and stay out of the loss, and vLLM's log-probs of the model's own tokens, turn after turn, match the
+    trainer's."""
+    from grpo.train import train
+    from tests.test_tools_train import ENV
+
+    (tmp_path / "vllm_steps_env.py").write_text(ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _close_engines()
+    cfg = cfg_factory(_with(VLLM_RUN, {
+        "trainer": {"max_steps": 2},
+        "rollout": {"environment": "vllm_steps_env:Steps", "max_turns": 3, "max_new_tokens": 8, "max_tool_tokens": 16},
+        "algorithm": {"rollout_is": "token_truncate", "rollout_is_cap": 2.0}}))
+    assert train(cfg)["steps"] == 2
+    rows = [json.loads(line) for line in open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"))]
+    steps = [r for r in rows if "reward_mean" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["episode/turns_mean"] == 3.0 and r["episode/tool_calls_mean"] == 2.0
+        assert r["reward/Steps"] == 1.0 and r["episode/tool_tokens_mean"] > 0
+        # observation tokens carry no sampler log-prob: were they counted, |delta logp| would be far from 0
+        assert r["rollout_is/logp_diff_abs_mean"] < 1e-4 and r["rollout_is/capped_frac"] == 0.0
+
+
 VLLM_RUN = {"rollout": {"backend": "vllm", "vllm": {"max_model_len": 256}}, "model": {"tiny": TINY},
             "data": {"num_eval": 2}}
 
