@@ -29,11 +29,14 @@ def _cli(tmp_path, *args):
 
 
 @pytest.mark.slow
-def test_a_smoke_run_with_an_environment(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_smoke_run_with_an_environment(tmp_path, lora):
     (tmp_path / "smoke_env.py").write_text(ENV)
     out = tmp_path / "run"
+    extra = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8"] if lora else []
     p = _cli(tmp_path, f"trainer.output_dir={out}", "rollout.environment=smoke_env:Steps", "rollout.max_turns=3",
-             "rollout.max_new_tokens=8", "rollout.max_tool_tokens=16", "trainer.eval_every=2", "data.num_eval=2")
+             "rollout.max_new_tokens=8", "rollout.max_tool_tokens=16", "trainer.eval_every=2", "data.num_eval=2",
+             *extra)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
