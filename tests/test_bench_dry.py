@@ -110,10 +110,11 @@ def test_bench_gpu_rollout_dry_run_plans_both_parts():
 
 
 def test_bench_rollout_measures_our_decode_loop(tmp_path):
-    """bench_rollout.py on a random SmolLM2-shaped model, a few tokens: the hf record (exactly the tokens asked),
+    """bench_rollout.py on a small random Llama (``--model quick-shape``; the benchmarks use ``smollm2-shape`` and
+    ``qwen05-shape``, the same code path), a few tokens: the hf record (exactly the tokens asked),
     and a vLLM record that says why it was skipped where vLLM does not import."""
     out = tmp_path / "r.json"
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_rollout.py"), "--model", "smollm2-shape",
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_rollout.py"), "--model", "quick-shape",
                         "--prompt-len", "8", "--prompts", "2", "--group", "2", "--new", "3", "--repeats", "1",
                         "--threads", "1", "--backends", "hf" if _vllm_imports() else "hf,vllm", "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
