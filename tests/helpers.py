@@ -51,3 +51,12 @@ def vllm_logprobs_of(backend, prompt: list[int], completion: list[int]):
                                SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)[0]
     plp = out.prompt_logprobs[len(prompt):]
     return torch.tensor([d[t].logprob for d, t in zip(plp, completion)])
+
+
+def nest_like(batch, values: list) -> list[list]:
+    """Flat per-completion ``values`` grouped as ``batch.completion_ids`` is (one list per prompt)."""
+    out, k = [], 0
+    for g in batch.completion_ids:
+        out.append(values[k:k + len(g)])
+        k += len(g)
+    return out

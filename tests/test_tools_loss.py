@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from grpo.config import AlgorithmConfig, EngineConfig
+from tests.helpers import nest_like
 from tests.oracle import assert_grads_close, close, flat, hf_logprobs, oracle_grads
 from tests.test_update_oracle import CaptureRuntime
 
@@ -57,14 +58,6 @@ def setup():
     return policy, batch, old, ref
 
 
-def _nest(batch, values):
-    out, k = [], 0
-    for g in batch.completion_ids:
-        out.append(values[k:k + len(g)])
-        k += len(g)
-    return out
-
-
 def _run(policy, batch, acfg, ecfg=SPLIT):
     from grpo.update import UpdateSettings, policy_update
 
@@ -83,7 +76,7 @@ def _algo(**kw):
 @pytest.mark.parametrize("agg", AGGS)
 def test_masked_policy_update_matches_the_oracle(setup, agg, level):
     policy, batch, old, ref = setup
-    b = dataclasses.replace(batch, old_logps=_nest(batch, old), ref_logps=_nest(batch, ref))
+    b = dataclasses.replace(batch, old_logps=nest_like(batch, old), ref_logps=nest_like(batch, ref))
     acfg = _algo(loss_agg=agg, importance_sampling=level)
     stats, grads = _run(policy, b, acfg)
     loss, want, kl = oracle_grads(policy, b, acfg, temperature=TEMP, max_len=MAX_LEN, mask_truncated=False,
@@ -101,15 +94,16 @@ def test_tool_tokens_contribute_nothing(setup):
     wild_old = [torch.where(m, o, torch.full_like(o, -30.0)) for o, m in zip(old, masks)]
     wild_ref = [torch.where(m, r, torch.full_like(r, 5.0)) for r, m in zip(ref, masks)]
     acfg = _algo(loss_agg="token_mean")
-    a = _run(policy, dataclasses.replace(batch, old_logps=_nest(batch, old), ref_logps=_nest(batch, ref)), acfg)
-    b = _run(policy, dataclasses.replace(batch, old_logps=_nest(batch, wild_old), ref_logps=_nest(batch, wild_ref)),
-             acfg)
+    def with_logps(b, old_lp, ref_lp):
+        return dataclasses.replace(b, old_logps=nest_like(batch, old_lp), ref_logps=nest_like(batch, ref_lp))
+
+    a = _run(policy, with_logps(batch, old, ref), acfg)
+    b = _run(policy, with_logps(batch, wild_old, wild_ref), acfg)
     for k in ("loss", "kl", "entropy", "clip_ratio", "ratio_mean"):
         assert a[0][k] == b[0][k], k
     assert all(torch.equal(a[1][n], b[1][n]) for n in a[1])
     unmasked = dataclasses.replace(batch, completion_masks=None)
-    c = _run(policy, dataclasses.replace(unmasked, old_logps=_nest(batch, wild_old), ref_logps=_nest(batch, wild_ref)),
-             acfg)
+    c = _run(policy, with_logps(unmasked, wild_old, wild_ref), acfg)
     assert c[0]["loss"] != a[0]["loss"] and c[0]["kl"] != a[0]["kl"]
 
 

@@ -14,6 +14,7 @@ import torch
 
 from grpo.config import AlgorithmConfig, EngineConfig
 from grpo.runtime.base import Runtime
+from tests.helpers import nest_like
 from tests.oracle import assert_grads_close, close, flat, hf_logprobs, oracle_grads
 
 EOS, VOCAB, MAX_LEN, TEMP = 2, 100, 8, 0.7
@@ -60,14 +61,6 @@ def setup():
     return policy, batch, old, ref
 
 
-def _nest(batch, values):
-    out, k = [], 0
-    for g in batch.completion_ids:
-        out.append(values[k:k + len(g)])
-        k += len(g)
-    return out
-
-
 def _run(policy, batch, acfg, ecfg, mask_truncated):
     from grpo.update import UpdateSettings, policy_update
 
@@ -107,7 +100,7 @@ def test_the_batch_exercises_what_it_claims(setup):
 @pytest.mark.parametrize("agg", AGGS)
 def test_policy_update_matches_the_oracle(setup, agg, level, mask_truncated):
     policy, batch, old, ref = setup
-    b = dataclasses.replace(batch, old_logps=_nest(batch, old), ref_logps=_nest(batch, ref))
+    b = dataclasses.replace(batch, old_logps=nest_like(batch, old), ref_logps=nest_like(batch, ref))
     acfg = _algo(loss_agg=agg, importance_sampling=level)
     stats, grads = _run(policy, b, acfg, SPLIT, mask_truncated)
     loss, want, kl = oracle_grads(policy, b, acfg, temperature=TEMP, max_len=MAX_LEN, mask_truncated=mask_truncated,
@@ -124,7 +117,7 @@ def test_policy_update_matches_the_oracle(setup, agg, level, mask_truncated):
 @pytest.mark.parametrize("agg,level", [("token_mean", "sequence"), ("dr_grpo", "token")])
 def test_whole_batch_and_standard_layout_match_the_oracle(setup, engine, agg, level):
     policy, batch, old, ref = setup
-    b = dataclasses.replace(batch, old_logps=_nest(batch, old), ref_logps=_nest(batch, ref))
+    b = dataclasses.replace(batch, old_logps=nest_like(batch, old), ref_logps=nest_like(batch, ref))
     acfg = _algo(loss_agg=agg, importance_sampling=level, kl_estimator="k2")
     stats, grads = _run(policy, b, acfg, engine, True)
     loss, want, kl = oracle_grads(policy, b, acfg, temperature=TEMP, max_len=MAX_LEN, mask_truncated=True,
@@ -172,7 +165,7 @@ def test_importance_sampling_changes_the_gradient(setup):
     """With old log-probs away from the current ones, GSPO's one ratio per completion gives another gradient
     than the per-token ratio; with ratio 1 (mu = 1) both are the same policy gradient."""
     policy, batch, old, _ = setup
-    b = dataclasses.replace(batch, old_logps=_nest(batch, old))
+    b = dataclasses.replace(batch, old_logps=nest_like(batch, old))
     tok = _run(policy, b, _algo(beta=0.0), SPLIT, False)[1]
     seq = _run(policy, b, _algo(beta=0.0, importance_sampling="sequence"), SPLIT, False)[1]
     assert _rel(seq, tok) > 0.1
