@@ -147,7 +147,9 @@ def worker_ours(spec: dict) -> dict:
         "rollout": {"prompts_per_step": n, "max_new_tokens": S, "batch_size": n, "share_prompt": shared,
                     "temperature": 1.0, "backend": backend},
         "algorithm": {"group_size": G, "beta": 0.04, "num_iterations": 1},
-        "engine": {"shared_prefix": shared},
+        # one group per micro-batch in both layouts: `auto` would be planned from the short built-in prompts that
+        # the bench's P-token prompts replace after the build
+        "engine": {"shared_prefix": shared, "max_tokens_per_micro_batch": max(4096, G * (P + S))},
         "trainer": {"max_steps": spec["steps"] + 1, "lr": 1e-6, "output_dir": spec["out"], "seed": 0,
                     "device": spec["device"]},
         "logging": {"plot": False, "sample_every": 0},
