@@ -115,3 +115,13 @@ def assert_grads_close(got: dict, want: dict, rel: float = 1e-5) -> None:
 
 def close(a: float, b: float, rel: float = 1e-5, abs_: float = 1e-7) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
+
+
+def old_and_reference_logprobs(policy, reference, batch, temperature: float, gen) -> tuple[list, list]:
+    """Per completion of ``batch``: pi_old (the policy's log-probs moved by N(0, 0.5), ratios ~0.3 to ~3) and the
+    reference's log-probs, by the plain per-sequence forward."""
+    rows_p = [p for p, g in zip(batch.prompt_ids, batch.completion_ids) for _ in g]
+    with torch.no_grad():
+        current = hf_logprobs(policy, rows_p, flat(batch.completion_ids), temperature)
+        ref = hf_logprobs(reference, rows_p, flat(batch.completion_ids), temperature)
+    return [lp - 0.5 * torch.randn(lp.shape, generator=gen) for lp in current], ref

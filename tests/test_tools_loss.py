@@ -10,7 +10,7 @@ import torch
 
 from grpo.config import AlgorithmConfig, EngineConfig
 from tests.helpers import nest_like
-from tests.oracle import assert_grads_close, close, flat, hf_logprobs, oracle_grads
+from tests.oracle import assert_grads_close, close, flat, old_and_reference_logprobs, oracle_grads
 from tests.test_update_oracle import CaptureRuntime
 
 EOS, VOCAB, MAX_LEN, TEMP = 2, 100, 8, 0.7
@@ -50,11 +50,7 @@ def setup():
     adv = torch.tensor([1.1, -0.6, 0.8, -1.2, 0.5])
     batch = Batch([{}, {}], prompts, comps, [[False] * len(g) for g in comps], torch.zeros(5), adv,
                   completion_masks=masks)
-    rows_p = [p for p, g in zip(prompts, comps) for _ in g]
-    with torch.no_grad():
-        current = hf_logprobs(policy, rows_p, flat(comps), TEMP)
-        ref = hf_logprobs(reference, rows_p, flat(comps), TEMP)
-    old = [lp - 0.5 * torch.randn(lp.shape, generator=gen) for lp in current]
+    old, ref = old_and_reference_logprobs(policy, reference, batch, TEMP, gen)
     return policy, batch, old, ref
 
 

@@ -15,7 +15,7 @@ import torch
 from grpo.config import AlgorithmConfig, EngineConfig
 from grpo.runtime.base import Runtime
 from tests.helpers import nest_like
-from tests.oracle import assert_grads_close, close, flat, hf_logprobs, oracle_grads
+from tests.oracle import assert_grads_close, close, flat, hf_logprobs, old_and_reference_logprobs, oracle_grads
 
 EOS, VOCAB, MAX_LEN, TEMP = 2, 100, 8, 0.7
 AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"]
@@ -52,12 +52,7 @@ def setup():
     truncated = [[not eos for _, eos in g] for g in shapes]
     adv = torch.tensor([1.3, -0.7, 0.9, -1.1, 0.6, 1.5, -0.4])
     batch = Batch([{}, {}], prompts, comps, truncated, torch.zeros(7), adv)
-    rows_p = [p for p, g in zip(prompts, comps) for _ in g]
-    with torch.no_grad():
-        current = hf_logprobs(policy, rows_p, flat(comps), TEMP)
-        ref = hf_logprobs(reference, rows_p, flat(comps), TEMP)
-    # pi_old: the current log-probs moved by N(0, 0.5): ratios from ~0.3 to ~3
-    old = [lp - 0.5 * torch.randn(lp.shape, generator=gen) for lp in current]
+    old, ref = old_and_reference_logprobs(policy, reference, batch, TEMP, gen)
     return policy, batch, old, ref
 
 
