@@ -167,10 +167,10 @@ def worker_ours(spec: dict) -> dict:
     if backend == "vllm":
         _vllm_exact_length(S)
     settings = dataclasses.replace(UpdateSettings.from_config(cfg), mask_truncated=False)
-    times, upd, lens, roll = [], [], [], []
-    for _ in range(spec["steps"] + 1):
+    times, cpu, upd, lens, roll = [], [], [], [], []
+    for step in range(spec["steps"] + 1):
         _sync(spec["device"])
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         batch = experience.collect(run, cfg)
         _sync(spec["device"])
         t1 = time.perf_counter()
@@ -178,6 +178,8 @@ def worker_ours(spec: dict) -> dict:
         _sync(spec["device"])
         t2 = time.perf_counter()
         times.append(t2 - t0)
+        cpu.append(time.process_time() - c0)
+        _progress(step, times[-1], cpu[-1])
         upd.append(t2 - t1)
         lens.append(sum(len(c) for g in batch.completion_ids for c in g))
         roll.append(batch.stats["time/rollout_s"])
@@ -187,8 +189,8 @@ def worker_ours(spec: dict) -> dict:
         _profile(lambda: policy_update(run.runtime, experience.collect(run, cfg),
                                        dataclasses.replace(settings, temperature=1.0, max_len=S, max_grad_norm=1.0)),
                  spec["profile"])
-    return {"step_s": times[1:], "update_s": upd[1:], "rollout_s": roll[1:], "completion_tokens": lens[1:],
-            "prompt_len": P,
+    return {"step_s": times[1:], "cpu_step_s": cpu[1:], "update_s": upd[1:], "rollout_s": roll[1:],
+            "completion_tokens": lens[1:], "prompt_len": P,
             "peak_rss_mib": _peak_rss_mib(), **_gpu_mem(spec["device"]), "torch_threads": torch.get_num_threads()}
 
 
@@ -245,17 +247,20 @@ def worker_trl(spec: dict) -> dict:
         gradient_checkpointing=False,  # TRL defaults to True; ours does not checkpoint by default
         dataloader_num_workers=0, disable_tqdm=True, log_completions=False,
     )
-    times, gen = [], []
+    times, cpu, gen = [], [], []
     lens = []
 
     class Timer(transformers.TrainerCallback):
         def on_train_begin(self, *a, **k):
             _sync(spec["device"])
             times.append(time.perf_counter())
+            cpu.append(time.process_time())
 
         def on_step_end(self, *a, **k):
             _sync(spec["device"])
             times.append(time.perf_counter())
+            cpu.append(time.process_time())
+            _progress(len(times) - 2, times[-1] - times[-2], cpu[-1] - cpu[-2])
 
         def on_log(self, args, state, control, logs=None, **k):
             if logs and "completions/mean_length" in logs:
@@ -270,10 +275,19 @@ def worker_trl(spec: dict) -> dict:
     trainer.train()
     steps = [b - a for a, b in zip(times, times[1:])]
     upd = [s - g for s, g in zip(steps, gen)]
-    return {"step_s": steps[1:], "update_s": upd[1:], "rollout_s": roll[1:],
+    return {"step_s": steps[1:], "cpu_step_s": [b - a for a, b in zip(cpu[1:], cpu[2:])],
+            "update_s": upd[1:], "rollout_s": roll[1:],
             "completion_tokens": [round(x) for x in lens[1:]],
             "prompt_len": P, "peak_rss_mib": _peak_rss_mib(), **_gpu_mem(spec["device"]),
             "trl": trl.__version__, "torch_threads": torch.get_num_threads()}
+
+
+def _progress(step: int, wall: float, cpu: float) -> None:
+    """One line per finished step on stderr (step 0 is the warm-up), so a worker stopped by --timeout still says
+    how long its steps took. CPU seconds of the process: with --threads 1 they are the step's cost even when
+    other work shares the machine (wall seconds then are not)."""
+    print(f"[worker] step {step}{' (warm-up)' if step == 0 else ''}: {wall:.1f} s wall, {cpu:.1f} s CPU",
+          file=sys.stderr, flush=True)
 
 
 def _sync(device: str) -> None:
@@ -311,11 +325,20 @@ def run_worker(python: str, spec: dict, timeout: float) -> dict:
         env = dict(os.environ, **threads, TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=f"{ROOT}:{HERE}",
                    TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
         cmd = [python, str(Path(__file__).resolve()), "--worker", str(spec_path), "--result", str(res_path)]
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:  # say how far it got (the worker's per-step lines)
+            done = [line for line in _text(e.stderr).splitlines() if line.startswith("[worker] step")]
+            raise RuntimeError(f"{spec['system']} worker stopped after the {timeout:.0f} s --timeout; steps finished: "
+                               f"{'; '.join(done) or 'none'}") from None
         if p.returncode != 0 or not res_path.exists():
             tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-25:])
             raise RuntimeError(f"{spec['system']} worker failed (exit {p.returncode}):\n{tail}")
         return json.loads(res_path.read_text())
+
+
+def _text(b) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
 def parse_shapes(s: str) -> list[tuple[int, int, int]]:
@@ -332,7 +355,8 @@ def summarise(results: dict, key, flops: float | None, peak_tflops: float | None
            "update_s": statistics.median(upd),
            "rollout_s": statistics.median([t for r in runs for t in r["rollout_s"]]),
            "tokens_per_step": statistics.median(toks),
-           "steps": len(steps), "min_step_s": min(steps), "max_step_s": max(steps)}
+           "steps": len(steps), "min_step_s": min(steps), "max_step_s": max(steps),
+           "cpu_step_s": statistics.median([t for r in runs for t in r["cpu_step_s"]])}
     if any("peak_gpu_mib" in r for r in runs):
         out["gpu_mib"] = max(r.get("peak_gpu_mib", 0) for r in runs)
     if flops and peak_tflops:
@@ -443,6 +467,7 @@ def _run_all(a, models, shapes, systems, python, workdir, raw, table) -> None:
                         continue
                     results[s].append(res)
                     print(f"  {m} P={P} S={S} G={G} {s:13s} round {r}: steps {[round(x, 2) for x in res['step_s']]} s"
+                          f" (CPU {[round(x, 2) for x in res['cpu_step_s']]} s)"
                           f"  ({time.time() - t0:.0f} s wall)", flush=True)
             flops = train_flops(cfg, P, S, G, a.prompts_per_step)
             summ = {s: summarise(results, s, flops, a.peak_tflops) for s in systems if results[s]}
