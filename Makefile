@@ -98,14 +98,16 @@ $(BENCH_STAMP): pyproject.toml
 
 bench-env: $(BENCH_STAMP)
 
-# The commands behind docs/benchmarks.md (about 45 minutes on 2 CPU cores): tiny Llama (49k vocab) and SmolLM2,
-# P=64/S=64/G=8 and P=1024/S=32/G=8, one torch thread per worker (sane timings on a shared CPU).
+# The commands behind docs/benchmarks.md (about 70 minutes on 2 CPU cores): tiny Llama (49k vocab) and SmolLM2,
+# P=64/S=64/G=8 and P=1024/S=32/G=8, and tiny Llama at P=4096/S=128/G=16 (one TRL step there takes ~10 minutes),
+# one torch thread per worker (sane timings on a shared CPU).
 # `make bench BENCH_ARGS="--quick"` runs that one command instead.
 bench: bench-env model
 ifeq ($(strip $(BENCH_ARGS)),)
 	$(BENCH_PY) scripts/bench_trl.py --threads 1 --models tiny --steps 2 --repeats 2
 	$(BENCH_PY) scripts/bench_trl.py --threads 1 --models smollm2 --shapes 1024x32x8 --prompts-per-step 1 --steps 1 --repeats 1 --systems ours,trl,ours-noshare
 	$(BENCH_PY) scripts/bench_trl.py --threads 1 --models smollm2 --shapes 64x64x8 --steps 1 --repeats 1
+	$(BENCH_PY) scripts/bench_trl.py --threads 1 --models tiny --shapes 4096x128x16 --prompts-per-step 1 --steps 1 --repeats 1 --systems ours,trl --timeout 3600
 else
 	$(BENCH_PY) scripts/bench_trl.py $(BENCH_ARGS)
 endif

@@ -47,3 +47,14 @@ def test_each_documented_script_command_uses_options_its_parser_has(doc, script,
     offered = set(re.findall(r"(?<![\w-])(--[\w-]+)", help_text(script)))
     unknown = [o for o in options if o not in offered]
     assert not unknown, f"{doc}: {script} has no option {unknown}"
+
+
+def test_make_bench_runs_the_commands_benchmarks_md_shows():
+    """`make bench` (printed by `make -n`) runs exactly the bench_trl.py commands docs/benchmarks.md says it runs."""
+    p = subprocess.run(["make", "-n", "bench"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    make = [line.split("scripts/bench_trl.py", 1)[1].split() for line in p.stdout.splitlines()
+            if "scripts/bench_trl.py" in line]
+    text = re.sub(r"\\\n\s*", " ", (ROOT / "docs" / "benchmarks.md").read_text())
+    shown = [m.split() for m in re.findall(r"python scripts/bench_trl\.py([^#\n]*)", text)]
+    assert len(make) == 4 and all(cmd in shown for cmd in make), (make, shown)
