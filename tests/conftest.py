@@ -10,27 +10,43 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
-# Tests that write a recipe into recipes/ (the docs tell users to) or read every file there: one pytest-xdist
-# worker runs them all, one after the other, in file order (test_docs_commands' commands also build on each
-# other). Every other test is scheduled on its own. (pytest-xdist's xdist_group mark does not group under
-# pytest 9.2, whose node ids it can no longer rewrite, so the scheduler is given the grouping here.)
-RECIPES_DIR_TESTS = (
-    "tests/test_composition.py::test_a_recipe_written_from_the_docs_snippets",
-    "tests/test_config.py::test_recipes_compose_and_validate",
-    "tests/test_config_reference.py::",
-    "tests/test_docs_commands.py::",
-)
+# Tests that one pytest-xdist worker runs together, one after the other, in file order: those that write a recipe
+# into recipes/ (the docs tell users to) or read every file there (test_docs_commands' commands also build on each
+# other); those that share a module fixture launching a run (run once, not once per worker). Every other test is
+# scheduled on its own. (pytest-xdist's xdist_group mark does not group under pytest 9.2, whose node ids it can no
+# longer rewrite, so the scheduler is given the grouping here.)
+TOGETHER = {
+    "recipes_dir": ("tests/test_composition.py::test_a_recipe_written_from_the_docs_snippets",
+                    "tests/test_config.py::test_recipes_compose_and_validate",
+                    "tests/test_config_reference.py::",
+                    "tests/test_docs_commands.py::"),
+    "report_sweep": ("tests/test_report.py::",),           # `sweep`: a two-run smoke sweep
+    "run_output_first_run": ("tests/test_run_output.py::",),  # `first_run`: a smoke run
+}
+
+
+def _scope(nodeid: str) -> str:
+    return next((group for group, prefixes in TOGETHER.items() if nodeid.startswith(prefixes)), nodeid)
+
+
+def pytest_collection_modifyitems(items):
+    """Slow tests first (a group holding one with them), each group's tests in their order: the scheduler hands
+    out work in this order, so the long launches overlap from the start and both workers end on short tests
+    instead of one running a long test alone at the end."""
+    slow = {_scope(item.nodeid) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: _scope(item.nodeid) not in slow)
 
 
 @pytest.hookimpl(optionalhook=True)  # without pytest-xdist there is nothing to schedule
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
-    class RecipesDirTogether(LoadScopeScheduling):
+    class Together(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "recipes_dir" if nodeid.startswith(RECIPES_DIR_TESTS) else nodeid
+            return _scope(nodeid)
 
-    return RecipesDirTogether(config, log)
+    config.option.loadscopereorder = False  # the order is pytest_collection_modifyitems's, not by group size
+    return Together(config, log)
 
 
 @pytest.fixture

@@ -8,6 +8,12 @@ Run by torchrun, this file is also the worker (``python tests/test_distributed.p
   parameters after every call. Run without a launcher (distributed=none) it is the one-process reference.
 - ``train``: the real command line (``grpo.train.main``), with ``save_final`` wrapped so that every rank
   also writes its gathered parameters next to the final model; ``cli``: ``update`` then ``train``.
+- ``resume``: OUT_DIR is a finished run's directory; rank 0 copies it, less ``final/`` and the parameters the
+  wrapper wrote (a run stopped after its last checkpoint), to the ``trainer.output_dir`` in the arguments, then
+  ``train`` runs there: the run is built afresh and loads every rank's state from the copied checkpoint on disk.
+
+Several phases (``MODE OUT_DIR args...``, separated by ``--then``) run one after the other in one launch: the
+processes start, import (deepspeed, transformers, peft: about 12 CPU seconds each) and join the group once.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPTS, G, BUDGET = 4, 4, 64   # fixed batch: 4 prompts x 4 completions, 64-token micro-batches
 SMOKE = ["recipe=smoke", "logging.sample_every=0", "logging.plot=false"]
 ZERO3 = ["distributed=zero3", "+distributed.ds_config.zero_optimization.stage3_param_persistence_threshold=0"]
+THEN = "--then"  # between the phases of one launch
 
 
 # ----------------------------------------------------------------------------------- the worker
@@ -36,7 +43,7 @@ def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...
 
     from grpo.advantages import compute_advantages
     from grpo.batch import Batch
-    from grpo.build import build_run
+    from grpo.build import build_run, close_run
     from grpo.config import load
     from grpo.engine.unwrap import unwrap_model
     from grpo.update import UpdateSettings, _plan, nested_logprobs, policy_update
@@ -85,34 +92,61 @@ def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...
         record["params"].append(_params(rt))
     out.mkdir(parents=True, exist_ok=True)
     torch.save(record, out / f"update_rank{rt.rank}.pt")
+    close_run(run)
+
+
+def update(args: list[str], out: Path) -> None:
+    """``update`` with a phase's arguments: the config overrides it takes, and ``drop=G,...`` (groups left out)."""
+    drop = [a for a in args if a.startswith("drop=")]
+    dropped = tuple(int(g) for g in drop[0][5:].split(",")) if drop else ()
+    keys = ("distributed", "+distributed", "algorithm.", "model.")
+    fixed_batch_updates([a for a in args if a.startswith(keys)], out, dropped)
+
+
+def _saving_params(save_final):
+    def save(run, cfg):
+        torch.save(_params(run.runtime), Path(cfg.trainer.output_dir) / f"params_rank{run.runtime.rank}.pt")
+        return save_final(run, cfg)
+
+    return save
 
 
 def cli(args: list[str]) -> None:
     import grpo.train
 
-    original = grpo.train.save_final
-
-    def save_final(run, cfg):
-        params = _params(run.runtime)
-        torch.save(params, Path(cfg.trainer.output_dir) / f"params_rank{run.runtime.rank}.pt")
-        return original(run, cfg)
-
-    grpo.train.save_final = save_final
     sys.argv = ["grpo.train", *args]
     grpo.train.main()
+
+
+def copy_stopped_run(src: Path, args: list[str]) -> None:
+    """``src`` as a run stopped after its last checkpoint: copied by rank 0 into the arguments' trainer.output_dir
+    without ``final/`` and the wrapper's parameters; every rank waits for the copy."""
+    import shutil
+
+    import torch.distributed as dist
+
+    dst = next(a.split("=", 1)[1] for a in args if a.startswith("trainer.output_dir="))
+    if int(os.environ.get("RANK", "0")) == 0:
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("final", "params_rank*.pt"))
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _worker(argv: list[str]) -> None:
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(1)
-    mode, out, args = argv[0], Path(argv[1]), argv[2:]
-    if mode in ("update", "cli"):
-        drop = [a for a in args if a.startswith("drop=")]
-        dropped = tuple(int(g) for g in drop[0][5:].split(",")) if drop else ()
-        keys = ("distributed", "+distributed", "algorithm.", "model.")
-        fixed_batch_updates([a for a in args if a.startswith(keys)], out, dropped)
-    if mode in ("cli", "train"):
-        cli(args)
+    import grpo.train
+
+    grpo.train.save_final = _saving_params(grpo.train.save_final)
+    while argv:
+        n = argv.index(THEN) if THEN in argv else len(argv)
+        mode, out, args, argv = argv[0], Path(argv[1]), argv[2:n], argv[n + 1:]
+        if mode in ("update", "cli"):
+            update(args, out)
+        if mode == "resume":
+            copy_stopped_run(out, args)
+        if mode in ("cli", "train", "resume"):
+            cli(args)
 
 
 if __name__ == "__main__":
@@ -152,18 +186,21 @@ def torchrun(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedP
 
 
 def worker(mode: str, out: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    p = torchrun(str(Path(__file__)), mode, str(out), *args, cwd=cwd)
+    """One 2-process launch of this file's worker; ``args`` may hold further phases after `THEN`."""
+    p = torchrun(str(Path(__file__)), mode, str(out), *args, cwd=cwd, timeout=240 * (1 + args.count(THEN)))
     assert p.returncode == 0, p.stderr[-4000:]
     return p
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("one")
-    p = subprocess.run([sys.executable, str(Path(__file__)), "update", str(out)], capture_output=True, text=True,
-                       cwd=out, env=_env(), timeout=120)
-    assert p.returncode == 0, p.stderr[-4000:]
+def one_process(out: Path, *args: str) -> dict:
+    """The one-process reference: ``update`` without a launcher, run in this (test) process."""
+    update(list(args), out)
     return torch.load(out / "update_rank0.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def default_reference(tmp_path_factory) -> dict:
+    return one_process(tmp_path_factory.mktemp("one"))
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -206,67 +243,77 @@ def _check_run(out: Path, steps: int) -> None:
     assert _max_diff({k: v.detach() for k, v in final.items()}, p0) == 0.0  # an ordinary, consolidated HF model
 
 
+# mu = 2 (old log-probs; the second update has ratios away from 1), GSPO, token_mean, mask_truncated, clip-higher
+BEYOND = ["algorithm.num_iterations=2", "algorithm.importance_sampling=sequence", "algorithm.loss_agg=token_mean",
+          "algorithm.mask_truncated=true", "algorithm.epsilon=0.05", "algorithm.epsilon_high=0.08"]
+# dr_grpo with both of rank 1's groups filtered out (uneven zero-std filtering): rank 1 has nothing but idle
+# micro-batches and still takes part in every collective
+RANK1_EMPTY = ["algorithm.loss_agg=dr_grpo", "algorithm.num_iterations=2", "drop=2,3"]
+
+
 @pytest.mark.slow
-def test_zero2_two_processes(tmp_path, one_process):
-    out = tmp_path / "run"
-    worker("cli", tmp_path / "update", *SMOKE, "distributed=zero2", f"trainer.output_dir={out}",
-           "trainer.save_every=1", f"engine.max_tokens_per_micro_batch={BUDGET}", cwd=tmp_path)
-    _check_updates(tmp_path / "update", one_process)
+def test_zero2_two_processes(tmp_path, default_reference):
+    """ZeRO-2, one launch of five phases: the fixed batch and the real command line with the defaults; the fixed
+    batch with non-default settings (`BEYOND`, `RANK1_EMPTY`), each equal to one process with the same global
+    batch and settings; a LoRA run (one step, adapter-only checkpoint and final/), then its directory copied
+    without final/ and resumed at max_steps: the adapter saved from the checkpoint is the one the run ended with."""
+    out, lora = tmp_path / "run", tmp_path / "lora"
+    lora_run = [*SMOKE, "distributed=zero2", "model.lora.enabled=true", "model.lora.merge_on_save=false",
+                "trainer.max_steps=1", "trainer.save_every=1", "data.num_eval=0"]
+    p = worker("cli", tmp_path / "update", *SMOKE, "distributed=zero2", f"trainer.output_dir={out}",
+               "trainer.save_every=1", f"engine.max_tokens_per_micro_batch={BUDGET}",
+               THEN, "update", tmp_path / "beyond", "distributed=zero2", *BEYOND,
+               THEN, "update", tmp_path / "rank1-empty", "distributed=zero2", *RANK1_EMPTY,
+               THEN, "train", lora, *lora_run, f"trainer.output_dir={lora}",
+               THEN, "resume", lora, *lora_run, f"trainer.output_dir={lora}-resumed", "trainer.resume=auto",
+               cwd=tmp_path)
+    _check_updates(tmp_path / "update", default_reference)
     _check_run(out, 2)
     ckpt = out / "checkpoints" / "step_2"
     assert (ckpt / "COMPLETE").exists() and (ckpt / "deepspeed").is_dir()
     assert (ckpt / "rank_0.pt").exists() and (ckpt / "rank_1.pt").exists()
+    for name, extra in (("beyond", BEYOND), ("rank1-empty", RANK1_EMPTY)):
+        ref = one_process(tmp_path / f"one-{name}", *extra)
+        _check_updates(tmp_path / name, ref, rank1_groups=name != "rank1-empty")
+        assert ref["stats"][1]["ratio_mean"] != pytest.approx(1.0, abs=1e-4)  # mu = 2: the second pass is off-policy
+    # ZeRO-2 with LoRA: the checkpoint holds the adapter alone; the resumed run loaded it back from disk
+    from safetensors.torch import load_file
+
+    states = torch.load(lora / "checkpoints" / "step_1" / "deepspeed" / "mp_rank_00_model_states.pt",
+                        weights_only=False)
+    assert states["module"] and all("lora_" in n for n in states["module"])
+    trained = load_file(str(lora / "final" / "adapter_model.safetensors"))
+    assert any(t.abs().max() > 0 for n, t in trained.items() if "lora_B" in n)  # B starts at zero: it moved
+    assert "saving it from the last checkpoint" in p.stderr
+    resumed = load_file(str(tmp_path / "lora-resumed" / "final" / "adapter_model.safetensors"))
+    assert resumed.keys() == trained.keys() and all(torch.equal(resumed[n], trained[n]) for n in trained)
 
 
 @pytest.mark.slow
-def test_zero3_two_processes_then_resume(tmp_path, one_process):
-    out = tmp_path / "run"
-    common = [*SMOKE, *ZERO3, f"trainer.output_dir={out}", "trainer.save_every=1", "data.num_eval=5",
-              f"engine.max_tokens_per_micro_batch={BUDGET}"]
-    p = worker("cli", tmp_path / "update", *common, "trainer.eval_every=1", cwd=tmp_path)
-    _check_updates(tmp_path / "update", one_process)
+def test_zero3_two_processes_then_resume(tmp_path, default_reference):
+    """ZeRO-3, one launch of four phases: the fixed batch; the real command line (2 steps, held-out evaluation);
+    the fixed batch again with model.gradient_checkpointing=true and the shared-prefix engine (ragged prompts and
+    completions, G=4): every layer is recomputed in backward, and the gradients and updates equal one process's
+    without checkpointing; last, the run's directory resumed (a copy, as a run stopped after its step-2
+    checkpoint leaves it) for a third step, generating layer by layer this time."""
+    out, resumed = tmp_path / "run", tmp_path / "resumed"
+    common = [*SMOKE, *ZERO3, "trainer.save_every=1", "data.num_eval=5", f"engine.max_tokens_per_micro_batch={BUDGET}"]
+    p = worker("cli", tmp_path / "update", *common, f"trainer.output_dir={out}", "trainer.eval_every=1",
+               THEN, "update", tmp_path / "checkpointed", *ZERO3, "model.gradient_checkpointing=true",
+               THEN, "resume", out, *common, f"trainer.output_dir={resumed}", "trainer.max_steps=3",
+               "trainer.resume=auto", "distributed.gather_for_generation=false", cwd=tmp_path)
+    _check_updates(tmp_path / "update", default_reference)
     _check_run(out, 2)
     assert "held-out accuracy (step 1, 5 prompts" in p.stderr   # 5 held-out prompts on 2 ranks: 3 + 2 (padded)
-    # resume from the ZeRO-3 checkpoint (every rank loads its partition), generating layer by layer this time
-    p = worker("train", tmp_path, *common, "trainer.max_steps=3", "trainer.resume=auto",
-               "distributed.gather_for_generation=false", cwd=tmp_path)
-    assert "resumed from" in p.stdout + p.stderr and "step_2" in p.stdout + p.stderr
-    _check_run(out, 3)
-
-
-@pytest.mark.slow
-def test_zero3_gradient_checkpointing_with_the_shared_prefix_engine(tmp_path, one_process):
-    """model.gradient_checkpointing=true under ZeRO-3 with the shared-prefix engine (ragged prompts and
-    completions, G=4): every layer is recomputed in backward, and the gradients and updates equal one process's
-    without checkpointing."""
-    worker("update", tmp_path / "update", *ZERO3, "model.gradient_checkpointing=true", cwd=tmp_path)
-    _check_updates(tmp_path / "update", one_process)
-    ranks = [torch.load(tmp_path / "update" / f"update_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    # resumed from the ZeRO-3 checkpoint (every rank loads its partition)
+    assert f"resumed from {resumed}/checkpoints/step_2 (step 2)" in p.stderr
+    _check_run(resumed, 3)
+    # gradient checkpointing: the forward, then the recompute in backward; the reference does not checkpoint
+    _check_updates(tmp_path / "checkpointed", default_reference)
+    ranks = [torch.load(tmp_path / "checkpointed" / f"update_rank{r}.pt", weights_only=False) for r in (0, 1)]
     forwards = max(r["micro_batches"] for r in ranks)  # every rank runs as many (rank 1's extra ones are idle)
-    assert [r["layer_calls"] for r in ranks] == [2 * forwards] * 2      # forward, then the recompute in backward
-    assert one_process["layer_calls"] == one_process["micro_batches"]  # the reference does not checkpoint
-
-
-# mu = 2 (old log-probs; the second update has ratios away from 1), GSPO, token_mean, mask_truncated, clip-higher
-BEYOND = ["algorithm.num_iterations=2", "algorithm.importance_sampling=sequence", "algorithm.loss_agg=token_mean",
-          "algorithm.mask_truncated=true", "algorithm.epsilon=0.05", "algorithm.epsilon_high=0.08"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("extra", [BEYOND, ["algorithm.loss_agg=dr_grpo", "algorithm.num_iterations=2", "drop=2,3"]],
-                         ids=["gspo-token_mean-mask_truncated", "dr_grpo-rank1-filtered-empty"])
-def test_two_processes_equal_one_beyond_the_defaults(tmp_path, extra):
-    """The fixed batch with non-default settings under ZeRO-2 equals one process with the same global batch;
-    dr_grpo-rank1-filtered-empty: both of rank 1's groups were filtered out (uneven zero-std filtering), so
-    rank 1 has nothing but idle micro-batches and still takes part in every collective."""
-    ref_out = tmp_path / "one"
-    p = subprocess.run([sys.executable, str(Path(__file__)), "update", str(ref_out), *extra], capture_output=True,
-                       text=True, cwd=tmp_path, env=_env(), timeout=180)
-    assert p.returncode == 0, p.stderr[-4000:]
-    ref = torch.load(ref_out / "update_rank0.pt", weights_only=False)
-    worker("update", tmp_path / "update", "distributed=zero2", *extra, cwd=tmp_path)
-    _check_updates(tmp_path / "update", ref, rank1_groups="drop=2,3" not in extra)
-    assert ref["stats"][1]["ratio_mean"] != pytest.approx(1.0, abs=1e-4)  # mu = 2: the second pass is off-policy
+    assert [r["layer_calls"] for r in ranks] == [2 * forwards] * 2
+    assert default_reference["layer_calls"] == default_reference["micro_batches"]
 
 
 @pytest.mark.slow

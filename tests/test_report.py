@@ -43,6 +43,9 @@ def sweep(tmp_path_factory):
 
 @pytest.mark.slow  # the shared fixture runs a 2-run smoke sweep (~30 s on 2 cores)
 def test_report_on_a_two_run_sweep(sweep):
+    # the Hydra multirun: one run directory per group size
+    names = sorted(d.parent.name for d in sweep.glob("*/metrics.jsonl"))
+    assert len(names) == 2 and "group_size=2" in names[0] and "group_size=3" in names[1]
     p = subprocess.run([sys.executable, "-m", "grpo.report", str(sweep)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     md = (sweep / "report.md").read_text()

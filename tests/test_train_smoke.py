@@ -22,14 +22,19 @@ def read(path):
     return [json.loads(l) for l in path.read_text().splitlines()]
 
 
-def test_smoke_run_writes_metrics_and_a_loadable_model(tmp_path):
+def test_smoke_run_writes_metrics_trains_and_saves_a_loadable_model(tmp_path):
     out = tmp_path / "run"
-    p = run_cli(tmp_path, f"trainer.output_dir={out}", "trainer.max_steps=3", "trainer.save_every=2")
+    p = run_cli(tmp_path, f"trainer.output_dir={out}", "trainer.max_steps=3", "trainer.save_every=2",
+                "algorithm.beta=0.1")
     rows = [r for r in read(out / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert REQUIRED <= set(r), REQUIRED - set(r)
         assert r["completion_len_mean"] > 0 and r["step_time_s"] > 0
+    # training changes the weights: the KL to the reference grows from 0
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at step 1
+    assert rows[-1]["kl"] > 0
+    assert all(r["grad_norm"] > 0 for r in rows)
     assert (out / "checkpoints" / "step_2" / "COMPLETE").exists()
     assert (out / "checkpoints" / "step_3" / "COMPLETE").exists()
     assert "held-out accuracy" in p.stderr
@@ -39,26 +44,6 @@ def test_smoke_run_writes_metrics_and_a_loadable_model(tmp_path):
     tok = AutoTokenizer.from_pretrained(out / "final")
     ids = tok("What is 1 + 2?", return_tensors="pt")["input_ids"]
     assert torch.isfinite(model(ids).logits).all()
-
-
-def test_training_changes_weights_and_kl_grows(tmp_path):
-    out = tmp_path / "run"
-    run_cli(tmp_path, f"trainer.output_dir={out}", "trainer.max_steps=4", "algorithm.beta=0.1")
-    rows = [r for r in read(out / "metrics.jsonl") if "loss" in r]
-    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at step 1
-    assert rows[-1]["kl"] > 0
-    assert all(r["grad_norm"] > 0 for r in rows)
-
-
-def test_multirun_sweeps_group_size(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "grpo.train", "-m", "recipe=smoke", "algorithm.group_size=2,3",
-                        "trainer.max_steps=1", f"hydra.sweep.dir={tmp_path}/sweep"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    runs = sorted((tmp_path / "sweep").glob("*/metrics.jsonl"))
-    assert len(runs) == 2
-    lens = sorted(d.parent.name for d in runs)
-    assert "group_size=2" in lens[0] and "group_size=3" in lens[1]
 
 
 def test_console_script_with_a_reward_from_outside_the_project(tmp_path):

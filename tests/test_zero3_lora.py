@@ -1,32 +1,29 @@
 """ZeRO-3 with LoRA on two CPU processes (gloo), against one process with the same global batch.
 
-The workers are `tests/test_distributed.py`'s (``update``, ``train``, ``cli``): the fixed-batch update checks
-that the adapter's update equals the one-process LoRA update (the reference being the base model with the
-adapter disabled: equal KL), that only the adapter moves and that every weight, the base's included, is
-partitioned over the ranks; the real command line checks the adapter-only checkpoints, the merged final model
-(gathered layer by layer, merged by peft on rank 0) against a merge computed here from the gathered weights,
-and that a resumed run loads the adapter back (the adapter it saves equals the one it resumed from).
+One launch of `tests/test_distributed.py`'s worker (``cli``, then ``resume``; the one-process reference runs in
+the test process): the fixed-batch update checks that the adapter's update equals the one-process LoRA update
+(the reference being the base model with the adapter disabled: equal KL), that only the adapter moves and that
+every weight, the base's included, is partitioned over the ranks; the real command line checks the adapter-only
+checkpoints, the merged final model (gathered layer by layer, merged by peft on rank 0) against a merge computed
+here from the gathered weights, and that a resumed run loads the adapter back (the adapter it saves equals the
+one it resumed from).
 """
 from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.test_distributed import BUDGET, SMOKE, ZERO3, _check_updates, _env, _max_diff, worker
+from tests.test_distributed import BUDGET, SMOKE, THEN, ZERO3, _check_updates, _max_diff, one_process, worker
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="distributed tests need deepspeed (pip install 'grpo[deepspeed]')")
 
 R, ALPHA = 4, 8
 LORA = ["model.lora.enabled=true", f"model.lora.r={R}", f"model.lora.alpha={ALPHA}"]
-WORKER = Path(__file__).resolve().parent / "test_distributed.py"
 
 
 def _is_lora(name: str) -> bool:
@@ -73,15 +70,16 @@ def _check_checkpoint(ckpt: Path) -> None:
 
 @pytest.mark.slow
 def test_zero3_lora_two_processes_equal_one_process(tmp_path):
-    ref_out = tmp_path / "one"
-    p = subprocess.run([sys.executable, str(WORKER), "update", str(ref_out), *LORA], capture_output=True, text=True,
-                       cwd=tmp_path, env=_env(), timeout=180)
-    assert p.returncode == 0, p.stderr[-4000:]
-    ref = torch.load(ref_out / "update_rank0.pt", weights_only=False)
-    out = tmp_path / "run"
-    common = [*SMOKE, *ZERO3, *LORA, f"trainer.output_dir={out}", "trainer.save_every=1", "data.num_eval=0",
+    ref = one_process(tmp_path / "one", *LORA)
+    out, resumed = tmp_path / "run", tmp_path / "resumed"
+    common = [*SMOKE, *ZERO3, *LORA, "trainer.save_every=1", "data.num_eval=0",
               f"engine.max_tokens_per_micro_batch={BUDGET}"]
-    worker("cli", tmp_path / "update", *common, cwd=tmp_path)
+    # one launch: the fixed batch and the real command line; then the run's directory, copied without its final/
+    # (a run stopped after its last checkpoint), resumed at max_steps: the final model is saved from the last
+    # checkpoint, here as the adapter alone
+    p = worker("cli", tmp_path / "update", *common, f"trainer.output_dir={out}",
+               THEN, "resume", out, *common, f"trainer.output_dir={resumed}", "trainer.resume=auto",
+               "model.lora.merge_on_save=false", "trainer.force_resume=true", cwd=tmp_path)
     # the adapter's updates (gradient norm, loss, KL to the adapter-disabled reference, parameters) equal one
     # process's; the skipped NaN step leaves them put
     _check_updates(tmp_path / "update", ref)
@@ -105,13 +103,10 @@ def test_zero3_lora_two_processes_equal_one_process(tmp_path):
     moved = [k for k in want if not torch.equal(want[k], base[k])]
     assert moved and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") for k in moved)
 
-    # resumed at max_steps without its final/: the final model is saved from the last checkpoint, here as the
-    # adapter alone; it equals the adapter the first run ended with, so the resume loaded the adapter back
-    shutil.rmtree(final)
+    # the resumed run's adapter equals the one the first run ended with: the resume loaded the adapter back
+    assert "saving it from the last checkpoint" in p.stderr
+    final = resumed / "final"
     trained = {n.replace(".default", ""): t for n, t in p0.items() if _is_lora(n)}
-    p = worker("train", tmp_path, *common, "trainer.resume=auto", "model.lora.merge_on_save=false",
-               "trainer.force_resume=true", cwd=tmp_path)
-    assert "saving it from the last checkpoint" in p.stdout + p.stderr
     assert (final / "adapter_config.json").exists() and not (final / "model.safetensors").exists()
     adapter = load_file(str(final / "adapter_model.safetensors"))
     assert adapter.keys() == trained.keys()
