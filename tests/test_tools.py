@@ -7,6 +7,7 @@ import torch
 
 from grpo.errors import ConfigError, SetupError
 from grpo.models import char_tokenizer
+from grpo.rollout import flatten, regroup
 from grpo.sampling import Completions, Sampling
 from grpo.tools.chat import after_turn, parse_tool_calls
 from grpo.tools.episodes import EpisodeSettings, TurnLoop, episode_metrics
@@ -107,8 +108,15 @@ class Scripted:
     def __init__(self, tok, script):
         self.tok, self.script, self.calls = tok, script, []
 
-    def __call__(self, prompt_ids, group_size, sampling, seed=None):
-        self.calls.append((len(prompt_ids), group_size))
+    def __call__(self, prompt_ids, group_size, sampling, seed=None, suffixes=None):
+        if suffixes is None:
+            self.calls.append((len(prompt_ids), group_size))
+            return self._replies(prompt_ids, group_size, sampling)
+        self.calls.append(("suffixes", [len(s) for s in suffixes]))  # later turns: each prompt + suffix, one sample
+        out = self._replies(flatten(prompt_ids, suffixes), 1, sampling)
+        return Completions(*(regroup([g[0] for g in x], suffixes) for x in (out.ids, out.truncated)))
+
+    def _replies(self, prompt_ids, group_size, sampling):
         ids, cut = [], []
         for p in prompt_ids:
             group, flags = [], []
@@ -153,7 +161,7 @@ def test_a_tool_call_runs_and_its_result_is_masked(tok):
     finally:
         worker.kill()
     first, second = eps.groups[0]
-    assert backend.calls == [(1, 2), (1, 1)]  # turn 1: the group from one prompt; turn 2: the live episode alone
+    assert backend.calls == [(1, 2), ("suffixes", [1])]  # turn 1: the group from one prompt; turn 2: its live episode
     text = tok.decode(first.ids)
     assert text == call + "<eos>[tool]42<eos>[assistant]The answer is 42.<eos>"
     n = lambda t: len(tok(t, add_special_tokens=False)["input_ids"])  # noqa: E731
@@ -309,3 +317,4 @@ def test_episodes_stay_within_the_planned_length(tok):
                                                 max_tool_tokens=2), overhead=2)
     assert e.over_length and e.done and len(e.ids) <= cap and e.turns < 3
     assert episode_metrics(eps.sums())["episode/over_length_frac"] == 1.0
+
