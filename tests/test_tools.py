@@ -318,3 +318,26 @@ def test_episodes_stay_within_the_planned_length(tok):
     assert e.over_length and e.done and len(e.ids) <= cap and e.turns < 3
     assert episode_metrics(eps.sums())["episode/over_length_frac"] == 1.0
 
+
+def test_text_reset_adds_is_counted_against_the_micro_batch(tok):
+    """The start-up check (grpo/budget.py) cannot see the text reset(row) adds to a prompt; the turn loop counts it:
+    an episode ends (over_length) before its next turn could pass engine.max_tokens_per_micro_batch beside the grown
+    prompt, and a prompt that leaves no room for one turn stops with one line."""
+    def run(brief, max_tokens):
+        settings = EpisodeSettings(3, 8, False, max_new_tokens=10, overhead=0, max_tokens=max_tokens)
+        loop, _, worker = _loop(tok, lambda c, j: "abc", [], f"{F}:Briefing", settings=settings)
+        try:
+            rows = _rows(tok, "go", brief=brief)
+            return loop.run(rows, [r["prompt_ids"] for r in rows], 1, Sampling(10))
+        finally:
+            worker.kill()
+
+    free = run("x" * 40, 0)  # no budget given: three turns of 4 tokens with "ok" (2 tokens) between them
+    assert free.groups[0][0].turns == 3 and len(free.prompt_ids[0]) == 42
+    eps = run("x" * 40, 60)
+    e = eps.groups[0][0]
+    assert (e.turns, e.over_length, e.done) == (2, True, True)  # a third turn could reach 42 + 12 + 10 > 60
+    assert len(eps.prompt_ids[0]) + len(e.ids) <= 60
+    with pytest.raises(SetupError, match="a prompt is 57 tokens.*max_tokens_per_micro_batch=60") as err:
+        run("x" * 55, 60)
+    assert "\n" not in str(err.value)

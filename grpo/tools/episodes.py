@@ -32,6 +32,8 @@ class EpisodeSettings:
     max_new_tokens: int = 0    # > 0: keep every episode within `spec.max_completion_tokens` (what the update planned
                                # micro-batches for): tool text that would pass it ends the episode instead
     overhead: int = 32         # template tokens allowed around each tool result (`spec.max_completion_tokens`)
+    max_tokens: int = 0        # > 0: engine.max_tokens_per_micro_batch; the prompt, with the text reset(row) added
+                               # (unknown when it was planned), and the episode must fit in it
 
 
 @dataclass
@@ -153,7 +155,7 @@ class TurnLoop:
                     lps = [lp for group in out.logprobs for lp in group][:len(live)] if out.logprobs is not None \
                         else [None] * len(live)
                 for (g, j), t_ids, t_cut, t_lp in zip(live, ids, cut, lps):
-                    self._turn(groups[g][j], (g, j), t_ids, t_cut, t_lp, turn)
+                    self._turn(groups[g][j], (g, j), t_ids, t_cut, t_lp, turn, len(prompt_ids[g]))
             if self.toolset.env_reward:
                 for g, group in enumerate(groups):
                     for j, e in enumerate(group):
@@ -181,9 +183,15 @@ class TurnLoop:
             text = texts.pop()
             if text and self.prompt_for is not None:
                 prompts[g], prompt_ids[g] = self.prompt_for(row, text)
+                st, n = self.settings, len(prompt_ids[g])
+                if st.max_tokens and n + st.max_new_tokens > st.max_tokens:
+                    raise SetupError(f"rollout.environment={self.toolset.environment!r}: with the text reset(row) "
+                                     f"added, a prompt is {n} tokens; with rollout.max_new_tokens={st.max_new_tokens} "
+                                     f"it does not fit engine.max_tokens_per_micro_batch={st.max_tokens} (planned at "
+                                     "start, before any reset(row) ran): raise it, or return less text from reset(row)")
         return prompts, prompt_ids
 
-    def _turn(self, e: Episode, key, ids: list[int], cut: bool, logps, turn: int) -> None:
+    def _turn(self, e: Episode, key, ids: list[int], cut: bool, logps, turn: int, prompt_len: int) -> None:
         """One model turn of episode ``e``: append it, then end the episode or append what answers it. A turn cut at
         max_new_tokens ends a tool episode (its call cannot be trusted); a text-protocol environment still gets it
         and decides. ``truncated``: the episode's last turn was cut."""
@@ -220,6 +228,8 @@ class TurnLoop:
         written = tok(text, add_special_tokens=False)["input_ids"]
         st = self.settings
         cap = turn * (st.max_new_tokens + st.max_tool_tokens + st.overhead)  # within spec.max_completion_tokens
+        if st.max_tokens:  # and the next turn within one micro-batch beside the prompt (reset(row) may have grown it)
+            cap = min(cap, st.max_tokens - prompt_len - st.max_new_tokens)
         if st.max_new_tokens and len(e.ids) + len(written) > cap:
             e.done, e.over_length = True, True
             return
