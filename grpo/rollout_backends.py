@@ -1,6 +1,6 @@
 """Rollout backends: what samples the G completions of each prompt.
 
-A backend is a small object with ``generate(prompt_ids, group_size, sampling, seed) -> Completions``,
+A backend is a small object with ``generate(prompt_ids, group_size, sampling, seed, suffixes) -> Completions``,
 ``sync_weights(model)`` (called before a rollout whenever the policy has changed since the last one),
 ``sleep()`` (after a rollout) and ``close()`` (`grpo.sampling`). Two exist:
 

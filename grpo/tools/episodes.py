@@ -113,7 +113,7 @@ def episode_metrics(sums: dict[str, float], prefix: str = "episode/") -> dict[st
 
 @dataclass
 class TurnLoop:
-    """Runs episodes. ``generate``: a rollout backend's ``generate(prompt_ids, group_size, sampling, seed)``;
+    """Runs episodes. ``generate``: a rollout backend's ``generate(prompt_ids, group_size, sampling, seed, suffixes)``;
     ``most(n)``: the largest ``n`` over every process (each process calls ``generate`` once per turn while any
     has a live episode, with stand-in prompts when it has fewer open groups, since ZeRO-3 decodes in lockstep);
     ``seed_for(turn)``: the sampling seed of a turn (None: the process's generator); ``prompt_for(row, text)``:
