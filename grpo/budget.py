@@ -17,7 +17,10 @@ from grpo.tools.spec import max_completion_tokens
 def plan(cfg, splits, runtime: Runtime) -> int:
     """Resolve ``cfg.engine.max_tokens_per_micro_batch`` for this run (called after `Runtime.setup`); raises
     grpo.errors.SetupError with one line when the longest prompt of the training data plus
-    ``rollout.max_new_tokens`` cannot fit."""
+    ``rollout.max_new_tokens`` cannot fit. Text an environment's ``reset(row)`` adds to a prompt is not counted: it
+    is known only once reset runs, in the rollout (running every row's reset here would start user code per row);
+    the turn loop checks it there instead (`grpo.tools.episodes`: a prompt that leaves no room for one turn stops the
+    run with one line, an episode ends early rather than outgrow the budget)."""
     limit = cfg.engine.memory_limit_gib
     if limit is not None and not limit > 0:
         raise SetupError(f"engine.memory_limit_gib={limit} must be > 0 (GiB the update may plan for) or null")

@@ -27,10 +27,11 @@ def evaluate(run: Run, cfg: Config, label: str) -> dict:
     padded = shard + shard[-1:] * (-(-len(rows) // rt.world_size) - len(shard))
     max_new = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
 
-    def greedy(prompt_ids, group_size=1, sampling=None, seed=None) -> Completions:
+    def greedy(prompt_ids, group_size=1, sampling=None, seed=None, suffixes=None) -> Completions:
         return Completions(*generate(rt.model, run.tokenizer, prompt_ids, group_size=1, max_new_tokens=max_new,
                                      batch_size=max(cfg.rollout.batch_size * cfg.algorithm.group_size, 1),
-                                     greedy=True, desc=f"eval {label}", progress=rt.is_main and interactive()))
+                                     greedy=True, desc=f"eval {label}", progress=rt.is_main and interactive(),
+                                     suffixes=suffixes))
     from grpo.experience import score_groups
 
     extra = episode_stats = None

@@ -22,7 +22,7 @@ from grpo.engine.unwrap import unwrap_model
 def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 8,
              greedy: bool = False, desc: str = "rollout", progress: bool = True, share_prompt: bool = True,
-             min_new_tokens: int = 0):
+             min_new_tokens: int = 0, suffixes: list[list[list[int]]] | None = None):
     """Returns ``(completion_ids, truncated)``: per prompt, ``group_size`` token lists and flags.
 
     With ``share_prompt`` each prompt is prefilled once and its G samples decode against one copy of its K/V
@@ -33,7 +33,18 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
     from the truncated, renormalised distribution while the log-probs stay those of the full softmax, so the
     rollout is then not exactly on-policy (TRL does the same); a warning says so once per process.
     ``min_new_tokens`` forbids EOS before that many tokens (benchmarks use it for fixed-length completions; it
-    biases sampling, so training leaves it at 0)."""
+    biases sampling, so training leaves it at 0).
+
+    ``suffixes`` (multi-turn episodes after their first turn): per prompt, the contexts to continue it with, one
+    sample each, returned in their order (``group_size`` is then unused). With ``share_prompt`` each prompt is
+    prefilled once, its K/V forked to its rows (copied, not held once as above), and each row prefills only its
+    own suffix; without it every prompt + suffix is prefilled whole."""
+    if suffixes is not None and not share_prompt:
+        ids, cut = generate(model, tokenizer, flatten(prompt_ids, suffixes), group_size=1,
+                            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            batch_size=batch_size, greedy=greedy, desc=desc, progress=progress,
+                            min_new_tokens=min_new_tokens)
+        return regroup([g[0] for g in ids], suffixes), regroup([g[0] for g in cut], suffixes)
     if not greedy:
         _warn_truncated_sampling(top_p, top_k)
     # A multi-process runtime may need every rank in every decoding step (DeepSpeed ZeRO-3: partitioned
@@ -43,7 +54,18 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
         return _generate(unwrap_model(model, peft=False), tokenizer, prompt_ids, group_size=group_size,
                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                          batch_size=batch_size, greedy=greedy, desc=desc, progress=progress, extra=extra,
-                         share_prompt=share_prompt, min_new_tokens=min_new_tokens)
+                         share_prompt=share_prompt, min_new_tokens=min_new_tokens, suffixes=suffixes)
+
+
+def flatten(prompt_ids: list[list[int]], suffixes: list[list[list[int]]]) -> list[list[int]]:
+    """Every prompt + suffix as its own context, in order."""
+    return [p + s for p, ss in zip(prompt_ids, suffixes) for s in ss]
+
+
+def regroup(flat: list, suffixes: list[list]) -> list[list]:
+    """One item per suffix, nested per prompt like ``suffixes``."""
+    it = iter(flat)
+    return [[next(it) for _ in ss] for ss in suffixes]
 
 
 _warned_truncated = False
@@ -60,7 +82,7 @@ def _warn_truncated_sampling(top_p: float, top_k: int) -> None:
 
 
 def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, temperature, top_p, top_k, batch_size,
-              greedy, desc, progress, extra, share_prompt, min_new_tokens):
+              greedy, desc, progress, extra, share_prompt, min_new_tokens, suffixes):
     device = next(model.parameters()).device
     synced = extra.get("synced_gpus")  # None, or the runtime's any_rank: decode until every rank is done
     eos = _eos_ids(model, tokenizer)
@@ -71,20 +93,25 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
     n_samples = 1 if greedy else group_size
     pick = greedy_pick if greedy else functools.partial(sample_tokens, temperature=temperature, top_p=top_p,
                                                           top_k=top_k)
-    bar = tqdm(total=len(prompt_ids) * n_samples, desc=desc, unit="seq", leave=False, disable=not progress)
+    total = len(prompt_ids) * n_samples if suffixes is None else sum(map(len, suffixes))
+    bar = tqdm(total=total, desc=desc, unit="seq", leave=False, disable=not progress)
     for start in range(0, len(prompt_ids), batch_size):
         chunk = prompt_ids[start:start + batch_size]
-        width = max(len(p) for p in chunk)
-        input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long, device=device)
-        attention = torch.zeros_like(input_ids)
-        for i, p in enumerate(chunk):  # left padding
-            input_ids[i, width - len(p):] = torch.tensor(p, device=device)
-            attention[i, width - len(p):] = 1
+        input_ids, attention = _left_padded(chunk, pad_id, device)
+        width = input_ids.shape[1]
         if not (share_prompt or greedy):  # the baseline: G copies of each prompt, each prefilled
             input_ids, attention = input_ids.repeat_interleave(n_samples, 0), attention.repeat_interleave(n_samples, 0)
         cache = prefill(model, input_ids, attention, synced=synced is not None)
-        shared = None
-        if share_prompt and not greedy and n_samples > 1:  # prefilled once; G rows decode from it
+        shared, counts = None, [n_samples] * len(chunk)
+        if suffixes is not None:  # each prompt's K/V forked to its rows; each row runs its last prompt token + suffix
+            tails = suffixes[start:start + batch_size]
+            counts = [len(ss) for ss in tails]
+            owner = torch.tensor([i for i, n in enumerate(counts) for _ in range(n)], device=device)
+            cache.batch_select_indices(owner)
+            input_ids, own = _left_padded([[p[-1], *s] for p, ss in zip(chunk, tails) for s in ss], pad_id, device)
+            attention = torch.cat([attention[owner, :-1], own], dim=1)
+            cache = prefill(model, input_ids, attention, synced=synced is not None, cache=cache)
+        elif share_prompt and not greedy and n_samples > 1:  # prefilled once; G rows decode from it
             if width > 1 and _cascade_ok(model, width + max_new_tokens):
                 shared = _shared_prompt(cache, attention[:, :-1], n_samples)
                 cache = type(cache)(config=model.config)  # each row's own tokens only
@@ -93,29 +120,39 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
             input_ids, attention = input_ids.repeat_interleave(n_samples, 0), attention.repeat_interleave(n_samples, 0)
         new = decode(model, input_ids[:, -1], attention, cache, pick, max_new_tokens=max_new_tokens, eos=eos,
                      pad_id=pad_id, min_new_tokens=min_new_tokens, synced=synced, shared=shared).tolist()
-        for i, p in enumerate(chunk):
-            group, flags = [], []
-            for j in range(n_samples):
-                ids, cut = _cut_at_eos(new[i * n_samples + j], eos, max_new_tokens)
-                group.append(ids)
-                flags.append(cut)
-            completions.append(group)
-            truncated.append(flags)
-        bar.update(len(chunk) * n_samples)
+        cuts = iter([_cut_at_eos(row, eos, max_new_tokens) for row in new])
+        for n in counts:
+            group = [next(cuts) for _ in range(n)]
+            completions.append([ids for ids, _ in group])
+            truncated.append([cut for _, cut in group])
+        bar.update(sum(counts))
     bar.close()
     if was_training:
         model.train()
     return completions, truncated
 
 
-def prefill(model, input_ids, attention, synced: bool = False):
-    """Run every prompt token but the last through the model; returns the KV cache (empty for 1-token prompts).
+def _left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), both (len(rows), longest), each row right-aligned."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r, device=device)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def prefill(model, input_ids, attention, synced: bool = False, cache=None):
+    """Run every token of ``input_ids`` but the last through the model, after the tokens ``cache`` holds (if any;
+    ``attention`` covers them, then ``input_ids``); returns the KV cache (empty for 1-token prompts and no cache).
     ``synced``: every process must run the same forwards (ZeRO-3), so 1-token prompts still run one, discarded."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
-    if input_ids.shape[1] > 1:
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    n = input_ids.shape[1]
+    if n > 1:
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -n:]
         model(input_ids=input_ids[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
               use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
     elif synced:

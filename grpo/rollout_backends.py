@@ -1,6 +1,6 @@
 """Rollout backends: what samples the G completions of each prompt.
 
-A backend is a small object with ``generate(prompt_ids, group_size, sampling, seed) -> Completions``,
+A backend is a small object with ``generate(prompt_ids, group_size, sampling, seed, suffixes) -> Completions``,
 ``sync_weights(model)`` (called before a rollout whenever the policy has changed since the last one),
 ``sleep()`` (after a rollout) and ``close()`` (`grpo.sampling`). Two exist:
 
@@ -44,13 +44,15 @@ class HFBackend:
         self.batch_size, self.share_prompt, self.progress = batch_size, share_prompt, progress
         self._generate = generate_fn
 
-    def generate(self, prompt_ids, group_size, sampling: Sampling, seed=None) -> Completions:
+    def generate(self, prompt_ids, group_size, sampling: Sampling, seed=None, suffixes=None) -> Completions:
         from grpo.rollout import generate
 
         fn = self._generate or generate
         model = self._model() if callable(self._model) and not isinstance(self._model, torch.nn.Module) \
             else self._model
         extra = {"greedy": True} if sampling.greedy else {}
+        if suffixes is not None:
+            extra["suffixes"] = suffixes
         # fork_rng's default devices: manual_seed reseeds every CUDA device too, and that must be undone as well
         with torch.random.fork_rng() if seed is not None else contextlib.nullcontext():
             if seed is not None:

@@ -22,56 +22,38 @@ from grpo.config import ROLLOUT_IS_MODES as MODES
 from grpo.runtime.base import Runtime
 
 
-def rollout_is_ratio(logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor,
-                     level: str = "token") -> torch.Tensor:
-    """rho = pi_old / pi_sampler per token (``level="token"``), or the product over each completion's tokens
-    broadcast to its tokens (``"sequence"``). Padded positions give 1 (token) and do not enter the product."""
-    diff = (logp.detach().float() - sampling_logp.float()) * mask
-    if level == "token":
-        return torch.exp(diff)
-    if level == "sequence":
-        return torch.exp(diff.sum(-1, keepdim=True)).expand_as(diff)
-    raise ValueError(f"level must be token or sequence, got {level!r}")
+def rollout_is(logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+               cap: float) -> tuple[torch.Tensor, dict]:
+    """``(weights, stats)`` for ``mode`` with cap ``C``, from one ratio rho = pi_old / pi_sampler: per token, or for
+    sequence modes the product over each completion's tokens broadcast to its tokens (padding gives 1 and does not
+    enter the product).
 
-
-def rollout_is_weights(logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, mode: str,
-                       cap: float) -> torch.Tensor:
-    """Per-token weights ``[B, T]`` (no gradient) for ``mode`` with cap ``C``; zero on padding."""
+    ``weights`` ``[B, T]``: no gradient, zero on padding. ``stats``: sums over this (micro-)batch's tokens, to add
+    up across micro-batches and processes, plus two maxima: ``abs_diff`` sum of |log pi_old - log pi_sampler|;
+    ``tokens`` masked tokens; ``capped`` tokens whose weight the cap changed (sequence modes: every token of a capped
+    completion); ``ratio_max`` the largest rho (the token ratio for ``none`` and token modes, the completion ratio
+    for sequence modes); ``abs_diff_max`` the largest |delta log p|."""
     if mode not in MODES:
         raise ValueError(f"rollout_is must be one of {', '.join(MODES)}, got {mode!r}")
     mask = mask.float()
-    if mode == "none":
-        return mask.clone()
-    ratio = rollout_is_ratio(logp, sampling_logp, mask, mode.split("_")[0])
-    if mode.endswith("_truncate"):
-        w = ratio.clamp(max=cap)
-    else:
-        w = ratio.masked_fill(ratio > cap, 0.0)
-    return w * mask
-
-
-def mismatch_stats(logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, mode: str,
-                   cap: float) -> dict:
-    """Sums over this (micro-)batch's tokens, to add up across micro-batches and processes, plus a max:
-
-    ``abs_diff`` sum of |log pi_old - log pi_sampler|; ``tokens`` masked tokens; ``capped`` tokens whose weight
-    the cap changed (sequence modes: every token of a capped completion); ``ratio_max`` the largest rho (token
-    ratio for ``none`` and token modes, completion ratio for sequence modes); ``abs_diff_max`` the largest
-    |delta log p|."""
-    mask = mask.float()
-    level = "sequence" if mode.startswith("sequence") else "token"
     diff = (logp.detach().float() - sampling_logp.float()) * mask
-    ratio = rollout_is_ratio(logp, sampling_logp, mask, level)
+    ratio = torch.exp(diff.sum(-1, keepdim=True)).expand_as(diff) if mode.startswith("sequence") else torch.exp(diff)
     on = mask > 0
-    over = (ratio > cap) & on
-    return {"abs_diff": float(diff.abs().sum()), "tokens": float(mask.sum()),
-            "capped": float(over.sum()) if mode != "none" else 0.0,
-            "ratio_max": float(ratio[on].max()) if bool(on.any()) else 0.0,
-            "abs_diff_max": float(diff.abs().max()) if diff.numel() else 0.0}
+    if mode == "none":
+        weights = mask.clone()
+    elif mode.endswith("_truncate"):
+        weights = ratio.clamp(max=cap) * mask
+    else:
+        weights = ratio.masked_fill(ratio > cap, 0.0) * mask
+    stats = {"abs_diff": float(diff.abs().sum()), "tokens": float(mask.sum()),
+             "capped": float(((ratio > cap) & on).sum()) if mode != "none" else 0.0,
+             "ratio_max": float(ratio[on].max()) if bool(on.any()) else 0.0,
+             "abs_diff_max": float(diff.abs().max()) if diff.numel() else 0.0}
+    return weights, stats
 
 
 def summarize(totals: dict, prefix: str = "rollout_is/") -> dict:
-    """The logged metrics from summed ``mismatch_stats`` (``ratio_max``/``abs_diff_max`` already reduced by max)."""
+    """The logged metrics from summed `rollout_is` stats (``ratio_max``/``abs_diff_max`` already reduced by max)."""
     tokens = max(totals.get("tokens", 0.0), 1.0)
     return {f"{prefix}logp_diff_abs_mean": totals.get("abs_diff", 0.0) / tokens,
             f"{prefix}logp_diff_abs_max": totals.get("abs_diff_max", 0.0),
@@ -81,24 +63,24 @@ def summarize(totals: dict, prefix: str = "rollout_is/") -> dict:
 
 class MismatchMeter:
     """The correction over one policy update: ``weights`` per micro-batch (recording the mismatch), then
-    ``metrics(runtime)`` once, summed / maxed over every micro-batch and process."""
+    ``metrics`` once. Its ``sums`` go into the update's own all-reduced totals (no collective of their own); the
+    maxima take one ``all_max``."""
 
     def __init__(self, mode: str, cap: float):
         self.mode, self.cap = mode, cap
-        self.sums = {"abs_diff": 0.0, "tokens": 0.0, "capped": 0.0}
+        self.sums = {"is_abs_diff": 0.0, "is_tokens": 0.0, "is_capped": 0.0}
         self.maxes = {"ratio_max": 0.0, "abs_diff_max": 0.0}
 
     def weights(self, logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         """The weights for this micro-batch (None for mode ``none``: nothing to multiply)."""
-        s = mismatch_stats(logp, sampling_logp, mask, self.mode, self.cap)
+        w, s = rollout_is(logp, sampling_logp, mask, self.mode, self.cap)
         for k in self.sums:
-            self.sums[k] += s[k]
+            self.sums[k] += s[k.removeprefix("is_")]
         for k in self.maxes:
             self.maxes[k] = max(self.maxes[k], s[k])
-        if self.mode == "none":
-            return None
-        return rollout_is_weights(logp, sampling_logp, mask, self.mode, self.cap).to(logp.dtype)
+        return None if self.mode == "none" else w.to(logp.dtype)
 
-    def metrics(self, runtime: Runtime) -> dict:
-        """Collective: every rank calls it once per update (sums by `all_reduce`, maxima by `all_max`)."""
-        return summarize({**runtime.all_reduce(self.sums), **runtime.all_max(self.maxes)})
+    def metrics(self, runtime: Runtime, reduced: dict) -> dict:
+        """Collective: every rank calls it once per update. ``reduced``: the update's totals, summed over every rank,
+        with ``sums`` among them."""
+        return summarize({**{k.removeprefix("is_"): reduced[k] for k in self.sums}, **runtime.all_max(self.maxes)})

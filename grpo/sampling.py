@@ -32,8 +32,10 @@ class Completions:
 class RolloutBackend(Protocol):
     name: str
 
-    def generate(self, prompt_ids: list[list[int]], group_size: int, sampling: Sampling,
-                 seed: int | None = None) -> Completions: ...
+    def generate(self, prompt_ids: list[list[int]], group_size: int, sampling: Sampling, seed: int | None = None,
+                 suffixes: list[list[list[int]]] | None = None) -> Completions: ...
+    # suffixes (multi-turn, after the first turn): per prompt, the contexts to continue it with (prompt + suffix), one
+    # sample each, returned nested and ordered like them; group_size is then 1 and unused
 
     def sync_weights(self, model) -> None: ...
 

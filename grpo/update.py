@@ -116,7 +116,7 @@ def policy_update(runtime: Runtime, batch: Batch, settings: UpdateSettings) -> d
         for k, v in _micro_batch(runtime, batch, mb, keep, counts, settings, meter).items():
             totals[k] = totals.get(k, 0.0) + v
     grad_norm, stepped = runtime.step(settings.max_grad_norm)
-    totals = runtime.all_reduce(totals)
+    totals = runtime.all_reduce({**totals, **(meter.sums if meter is not None else {})})
     tokens = max(totals.get("tokens", 0.0), 1.0)
     out = {"loss": totals["loss"], "grad_norm": grad_norm, "skipped": not stepped, "empty_batch": False,
            "entropy": totals["entropy"] / tokens, "clip_ratio_low": totals["clip_low"] / tokens,
@@ -126,7 +126,7 @@ def policy_update(runtime: Runtime, batch: Batch, settings: UpdateSettings) -> d
     if "kl" in totals:
         out["kl"] = totals["kl"] / tokens
     if meter is not None:
-        out.update(meter.metrics(runtime))
+        out.update(meter.metrics(runtime, totals))
     return out
 
 

@@ -145,11 +145,15 @@ class VLLMBackend:
                               max_tokens=sampling.max_new_tokens, stop_token_ids=self.eos_ids, ignore_eos=False,
                               logprobs=0, seed=seed, detokenize=False, skip_special_tokens=False)
 
-    def generate(self, prompt_ids, group_size, sampling: Sampling, seed=None) -> Completions:
+    def generate(self, prompt_ids, group_size, sampling: Sampling, seed=None, suffixes=None) -> Completions:
         from vllm.inputs import TokensPrompt
 
-        from grpo.rollout import _cut_at_eos
+        from grpo.rollout import _cut_at_eos, flatten, regroup
 
+        if suffixes is not None:  # each prompt + suffix is a one-sample request; prefix caching shares the prompt
+            out = self.generate(flatten(prompt_ids, suffixes), 1, sampling, seed)
+            flat = [[g[0] for g in x] for x in (out.ids, out.truncated, out.logprobs)]
+            return Completions(*(regroup(x, suffixes) for x in flat))
         self.wake()
         # one SamplingParams per prompt: vLLM seeds a prompt's G samples seed, seed + 1, ..., so one seed for the
         # whole call would give every prompt's j-th sample the same random stream

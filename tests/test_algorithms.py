@@ -316,6 +316,38 @@ def test_gradient_accumulation_does_not_change_the_gradient(fixed, monkeypatch, 
         assert torch.allclose(grads[0][n], grads[1][n], atol=1e-6), n
 
 
+def test_rollout_is_metrics_over_micro_batches_with_one_collective_of_their_own(fixed, monkeypatch):
+    """A sampler with its own log-probs (vLLM): the update's rollout_is/* metrics equal `rollout_is` over the whole
+    batch at once, also when micro-batches split groups; the correction's sums ride the update's all_reduce, its
+    maxima take the one extra collective (an all_max)."""
+    from grpo.loss import pad
+    from grpo.rollout_is import rollout_is, summarize
+    from grpo.update import nested_logprobs
+
+    run, cfg, batch = fixed
+    gen = torch.Generator().manual_seed(2)
+    now = nested_logprobs(run.runtime, run.model, batch, cfg.engine, cfg.rollout.temperature)
+    batch = dataclasses.replace(batch, sampling_logps=[[lp + 0.5 * torch.randn(lp.shape, generator=gen) for lp in g]
+                                                       for g in now])
+    _capture_grads(monkeypatch, run)
+    calls = []
+    for name in ("all_reduce", "all_max"):
+        real = getattr(run.runtime, name)
+        monkeypatch.setattr(run.runtime, name, lambda v, real=real, name=name: calls.append(name) or real(v))
+    budget = max(len(p) for p in batch.prompt_ids) + 8
+    lp, mask = pad([t for g in now for t in g])
+    a = cfg.algorithm  # token_truncate, cap 2 (the defaults)
+    want = summarize(rollout_is(lp, pad([t for g in batch.sampling_logps for t in g])[0], mask, a.rollout_is,
+                                a.rollout_is_cap)[1])
+    assert 0 < want["rollout_is/capped_frac"] < 1
+    for engine in (10_000, budget):
+        calls.clear()
+        out = _update(run, cfg, batch, ecfg=dataclasses.replace(cfg.engine, max_tokens_per_micro_batch=engine))
+        assert calls == ["all_reduce", "all_reduce", "all_max"]  # batch counts, the update's totals, the maxima
+        for k, v in want.items():
+            assert out[k] == pytest.approx(v, rel=1e-5), k
+
+
 def test_mask_truncated_equals_dropping_the_truncated_completions(fixed, monkeypatch):
     from grpo.batch import Batch
 

@@ -172,3 +172,52 @@ def test_non_finite_logits_fail_clearly():
 
     with pytest.raises(RuntimeError, match="not finite"):
         sample_tokens(torch.tensor([[0.0, float("nan"), 1.0]]))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_suffixes_prefill_each_prompt_once_and_match_whole_contexts(family, monkeypatch):
+    """Later turns of multi-turn episodes: each prompt prefilled once, forked to its rows, each row prefilling only
+    its own suffix. Greedy tokens equal those of prefilling every prompt + suffix whole (share_prompt=False); the
+    sampler's log-prob of every sampled token equals a plain forward over the whole context. Ragged prompts (one of
+    1 token), ragged suffixes and groups of 3, 1 and 2 rows over two chunks."""
+    import grpo.rollout as rollout
+    from tests.oracle import hf_logprobs
+
+    tok = char_tokenizer()
+    model = tiny_model(family, len(tok), seed=0)
+    enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompts = [enc("What is 12 + 7?"), enc("x"), enc("Hello")]
+    suffixes = [[enc("ab"), enc("a longer turn"), enc("c")], [enc("19 then")], [enc("obs: 4"), enc("zz")]]
+    contexts = rollout.flatten(prompts, suffixes)
+    prefilled = []
+    real_prefill = rollout.prefill
+
+    def spy_prefill(model, input_ids, attention, synced=False, cache=None):
+        prefilled.append(int(attention[:, -input_ids.shape[1]:-1].sum()))
+        return real_prefill(model, input_ids, attention, synced, cache)
+
+    monkeypatch.setattr(rollout, "prefill", spy_prefill)
+    kw = dict(group_size=1, max_new_tokens=6, batch_size=2, progress=False)
+    greedy = [generate(model, tok, prompts, greedy=True, suffixes=suffixes, share_prompt=share, **kw)
+              for share in (True, False)]
+    assert greedy[0] == greedy[1] and [len(g) for g in greedy[0][0]] == [3, 1, 2]
+    whole = sum(len(c) - 1 for c in contexts)
+    assert sum(prefilled[:4]) == whole - sum((len(p) - 1) * (len(s) - 1) for p, s in zip(prompts, suffixes))
+    assert sum(prefilled[4:]) == whole
+    seen = []
+    real_sample = rollout.sample_tokens
+
+    def spy_sample(logits, **k):
+        token = real_sample(logits, **k)
+        seen.append(torch.log_softmax(logits.float() / k["temperature"], -1).gather(-1, token[:, None])[:, 0])
+        return token
+
+    monkeypatch.setattr(rollout, "sample_tokens", spy_sample)
+    torch.manual_seed(3)
+    comps, _ = generate(model, tok, prompts, temperature=0.7, suffixes=suffixes, **kw)
+    sampled = [row for group in comps for row in group]
+    got = [row for n in (4, 2) for row in torch.stack([s for s in seen if len(s) == n], 1)]  # two chunks: 4, 2 rows
+    want = hf_logprobs(model, contexts, sampled, 0.7)
+    assert len(set(map(tuple, sampled))) > 1
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g[:len(w)], w, atol=1e-5, rtol=1e-5)

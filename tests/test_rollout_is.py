@@ -5,7 +5,15 @@ import pytest
 import torch
 
 from grpo.loss import grpo_loss
-from grpo.rollout_is import mismatch_stats, rollout_is_weights, summarize
+from grpo.rollout_is import rollout_is, summarize
+
+
+def rollout_is_weights(*args):
+    return rollout_is(*args)[0]
+
+
+def mismatch_stats(*args):
+    return rollout_is(*args)[1]
 
 # two completions: 3 tokens and 2 tokens (right-padded); log pi_old - log pi_sampler per token:
 #   seq 0: ln 2, 0, ln 0.5 -> token ratios 2, 1, 0.5; sequence ratio 1
@@ -91,10 +99,11 @@ def test_meter_sums_by_all_reduce_and_maxes_by_all_max():
             return {k: max(v, {"ratio_max": 10.0, "abs_diff_max": 0.0}[k]) for k, v in values.items()}
 
     meter = MismatchMeter("token_truncate", 2.0)
-    meter.weights(OLD, SAMPLER, MASK)
-    one = meter.metrics(Runtime())
+    w = meter.weights(OLD, SAMPLER, MASK)
+    assert torch.equal(w, rollout_is_weights(OLD, SAMPLER, MASK, "token_truncate", 2.0))
+    one = meter.metrics(Runtime(), Runtime().all_reduce(meter.sums))  # the update adds sums to its all-reduced totals
     assert one == summarize(mismatch_stats(OLD, SAMPLER, MASK, "token_truncate", 2.0))
-    two = meter.metrics(TwoRanks())
+    two = meter.metrics(TwoRanks(), TwoRanks().all_reduce(meter.sums))
     assert two["rollout_is/ratio_max"] == 10.0
     assert two["rollout_is/logp_diff_abs_max"] == one["rollout_is/logp_diff_abs_max"]
     assert two["rollout_is/logp_diff_abs_mean"] == pytest.approx(one["rollout_is/logp_diff_abs_mean"])

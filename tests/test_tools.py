@@ -7,6 +7,7 @@ import torch
 
 from grpo.errors import ConfigError, SetupError
 from grpo.models import char_tokenizer
+from grpo.rollout import flatten, regroup
 from grpo.sampling import Completions, Sampling
 from grpo.tools.chat import after_turn, parse_tool_calls
 from grpo.tools.episodes import EpisodeSettings, TurnLoop, episode_metrics
@@ -107,8 +108,15 @@ class Scripted:
     def __init__(self, tok, script):
         self.tok, self.script, self.calls = tok, script, []
 
-    def __call__(self, prompt_ids, group_size, sampling, seed=None):
-        self.calls.append((len(prompt_ids), group_size))
+    def __call__(self, prompt_ids, group_size, sampling, seed=None, suffixes=None):
+        if suffixes is None:
+            self.calls.append((len(prompt_ids), group_size))
+            return self._replies(prompt_ids, group_size, sampling)
+        self.calls.append(("suffixes", [len(s) for s in suffixes]))  # later turns: each prompt + suffix, one sample
+        out = self._replies(flatten(prompt_ids, suffixes), 1, sampling)
+        return Completions(*(regroup([g[0] for g in x], suffixes) for x in (out.ids, out.truncated)))
+
+    def _replies(self, prompt_ids, group_size, sampling):
         ids, cut = [], []
         for p in prompt_ids:
             group, flags = [], []
@@ -153,7 +161,7 @@ def test_a_tool_call_runs_and_its_result_is_masked(tok):
     finally:
         worker.kill()
     first, second = eps.groups[0]
-    assert backend.calls == [(1, 2), (1, 1)]  # turn 1: the group from one prompt; turn 2: the live episode alone
+    assert backend.calls == [(1, 2), ("suffixes", [1])]  # turn 1: the group from one prompt; turn 2: its live episode
     text = tok.decode(first.ids)
     assert text == call + "<eos>[tool]42<eos>[assistant]The answer is 42.<eos>"
     n = lambda t: len(tok(t, add_special_tokens=False)["input_ids"])  # noqa: E731
@@ -309,3 +317,27 @@ def test_episodes_stay_within_the_planned_length(tok):
                                                 max_tool_tokens=2), overhead=2)
     assert e.over_length and e.done and len(e.ids) <= cap and e.turns < 3
     assert episode_metrics(eps.sums())["episode/over_length_frac"] == 1.0
+
+
+def test_text_reset_adds_is_counted_against_the_micro_batch(tok):
+    """The start-up check (grpo/budget.py) cannot see the text reset(row) adds to a prompt; the turn loop counts it:
+    an episode ends (over_length) before its next turn could pass engine.max_tokens_per_micro_batch beside the grown
+    prompt, and a prompt that leaves no room for one turn stops with one line."""
+    def run(brief, max_tokens):
+        settings = EpisodeSettings(3, 8, False, max_new_tokens=10, overhead=0, max_tokens=max_tokens)
+        loop, _, worker = _loop(tok, lambda c, j: "abc", [], f"{F}:Briefing", settings=settings)
+        try:
+            rows = _rows(tok, "go", brief=brief)
+            return loop.run(rows, [r["prompt_ids"] for r in rows], 1, Sampling(10))
+        finally:
+            worker.kill()
+
+    free = run("x" * 40, 0)  # no budget given: three turns of 4 tokens with "ok" (2 tokens) between them
+    assert free.groups[0][0].turns == 3 and len(free.prompt_ids[0]) == 42
+    eps = run("x" * 40, 60)
+    e = eps.groups[0][0]
+    assert (e.turns, e.over_length, e.done) == (2, True, True)  # a third turn could reach 42 + 12 + 10 > 60
+    assert len(eps.prompt_ids[0]) + len(e.ids) <= 60
+    with pytest.raises(SetupError, match="a prompt is 57 tokens.*max_tokens_per_micro_batch=60") as err:
+        run("x" * 55, 60)
+    assert "\n" not in str(err.value)

@@ -100,3 +100,13 @@ class NeedsArgs:
 
     def step(self, text: str):
         return None
+
+
+class Briefing:
+    """The plain-text protocol with a long prompt: reset(row) returns the row's ``brief``; every turn gets ``ok``."""
+
+    def reset(self, row):
+        return row["brief"]
+
+    def step(self, text: str):
+        return "ok"

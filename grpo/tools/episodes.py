@@ -4,10 +4,11 @@ without a call (or the environment's ``step`` returns None), a turn is cut at ``
 
 Every model turn is one call of the rollout backend's ``generate`` (`grpo.sampling`), so the hf decode loop and
 vLLM serve it alike. The first turn samples the G completions of each prompt from one prefill of the prompt (the
-backend shares it); later turns continue every live episode from its own context (prompt + episode so far) as a
-one-sample request. An episode's tokens after the prompt are its completion; ``mask`` marks the ones the policy
-sampled (1) and the ones a tool or the environment wrote (0), which carry no loss, KL or entropy and are not
-counted by any loss normaliser.
+backend shares it); later turns continue every live episode from its own context (prompt + episode so far), one
+sample each, passed as the prompt and its live episodes as suffixes (hf prefills each prompt once and each episode
+only its own tokens; vLLM's prefix cache does the same). An episode's tokens after the prompt are its completion;
+``mask`` marks the ones the policy sampled (1) and the ones a tool or the environment wrote (0), which carry no
+loss, KL or entropy and are not counted by any loss normaliser.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ class EpisodeSettings:
     max_new_tokens: int = 0    # > 0: keep every episode within `spec.max_completion_tokens` (what the update planned
                                # micro-batches for): tool text that would pass it ends the episode instead
     overhead: int = 32         # template tokens allowed around each tool result (`spec.max_completion_tokens`)
+    max_tokens: int = 0        # > 0: engine.max_tokens_per_micro_batch; the prompt, with the text reset(row) added
+                               # (unknown when it was planned), and the episode must fit in it
 
 
 @dataclass
@@ -110,9 +113,9 @@ def episode_metrics(sums: dict[str, float], prefix: str = "episode/") -> dict[st
 
 @dataclass
 class TurnLoop:
-    """Runs episodes. ``generate``: a rollout backend's ``generate(prompt_ids, group_size, sampling, seed)``;
+    """Runs episodes. ``generate``: a rollout backend's ``generate(prompt_ids, group_size, sampling, seed, suffixes)``;
     ``most(n)``: the largest ``n`` over every process (each process calls ``generate`` once per turn while any
-    has a live episode, with stand-in contexts when it has fewer, since ZeRO-3 decodes in lockstep);
+    has a live episode, with stand-in prompts when it has fewer open groups, since ZeRO-3 decodes in lockstep);
     ``seed_for(turn)``: the sampling seed of a turn (None: the process's generator); ``prompt_for(row, text)``:
     (prompt text, ids) with ``text`` (what reset(row) returned) added to the row's last user turn."""
 
@@ -137,19 +140,22 @@ class TurnLoop:
                     ids = [out.ids[g][j] for g, j in live]
                     cut = [out.truncated[g][j] for g, j in live]
                     lps = [out.logprobs[g][j] if out.logprobs is not None else None for g, j in live]
-                else:
+                else:  # each prompt with its live episodes as suffixes: the backend prefills the prompt once
                     live = [(g, j) for g in range(len(rows)) for j in range(G) if not groups[g][j].done]
-                    width = self.most(len(live))
+                    open_ = sorted({g for g, _ in live})
+                    width = self.most(len(open_))
                     if width == 0:
                         break
                     stand_in = [self.tokenizer.pad_token_id or 0]
-                    contexts = [prompt_ids[g] + groups[g][j].ids for g, j in live]
-                    out = self.generate(contexts + [stand_in] * (width - len(live)), 1, sampling, self.seed_for(turn))
-                    ids = [out.ids[i][0] for i in range(len(live))]
-                    cut = [out.truncated[i][0] for i in range(len(live))]
-                    lps = [out.logprobs[i][0] if out.logprobs is not None else None for i in range(len(live))]
+                    suffixes = [[groups[g][j].ids for j in range(G) if not groups[g][j].done] for g in open_]
+                    out = self.generate([prompt_ids[g] for g in open_] + [stand_in] * (width - len(open_)), 1, sampling,
+                                        self.seed_for(turn), suffixes=suffixes + [[stand_in]] * (width - len(open_)))
+                    ids = [t for group in out.ids for t in group][:len(live)]
+                    cut = [c for group in out.truncated for c in group][:len(live)]
+                    lps = [lp for group in out.logprobs for lp in group][:len(live)] if out.logprobs is not None \
+                        else [None] * len(live)
                 for (g, j), t_ids, t_cut, t_lp in zip(live, ids, cut, lps):
-                    self._turn(groups[g][j], (g, j), t_ids, t_cut, t_lp, turn)
+                    self._turn(groups[g][j], (g, j), t_ids, t_cut, t_lp, turn, len(prompt_ids[g]))
             if self.toolset.env_reward:
                 for g, group in enumerate(groups):
                     for j, e in enumerate(group):
@@ -177,9 +183,15 @@ class TurnLoop:
             text = texts.pop()
             if text and self.prompt_for is not None:
                 prompts[g], prompt_ids[g] = self.prompt_for(row, text)
+                st, n = self.settings, len(prompt_ids[g])
+                if st.max_tokens and n + st.max_new_tokens > st.max_tokens:
+                    raise SetupError(f"rollout.environment={self.toolset.environment!r}: with the text reset(row) "
+                                     f"added, a prompt is {n} tokens; with rollout.max_new_tokens={st.max_new_tokens} "
+                                     f"it does not fit engine.max_tokens_per_micro_batch={st.max_tokens} (planned at "
+                                     "start, before any reset(row) ran): raise it, or return less text from reset(row)")
         return prompts, prompt_ids
 
-    def _turn(self, e: Episode, key, ids: list[int], cut: bool, logps, turn: int) -> None:
+    def _turn(self, e: Episode, key, ids: list[int], cut: bool, logps, turn: int, prompt_len: int) -> None:
         """One model turn of episode ``e``: append it, then end the episode or append what answers it. A turn cut at
         max_new_tokens ends a tool episode (its call cannot be trusted); a text-protocol environment still gets it
         and decides. ``truncated``: the episode's last turn was cut."""
@@ -216,6 +228,8 @@ class TurnLoop:
         written = tok(text, add_special_tokens=False)["input_ids"]
         st = self.settings
         cap = turn * (st.max_new_tokens + st.max_tool_tokens + st.overhead)  # within spec.max_completion_tokens
+        if st.max_tokens:  # and the next turn within one micro-batch beside the prompt (reset(row) may have grown it)
+            cap = min(cap, st.max_tokens - prompt_len - st.max_new_tokens)
         if st.max_new_tokens and len(e.ids) + len(written) > cap:
             e.done, e.over_length = True, True
             return

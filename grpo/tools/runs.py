@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from grpo import data
+from grpo.engine.memory import parse_budget
 from grpo.rewards.score import RewardFunction
 from grpo.tools.episodes import Episodes, EpisodeSettings, TurnLoop
 from grpo.tools.spec import Toolset
@@ -29,7 +30,8 @@ def turn_loop(run: Run, cfg: Config, generate: Callable, seed_for: Callable | No
 
     most = lambda n: int(run.runtime.all_max({"n": float(n)})["n"])  # noqa: E731
     return TurnLoop(generate, tok, run.toolset, run.tool_worker,
-                    EpisodeSettings(r.max_turns, r.max_tool_tokens, uses_chat(cfg, tok), r.max_new_tokens), most=most,
+                    EpisodeSettings(r.max_turns, r.max_tool_tokens, uses_chat(cfg, tok), r.max_new_tokens,
+                                    max_tokens=parse_budget(cfg.engine.max_tokens_per_micro_batch) or 0), most=most,
                     seed_for=seed_for or (lambda turn: None), prompt_for=prompt_for)
 
 
