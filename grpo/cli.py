@@ -70,7 +70,6 @@ def _preflight(flags: list[str], overrides: list[str]) -> list[str]:
     metrics, nothing in ./outputs)."""
     from omegaconf import OmegaConf
 
-    from grpo.build import preflight
     from grpo.config import load
 
     raw = compose(overrides)
@@ -80,7 +79,10 @@ def _preflight(flags: list[str], overrides: list[str]) -> list[str]:
         sys.exit(0)
     out = raw.trainer.get("output_dir")
     job["trainer"]["output_dir"] = out or "outputs"  # without one, Hydra's outputs/<date>/<time>
-    preflight(load(OmegaConf.to_container(OmegaConf.create(job), resolve=True)))
+    cfg = load(OmegaConf.to_container(OmegaConf.create(job), resolve=True))  # the schema's checks: no torch yet
+    from grpo.build import preflight  # the checks that import torch and the user's reward, tool and data code
+
+    preflight(cfg)
     if out and not any(o.startswith("hydra.run.dir=") for o in overrides):
         overrides = [*overrides, f"hydra.run.dir={_quote(os.path.abspath(out))}"]
     return overrides

@@ -2,7 +2,7 @@
 
 Pure pieces are checked on hand-computed batches; the switches that live in the loop (filtering and
 resampling, several passes per batch, truncation masking, where the KL goes, GSPO) run the real
-`grpo.train.train` on the smoke recipe (tiny Llama, a few steps) or the real `policy_update` on a fixed
+`grpo.loop.train` on the smoke recipe (tiny Llama, a few steps) or the real `policy_update` on a fixed
 batch with the optimizer step replaced by a gradient capture.
 """
 from __future__ import annotations
@@ -43,10 +43,10 @@ def _params(model) -> dict:
 def spy(monkeypatch):
     """Wraps train(): keeps the Run, counts rollouts and log-prob passes, snapshots the initial weights."""
     import grpo.experience
-    import grpo.train
+    import grpo.loop
 
     s = SimpleNamespace(run=None, initial=None, rollouts=0, logprob_passes=0, scores=[])
-    build = grpo.train.build_run
+    build = grpo.loop.build_run
 
     def build_run(cfg):
         s.run = build(cfg)
@@ -68,7 +68,7 @@ def spy(monkeypatch):
         s.scores.append(rewards.clone())
         return rewards, stats
 
-    monkeypatch.setattr(grpo.train, "build_run", build_run)
+    monkeypatch.setattr(grpo.loop, "build_run", build_run)
     monkeypatch.setattr(grpo.experience, "generate", generate)
     monkeypatch.setattr(grpo.experience, "nested_logprobs", nested_logprobs)
     monkeypatch.setattr(grpo.experience, "score_groups", score_groups)
@@ -76,7 +76,7 @@ def spy(monkeypatch):
 
 
 def _train(cfg_factory, *overrides):
-    from grpo.train import train
+    from grpo.loop import train
 
     cfg = cfg_factory(_merge(FAST, *overrides))
     train(cfg)
@@ -139,11 +139,11 @@ def oracle(monkeypatch, spy):
     of the policy, of pi_old = the weights at the batch's first pass, and of the reference) and its gradient norm,
     for the run's config and for each of ``variants`` (name -> AlgorithmConfig fields, plus ``mask_truncated`` /
     ``temperature``). ``calls``: one dict per optimizer step with the real ``stats`` and each variant's numbers."""
-    import grpo.train
+    import grpo.loop
     from tests.oracle import flat, hf_logprobs, oracle_grads
 
     o = SimpleNamespace(calls=[], variants={})
-    real = grpo.train.policy_update
+    real = grpo.loop.policy_update
     held = {"batch": None, "old": None}
 
     def policy_update(runtime, batch, settings):
@@ -171,7 +171,7 @@ def oracle(monkeypatch, spy):
         o.calls.append(call)
         return call["stats"]
 
-    monkeypatch.setattr(grpo.train, "policy_update", policy_update)
+    monkeypatch.setattr(grpo.loop, "policy_update", policy_update)
     return o
 
 

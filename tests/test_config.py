@@ -62,18 +62,36 @@ def test_schema_keys_cover_required_names():
         assert k in keys
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["trainer.max_stepz=3"], "unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)"),
-    (["algorithm.group_size=1"], "algorithm.group_size=1 is out of range"),
-    (["reward.functions.accuracy.fn=nosuchmod:f"], "cannot import module 'nosuchmod'"),
-    (["model.name_or_path=/nonexistent/model"], "model.name_or_path='/nonexistent/model'"),
-    (["data.source=/nonexistent/data.jsonl"], "file not found"),
+# `python -m grpo.train ARGS`, then a line that says whether torch was imported
+CLI = ("import runpy, sys\n"
+       "try:\n    runpy.run_module('grpo.train', run_name='__main__', alter_sys=True)\n"
+       "finally:\n    print('torch imported:', 'torch' in sys.modules)\n")
+
+
+def run_cli(cwd, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", CLI, "recipe=smoke", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+@pytest.mark.parametrize("args, fragment, needs_torch", [
+    # the command line and the schema are checked before torch is imported
+    (["trainer.max_stepz=3"], "unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)", False),
+    (["algorithm.group_size=1"], "algorithm.group_size=1 is out of range", False),
+    # the checks that import the user's code or look at the machine come after
+    (["reward.functions.accuracy.fn=nosuchmod:f"], "cannot import module 'nosuchmod'", True),
+    (["model.name_or_path=/nonexistent/model"], "model.name_or_path='/nonexistent/model'", True),
+    (["data.source=/nonexistent/data.jsonl"], "file not found", True),
 ])
-def test_cli_errors_are_one_line_without_traceback(tmp_path, args, fragment):
-    p = subprocess.run([sys.executable, "-m", "grpo.train", "recipe=smoke", f"trainer.output_dir={tmp_path}", *args],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert p.returncode != 0
-    assert fragment in p.stderr, p.stderr
-    assert "Traceback" not in p.stderr
-    error_lines = [l for l in p.stderr.splitlines() if l.startswith("error:")]
-    assert len(error_lines) == 1
+def test_cli_errors_are_one_line_without_traceback(tmp_path, args, fragment, needs_torch):
+    p = run_cli(tmp_path, f"trainer.output_dir={tmp_path}", *args)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("error: ") and fragment in p.stderr, p.stderr
+    assert p.stderr.count("\n") == 1, p.stderr  # one line, no traceback
+    assert p.stdout.splitlines()[-1] == f"torch imported: {needs_torch}"
+
+
+def test_cfg_job_prints_the_config_without_importing_torch(tmp_path):
+    p = run_cli(tmp_path, "algorithm.group_size=3", "--cfg", "job")
+    assert p.returncode == 0, p.stderr
+    assert "group_size: 3" in p.stdout
+    assert p.stdout.splitlines()[-1] == "torch imported: False"

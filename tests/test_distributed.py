@@ -135,9 +135,9 @@ def copy_stopped_run(src: Path, args: list[str]) -> None:
 def _worker(argv: list[str]) -> None:
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(1)
-    import grpo.train
+    import grpo.loop
 
-    grpo.train.save_final = _saving_params(grpo.train.save_final)
+    grpo.loop.save_final = _saving_params(grpo.loop.save_final)
     while argv:
         n = argv.index(THEN) if THEN in argv else len(argv)
         mode, out, args, argv = argv[0], Path(argv[1]), argv[2:n], argv[n + 1:]

@@ -13,7 +13,7 @@ import torch
 
 from grpo import checkpoint
 from grpo.errors import SetupError
-from grpo.train import train
+from grpo.loop import train
 
 COMPARED = ("loss", "reward_mean", "reward_std", "kl", "grad_norm", "completion_len_mean", "reward/accuracy",
             "reward/format", "entropy", "ratio_mean", "clip_ratio")

@@ -112,7 +112,7 @@ def _train(out: Path, case: str) -> dict:
     from omegaconf import OmegaConf
 
     from grpo.config import load
-    from grpo.train import train
+    from grpo.loop import train
     from tests.helpers import VLLM_TINY, compose_recipe
 
     tiny = [f"model.tiny.{k}={v}" for k, v in VLLM_TINY.items()]

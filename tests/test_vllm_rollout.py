@@ -232,7 +232,7 @@ def test_unsupported_family_says_which_backend_to_use(tok):
 def test_smoke_run_with_the_vllm_backend(cfg_factory):
     """Two optimizer steps with rollout.backend=vllm on the tiny model: the rollout's log-probs match the
     trainer's (fp32), the mismatch is logged every step, and the run finishes."""
-    from grpo.train import train
+    from grpo.loop import train
 
     _close_engines()  # the run starts its own
     cfg = cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 2},
@@ -251,7 +251,7 @@ def test_multi_turn_episodes_with_the_vllm_backend(cfg_factory, tmp_path, monkey
     """The one turn loop over vLLM (docs/tools-and-environments.md): an environment's observations enter every
     episode and stay out of the loss, and vLLM's log-probs of the model's own tokens, turn after turn, match the
     trainer's."""
-    from grpo.train import train
+    from grpo.loop import train
     from tests.test_tools_train import ENV
 
     (tmp_path / "vllm_steps_env.py").write_text(ENV)
@@ -285,7 +285,7 @@ def _with(*parts):
 def test_resume_samples_what_an_uninterrupted_run_samples(cfg_factory, tmp_path):
     """Three steps straight vs one step, then resumed for two: the same completions (same lengths and rewards),
     loss and gradient norms, and the engine's start does not disturb the trainer's random state."""
-    from grpo.train import train
+    from grpo.loop import train
     from tests.test_reliability import assert_same_run, steps
 
     _close_engines()
