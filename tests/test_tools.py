@@ -144,6 +144,15 @@ def _loop(tok, script, tools, env=None, max_turns=3, timeout=5.0, chat=True, set
     return loop, backend, worker
 
 
+def _run(rows, group_size, max_new_tokens, *loop_args, **loop_kw):
+    """A turn loop built by `_loop` run over ``rows`` (its tool worker killed after): the episodes, the backend."""
+    loop, backend, worker = _loop(*loop_args, **loop_kw)
+    try:
+        return loop.run(rows, [r["prompt_ids"] for r in rows], group_size, Sampling(max_new_tokens)), backend
+    finally:
+        worker.kill()
+
+
 def _rows(tok, *prompts, **cols):
     return [{"prompt": p, "prompt_ids": tok(p, add_special_tokens=False)["input_ids"], **cols} for p in prompts]
 
@@ -154,12 +163,8 @@ def test_a_tool_call_runs_and_its_result_is_masked(tok):
     def script(context, j):
         return ("The answer is 42." if "[tool]42" in context else call) if j == 0 else "I know: 42."
 
-    loop, backend, worker = _loop(tok, script, [f"{F}:add"])
-    try:
-        rows = _rows(tok, "[user]What is 20+22?<eos>[assistant]")
-        eps = loop.run(rows, [r["prompt_ids"] for r in rows], 2, Sampling(80))
-    finally:
-        worker.kill()
+    rows = _rows(tok, "[user]What is 20+22?<eos>[assistant]")
+    eps, backend = _run(rows, 2, 80, tok, script, [f"{F}:add"])
     first, second = eps.groups[0]
     assert backend.calls == [(1, 2), ("suffixes", [1])]  # turn 1: the group from one prompt; turn 2: its live episode
     text = tok.decode(first.ids)
@@ -186,12 +191,8 @@ def test_failing_unknown_and_hanging_tools_become_messages(tok):
             return "done"
         return calls[int(context.split("#")[1][0])]
 
-    loop, _, worker = _loop(tok, script, [f"{F}:add", f"{F}:broken", f"{F}:slow"], timeout=1.0)
-    try:
-        rows = _rows(tok, *[f"[user]#{k}<eos>[assistant]" for k in range(4)])
-        eps = loop.run(rows, [r["prompt_ids"] for r in rows], 1, Sampling(80))
-    finally:
-        worker.kill()
+    rows = _rows(tok, *[f"[user]#{k}<eos>[assistant]" for k in range(4)])
+    eps, _ = _run(rows, 1, 80, tok, script, [f"{F}:add", f"{F}:broken", f"{F}:slow"], timeout=1.0)
     texts = [tok.decode(g[0].ids) for g in eps.groups]
     assert "[tool]Error: ValueError: cannot handle 7<eos>" in texts[0]
     assert "Error: there is no tool named 'nosuch'; the tools are: add, broken, slow" in texts[1]
@@ -205,12 +206,8 @@ def test_failing_unknown_and_hanging_tools_become_messages(tok):
 
 def test_max_turns_and_truncation_end_episodes(tok):
     call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'
-    loop, _, worker = _loop(tok, lambda c, j: call if j == 0 else "x" * 100, [f"{F}:add"], max_turns=3)
-    try:
-        rows = _rows(tok, "[user]go<eos>[assistant]")
-        eps = loop.run(rows, [r["prompt_ids"] for r in rows], 2, Sampling(80))
-    finally:
-        worker.kill()
+    rows = _rows(tok, "[user]go<eos>[assistant]")
+    eps, _ = _run(rows, 2, 80, tok, lambda c, j: call if j == 0 else "x" * 100, [f"{F}:add"], max_turns=3)
     looping, long = eps.groups[0]
     assert (looping.turns, looping.tool_calls, looping.hit_max_turns, looping.truncated) == (3, 2, True, False)
     assert looping.mask[-1] == 1  # the episode ends on the model's turn: its last call is not run
@@ -226,12 +223,8 @@ def test_environment_tools_keep_state_and_reward(tok):
             return call % (5 + j)
         return "stop" if context.count("[tool]") >= 1 + ('"by": 6' in context) else call % 6
 
-    loop, _, worker = _loop(tok, script, [], env=f"{F}:Counter", max_turns=4)
-    try:
-        rows = _rows(tok, "[user]count<eos>", start=10)
-        eps = loop.run(rows, [r["prompt_ids"] for r in rows], 2, Sampling(80))
-    finally:
-        worker.kill()
+    rows = _rows(tok, "[user]count<eos>", start=10)
+    eps, _ = _run(rows, 2, 80, tok, script, [], env=f"{F}:Counter", max_turns=4)
     assert eps.prompts[0] == "[user]count<eos>The counter starts at 10."  # reset's text joins the prompt
     a, b = eps.groups[0]
     assert (a.tool_calls, a.env_reward, b.tool_calls, b.env_reward) == (1, 15.0, 2, 22.0)  # one instance each
@@ -244,12 +237,8 @@ def test_text_protocol_with_observations(tok):
             return "RAISE"
         return "a long turn" if "#c" in context else "hello"
 
-    loop, _, worker = _loop(tok, script, [], env=f"{F}:Echo", chat=False, max_turns=5)
-    try:
-        rows = _rows(tok, "p#a") + _rows(tok, "p#b", stop_at=1) + _rows(tok, "p#r") + _rows(tok, "p#c", stop_at=9)
-        eps = loop.run(rows, [r["prompt_ids"] for r in rows], 1, Sampling(6))
-    finally:
-        worker.kill()
+    rows = _rows(tok, "p#a") + _rows(tok, "p#b", stop_at=1) + _rows(tok, "p#r") + _rows(tok, "p#c", stop_at=9)
+    eps, _ = _run(rows, 1, 6, tok, script, [], env=f"{F}:Echo", chat=False, max_turns=5)
     a, b, r, c = (g[0] for g in eps.groups)
     # turns cut at max_new_tokens still go to step(): the environment decides; max_turns ends the episode
     assert tok.decode(c.ids).startswith("a long\nobs1: 6\na long\nobs2: 6\n")
@@ -261,13 +250,9 @@ def test_text_protocol_with_observations(tok):
 
 
 def test_a_hanging_step_is_killed_and_the_other_environments_survive(tok):
-    loop, _, worker = _loop(tok, lambda c, j: "SLEEP" if "#s" in c and "Error" not in c else "hi", [],
-                            env=f"{F}:Echo", chat=False, max_turns=4, timeout=1.0)
-    try:
-        rows = _rows(tok, "p#a") + _rows(tok, "p#s")
-        eps = loop.run(rows, [r["prompt_ids"] for r in rows], 1, Sampling(80))
-    finally:
-        worker.kill()
+    rows = _rows(tok, "p#a") + _rows(tok, "p#s")
+    eps, _ = _run(rows, 1, 80, tok, lambda c, j: "SLEEP" if "#s" in c and "Error" not in c else "hi", [],
+                  env=f"{F}:Echo", chat=False, max_turns=4, timeout=1.0)
     a, s = (g[0] for g in eps.groups)
     # episode a's environment was replayed into the restarted worker: its turn count goes on from where it was
     assert tok.decode(a.ids) == "hi<eos>\nobs1: 2\nhi<eos>\nobs2: 2\nhi<eos>" and a.env_reward == 3.0
@@ -306,12 +291,8 @@ def test_episodes_stay_within_the_planned_length(tok):
 
     call = '<tool_call>[{"name": "slow", "arguments": {"seconds": 0}}, {"name": "slow", "arguments": {"seconds": 0}}]'
     settings = EpisodeSettings(3, 2, True, max_new_tokens=120, overhead=2)
-    loop, _, worker = _loop(tok, lambda c, j: call + "</tool_call>", [f"{F}:slow"], settings=settings)
-    try:
-        rows = _rows(tok, "[user]go<eos>[assistant]")
-        eps = loop.run(rows, [r["prompt_ids"] for r in rows], 1, Sampling(120))
-    finally:
-        worker.kill()
+    rows = _rows(tok, "[user]go<eos>[assistant]")
+    eps, _ = _run(rows, 1, 120, tok, lambda c, j: call + "</tool_call>", [f"{F}:slow"], settings=settings)
     e = eps.groups[0][0]
     cap = max_completion_tokens(SimpleNamespace(tools=["x"], environment=None, max_new_tokens=120, max_turns=3,
                                                 max_tool_tokens=2), overhead=2)
@@ -325,12 +306,8 @@ def test_text_reset_adds_is_counted_against_the_micro_batch(tok):
     prompt, and a prompt that leaves no room for one turn stops with one line."""
     def run(brief, max_tokens):
         settings = EpisodeSettings(3, 8, False, max_new_tokens=10, overhead=0, max_tokens=max_tokens)
-        loop, _, worker = _loop(tok, lambda c, j: "abc", [], f"{F}:Briefing", settings=settings)
-        try:
-            rows = _rows(tok, "go", brief=brief)
-            return loop.run(rows, [r["prompt_ids"] for r in rows], 1, Sampling(10))
-        finally:
-            worker.kill()
+        rows = _rows(tok, "go", brief=brief)
+        return _run(rows, 1, 10, tok, lambda c, j: "abc", [], f"{F}:Briefing", settings=settings)[0]
 
     free = run("x" * 40, 0)  # no budget given: three turns of 4 tokens with "ok" (2 tokens) between them
     assert free.groups[0][0].turns == 3 and len(free.prompt_ids[0]) == 42
