@@ -82,11 +82,14 @@ def test_bench_quick_ours_whole_step(tmp_path):
         (run,) = res["runs"][system]
         assert run["completion_tokens"] == [2 * 4 * 8]  # 2 prompts x G=4, exactly S=8 tokens each
         assert len(run["step_s"]) == len(run["update_s"]) == 1 and 0 < run["update_s"][0] < run["step_s"][0]
+        assert len(run["cpu_step_s"]) == 1 and run["cpu_step_s"][0] > 0  # one thread: about the wall time
+        assert res["summary"][system]["cpu_step_s"] == run["cpu_step_s"][0]
         summary = res["summary"][system]
         assert summary["tok_s"] == pytest.approx(64 / run["step_s"][0])
         assert summary["mfu"] == pytest.approx(flops / (run["update_s"][0] * 1e12))  # --peak-tflops 1
         assert run["peak_rss_mib"] > 100  # a worker that imported torch and built a model
     assert "| quick | 16 | 8 | 4 | ours |" in p.stdout
+    assert "[worker]" not in p.stdout and "(CPU [" in p.stdout  # the per-round line carries CPU seconds
 
 
 def test_bench_gpu_rollout_dry_run_plans_both_parts():
