@@ -71,7 +71,7 @@ SWEEP_ARGS ?= recipe=quickstart algorithm.group_size=2,4 trainer.max_steps=4 dat
 sweep: model
 	rm -rf $(SWEEP_DIR)
 	$(PY) -m grpo.train -m $(SWEEP_ARGS) hydra.sweep.dir=$(SWEEP_DIR)
-	$(PY) -m grpo.report $(SWEEP_DIR)
+	$(PY) -m grpo.trainer.report $(SWEEP_DIR)
 
 # docs/benchmarks.md's engine tables (several hours on 2 busy CPU cores): speed vs the FLOP ceiling, then how time
 # and memory grow with P and G (docs/prefix-scaling.md and .png)

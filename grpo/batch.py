@@ -21,8 +21,8 @@ class Batch:
     ref_logps: list | None = None             # nested like completion_ids, or None (beta = 0)
     stats: dict = field(default_factory=dict)  # rollout/reward metrics of this batch
     sampling_logps: list | None = None        # the rollout backend's own log-probs (vLLM), nested; None: hf
-    # multi-turn episodes (grpo.tools): nested like completion_ids, 1 = a token the policy sampled, 0 = one a tool
-    # or the environment wrote (no loss, KL or entropy, not counted); None: every token was sampled
+    # multi-turn episodes (grpo.rollout.episodes): nested like completion_ids, 1 = a token the policy sampled,
+    # 0 = one a tool or the environment wrote (no loss, KL or entropy, not counted); None: every token was sampled
     completion_masks: list | None = None
     episodes: list | None = None              # nested: each episode's turns and tool counts (samples.jsonl)
 

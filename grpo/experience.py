@@ -6,20 +6,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from grpo.advantages import compute_advantages, zero_std_groups
+from grpo.algorithm.advantages import compute_advantages, zero_std_groups
+from grpo.algorithm.loss import kl_estimate
 from grpo.batch import Batch
-from grpo.config import Config
-from grpo.loss import kl_estimate
+from grpo.config.schema import Config
 from grpo.rewards.score import reward_inputs, score
-from grpo.rollout import generate
-from grpo.rollout_backends import Sampling, backend_for, step_seed
+from grpo.rollout.backends import Sampling, backend_for, step_seed
+from grpo.rollout.episodes.runs import episode_columns, episode_records, turn_loop
+from grpo.rollout.episodes.turns import episode_metrics
+from grpo.rollout.hf import generate
 from grpo.runtime.base import Runtime
-from grpo.tools.episodes import episode_metrics
-from grpo.tools.runs import episode_columns, episode_records, turn_loop
 from grpo.update import nested_logprobs
 
 if TYPE_CHECKING:
-    from grpo.run import Run
+    from grpo.trainer.run import Run
 
 
 def collect(run: Run, cfg: Config) -> Batch:
@@ -84,7 +84,7 @@ def _rollout(run: Run, cfg: Config) -> Batch:
     if run.toolset is None:
         out = backend.generate(prompt_ids, G, sampling, seed=seed_for(1))
         completion_ids, truncated, sampling_logps = out.ids, out.truncated, out.logprobs
-    else:  # multi-turn: one backend call per turn (grpo.tools.episodes)
+    else:  # multi-turn: one backend call per turn (grpo.rollout.episodes.turns)
         eps = turn_loop(run, cfg, backend.generate, seed_for).run(rows, prompt_ids, G, sampling)
         prompt_ids, completion_ids, truncated = eps.prompt_ids, eps.completion_ids, eps.truncated
         sampling_logps, masks, episodes = eps.sampling_logps, eps.masks, episode_records(eps)

@@ -1,7 +1,7 @@
 """Entry point: ``grpo-train recipe=NAME key=value ...`` or ``python -m grpo.train ...``.
 
-The command line is composed and its schema checked (grpo/cli.py, grpo/config.py) before the training loop
-(grpo/loop.py), and with it torch, is imported: a mistake there costs one line, not torch's start-up.
+The command line is composed and its schema checked (grpo/config/cli.py, grpo/config/schema.py) before the training loop
+(grpo/trainer/loop.py), and with it torch, is imported: a mistake there costs one line, not torch's start-up.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import sys
 from dataclasses import asdict
 
-from grpo.config import Config, load
+from grpo.config.schema import Config, load
 from grpo.errors import GRPOError
 
 
@@ -17,7 +17,7 @@ def _hydra_main():
     import hydra
     from omegaconf import DictConfig
 
-    from grpo.compose import CONFIG_DIR
+    from grpo.config.compose import CONFIG_DIR
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)
     def _run(raw: DictConfig) -> float | None:
@@ -25,8 +25,10 @@ def _hydra_main():
         from hydra.core.hydra_config import HydraConfig
         from omegaconf import OmegaConf
 
-        from grpo.compose import apply_precedence
-        from grpo.loop import train  # torch and the models: only for a config that composed and passed its checks
+        from grpo.config.compose import apply_precedence
+        from grpo.trainer.loop import (
+            train,  # torch and the models: only for a config that composed and passed its checks
+        )
 
         hc = HydraConfig.get()
         try:
@@ -73,7 +75,7 @@ def _fail(e: Exception):
 
 
 def main() -> None:
-    from grpo.cli import prepare_argv
+    from grpo.config.cli import prepare_argv
 
     try:
         sys.argv = prepare_argv(sys.argv)

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo.algorithm.loss import BatchCounts, grpo_loss, pad, token_weights
+from grpo.algorithm.rollout_is import MismatchMeter
 from grpo.batch import Batch
-from grpo.config import AlgorithmConfig, Config, EngineConfig
+from grpo.config.schema import AlgorithmConfig, Config, EngineConfig
 from grpo.engine import plan_micro_batches, token_logprobs
 from grpo.engine.memory import budget_for
-from grpo.loss import BatchCounts, grpo_loss, pad, token_weights
-from grpo.rollout_is import MismatchMeter
+from grpo.rollout.episodes.spec import max_sampled_tokens
 from grpo.runtime.base import Runtime
-from grpo.tools.spec import max_sampled_tokens
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ def _idle_forward(model, ecfg: EngineConfig, temperature: float) -> None:
 
 
 def _plan(batch: Batch, ecfg: EngineConfig, model=None):
-    """Micro-batches of at most engine.max_tokens_per_micro_batch tokens (resolved by grpo.budget.plan when the run
-    was built; ``auto`` outside a built run is sized for ``model`` here)."""
+    """Micro-batches of at most engine.max_tokens_per_micro_batch tokens (resolved by grpo.trainer.budget.plan when the
+    run was built; ``auto`` outside a built run is sized for ``model`` here)."""
     return plan_micro_batches([len(p) for p in batch.prompt_ids],
                               [[len(c) for c in g] for g in batch.completion_ids],
                               budget_for(model, ecfg.max_tokens_per_micro_batch, ecfg),
@@ -109,7 +109,7 @@ def policy_update(runtime: Runtime, batch: Batch, settings: UpdateSettings) -> d
     totals: dict[str, float] = {"loss": 0.0, "entropy": 0.0}
     plan = _plan(batch, settings.engine, runtime.model)
     n_micro = _most_micro_batches(runtime, len(plan))
-    # a sampler with its own log-probs (vLLM): each token re-weighted by pi_old / pi_sampler (grpo.rollout_is)
+    # a sampler with its own log-probs (vLLM): each token re-weighted by pi_old / pi_sampler (grpo.algorithm.rollout_is)
     meter = MismatchMeter(settings.rollout_is, settings.rollout_is_cap) if batch.sampling_logps is not None else None
     runtime.expect_backwards(n_micro)  # DeepSpeed: the last backward closes the accumulation
     for mb in plan + [None] * (n_micro - len(plan)):  # None: idle, another rank has more micro-batches

@@ -131,9 +131,9 @@ def worker_ours(spec: dict) -> dict:
     import torch
 
     from grpo import experience
-    from grpo.build import build_run
-    from grpo.config import load
+    from grpo.config.schema import load
     from grpo.data import PromptSampler
+    from grpo.trainer.build import build_run
     from grpo.update import UpdateSettings, policy_update
 
     P, S, G, n = spec["P"], spec["S"], spec["G"], spec["prompts_per_step"]
@@ -160,10 +160,10 @@ def worker_ours(spec: dict) -> dict:
     run.sampler = PromptSampler(len(run.splits.train), seed=0)
     import functools
 
-    import grpo.rollout
+    import grpo.rollout.hf
 
     # exactly S new tokens, as in the TRL run (generation_kwargs min_new_tokens)
-    experience.generate = functools.partial(grpo.rollout.generate, min_new_tokens=S)
+    experience.generate = functools.partial(grpo.rollout.hf.generate, min_new_tokens=S)
     if backend == "vllm":
         _vllm_exact_length(S)
     settings = dataclasses.replace(UpdateSettings.from_config(cfg), mask_truncated=False)
@@ -198,7 +198,7 @@ def _vllm_exact_length(S: int) -> None:
     """The vLLM backend's sampling parameters with min_tokens = S (as min_new_tokens for our decode loop)."""
     from vllm import SamplingParams
 
-    from grpo.vllm_rollout import VLLMBackend
+    from grpo.rollout.vllm import VLLMBackend
 
     original = VLLMBackend.sampling_params
 

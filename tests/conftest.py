@@ -54,7 +54,7 @@ def cfg_factory(tmp_path):
     """A validated smoke Config with overrides given as a nested dict."""
     from omegaconf import OmegaConf
 
-    from grpo.config import load
+    from grpo.config.schema import load
     from tests.helpers import smoke_raw
 
     def make(overrides: dict | None = None):

@@ -1,6 +1,6 @@
 import torch
 
-from grpo.advantages import compute_advantages, group_stats, zero_std_groups
+from grpo.algorithm.advantages import compute_advantages, group_stats, zero_std_groups
 
 
 def test_group_normalisation_matches_hand_computation():

@@ -2,7 +2,7 @@
 
 Pure pieces are checked on hand-computed batches; the switches that live in the loop (filtering and
 resampling, several passes per batch, truncation masking, where the KL goes, GSPO) run the real
-`grpo.loop.train` on the smoke recipe (tiny Llama, a few steps) or the real `policy_update` on a fixed
+`grpo.trainer.loop.train` on the smoke recipe (tiny Llama, a few steps) or the real `policy_update` on a fixed
 batch with the optimizer step replaced by a gradient capture.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo.advantages import compute_advantages
-from grpo.loss import BatchCounts, grpo_loss, token_weights
+from grpo.algorithm.advantages import compute_advantages
+from grpo.algorithm.loss import BatchCounts, grpo_loss, token_weights
 
 FAST = {"data": {"num_eval": 0}, "logging": {"sample_every": 0, "plot": False}, "rollout": {"max_new_tokens": 8}}
 
@@ -43,10 +43,10 @@ def _params(model) -> dict:
 def spy(monkeypatch):
     """Wraps train(): keeps the Run, counts rollouts and log-prob passes, snapshots the initial weights."""
     import grpo.experience
-    import grpo.loop
+    import grpo.trainer.loop
 
     s = SimpleNamespace(run=None, initial=None, rollouts=0, logprob_passes=0, scores=[])
-    build = grpo.loop.build_run
+    build = grpo.trainer.loop.build_run
 
     def build_run(cfg):
         s.run = build(cfg)
@@ -68,7 +68,7 @@ def spy(monkeypatch):
         s.scores.append(rewards.clone())
         return rewards, stats
 
-    monkeypatch.setattr(grpo.loop, "build_run", build_run)
+    monkeypatch.setattr(grpo.trainer.loop, "build_run", build_run)
     monkeypatch.setattr(grpo.experience, "generate", generate)
     monkeypatch.setattr(grpo.experience, "nested_logprobs", nested_logprobs)
     monkeypatch.setattr(grpo.experience, "score_groups", score_groups)
@@ -76,7 +76,7 @@ def spy(monkeypatch):
 
 
 def _train(cfg_factory, *overrides):
-    from grpo.loop import train
+    from grpo.trainer.loop import train
 
     cfg = cfg_factory(_merge(FAST, *overrides))
     train(cfg)
@@ -96,10 +96,10 @@ def scheduled_reward(schedule: list[list[bool]], group_size: int):
 
 
 def _use_reward(monkeypatch, fn):
-    import grpo.build
+    import grpo.trainer.build
     from grpo.rewards.score import RewardFunction
 
-    monkeypatch.setattr(grpo.build, "build_rewards", lambda spec, *args: [RewardFunction("accuracy", fn)])
+    monkeypatch.setattr(grpo.trainer.build, "build_rewards", lambda spec, *args: [RewardFunction("accuracy", fn)])
 
 
 PATTERN = [0.0, 1.0, 3.0, 0.5]
@@ -139,11 +139,11 @@ def oracle(monkeypatch, spy):
     of the policy, of pi_old = the weights at the batch's first pass, and of the reference) and its gradient norm,
     for the run's config and for each of ``variants`` (name -> AlgorithmConfig fields, plus ``mask_truncated`` /
     ``temperature``). ``calls``: one dict per optimizer step with the real ``stats`` and each variant's numbers."""
-    import grpo.loop
+    import grpo.trainer.loop
     from tests.oracle import flat, hf_logprobs, oracle_grads
 
     o = SimpleNamespace(calls=[], variants={})
-    real = grpo.loop.policy_update
+    real = grpo.trainer.loop.policy_update
     held = {"batch": None, "old": None}
 
     def policy_update(runtime, batch, settings):
@@ -171,7 +171,7 @@ def oracle(monkeypatch, spy):
         o.calls.append(call)
         return call["stats"]
 
-    monkeypatch.setattr(grpo.loop, "policy_update", policy_update)
+    monkeypatch.setattr(grpo.trainer.loop, "policy_update", policy_update)
     return o
 
 
@@ -249,8 +249,8 @@ def fixed(tmp_path_factory):
     from omegaconf import OmegaConf
 
     from grpo.batch import Batch
-    from grpo.build import build_run
-    from grpo.config import load
+    from grpo.config.schema import load
+    from grpo.trainer.build import build_run
     from tests.helpers import smoke_raw
 
     raw = OmegaConf.merge(smoke_raw(), FAST, {"trainer": {"output_dir": str(tmp_path_factory.mktemp("run"))},
@@ -320,8 +320,8 @@ def test_rollout_is_metrics_over_micro_batches_with_one_collective_of_their_own(
     """A sampler with its own log-probs (vLLM): the update's rollout_is/* metrics equal `rollout_is` over the whole
     batch at once, also when micro-batches split groups; the correction's sums ride the update's all_reduce, its
     maxima take the one extra collective (an all_max)."""
-    from grpo.loss import pad
-    from grpo.rollout_is import rollout_is, summarize
+    from grpo.algorithm.loss import pad
+    from grpo.algorithm.rollout_is import rollout_is, summarize
     from grpo.update import nested_logprobs
 
     run, cfg, batch = fixed
@@ -461,12 +461,12 @@ def test_logged_loss_is_zero_with_one_iteration_but_the_gradient_is_not(cfg_fact
 
 
 def test_beta_zero_loads_no_reference_and_runs_no_reference_forward(cfg_factory, spy, monkeypatch):
-    import grpo.build
-    import grpo.run
+    import grpo.trainer.build
+    import grpo.trainer.run
 
     refs = []
-    monkeypatch.setattr(grpo.run.Run, "reference_context", lambda self: refs.append(1))
-    monkeypatch.setattr(grpo.build, "load_reference", lambda *a, **k: refs.append(1))
+    monkeypatch.setattr(grpo.trainer.run.Run, "reference_context", lambda self: refs.append(1))
+    monkeypatch.setattr(grpo.trainer.build, "load_reference", lambda *a, **k: refs.append(1))
     cfg, rows = _train(cfg_factory, {"algorithm": {"beta": 0.0}, "trainer": {"max_steps": 2}})
     assert spy.run.reference is None and refs == []
     assert spy.logprob_passes == 0  # mu = 1, no reference: the update's forward is the only one
@@ -496,7 +496,7 @@ def test_kl_in_the_reward(cfg_factory, spy, monkeypatch):
     """r_i - beta * sum_t k3_t replaces the reward before normalisation; the loss has no KL term. The expectation
     is computed from scratch (plain HF forwards of the policy and the reference, k3 and the group std written out)."""
     from grpo import experience
-    from grpo.build import build_run
+    from grpo.trainer.build import build_run
     from tests.oracle import flat, hf_logprobs
 
     _use_reward(monkeypatch, pattern_reward)
@@ -563,7 +563,7 @@ def test_rollout_temperature_reaches_every_log_prob(cfg_factory, spy, ragged, or
 def test_scale_rewards_batch_through_collect(cfg_factory, spy, monkeypatch):
     """collect with scale_rewards=batch: (r - group mean) / (std of every reward of the batch + adv_eps)."""
     from grpo import experience
-    from grpo.build import build_run
+    from grpo.trainer.build import build_run
 
     rewards = [0.0, 1.0, 3.0, 0.5, 2.0, 2.5, 0.0, 4.0]
     _use_reward(monkeypatch, lambda prompts, completions, **kw: rewards[:len(completions)])
@@ -581,8 +581,8 @@ def test_top_p_top_k_warn_once_that_the_rollout_is_off_policy(monkeypatch):
     """The sampler draws from the truncated distribution while every log-prob uses the full softmax: say so once."""
     import warnings
 
-    from grpo import rollout
     from grpo.models import char_tokenizer, tiny_model
+    from grpo.rollout import hf as rollout
 
     monkeypatch.setattr(rollout, "_warned_truncated", False)
     model, tok = tiny_model("llama", 100), char_tokenizer()
@@ -601,7 +601,7 @@ def test_a_failed_reward_counts_as_zero_in_its_group(cfg_factory, spy, monkeypat
     """docs/algorithms.md: a sample a reward function failed on gets 0 from that function (TRL's nansum) and
     still takes part in its group's mean and std."""
     from grpo import experience
-    from grpo.build import build_run
+    from grpo.trainer.build import build_run
 
     calls = {"n": 0}
 

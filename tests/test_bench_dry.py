@@ -147,7 +147,7 @@ def _dist_command(stdout: str) -> tuple[list[str], dict, list[str]]:
 def test_bench_gpu_dist_dry_run_is_a_valid_one_gpu_zero3_bf16_run():
     from omegaconf import OmegaConf
 
-    from grpo.config import load
+    from grpo.config.schema import load
     from tests.helpers import compose_recipe
 
     launcher, opts, overrides = _dist_command(_gpu_dry("dist", "trainer.seed=7").stdout)

@@ -1,11 +1,11 @@
-"""What you compose is what runs: the precedence rules of grpo/compose.py and the checks that run before
+"""What you compose is what runs: the precedence rules of grpo/config/compose.py and the checks that run before
 a run directory exists. Each case here was wrong before (issue: "what you compose is what runs")."""
 import sys
 
 import pytest
 from omegaconf import OmegaConf
 
-from grpo.config import load
+from grpo.config.schema import load
 from tests.helpers import ROOT, compose_recipe
 
 

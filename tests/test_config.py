@@ -3,8 +3,8 @@ import sys
 
 import pytest
 
-from grpo.cli import check_argv
-from grpo.config import ConfigError, load, schema_keys
+from grpo.config.cli import check_argv
+from grpo.config.schema import ConfigError, load, schema_keys
 from tests.helpers import ROOT, compose_recipe
 
 

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from grpo.config import DataConfig
+from grpo.config.schema import DataConfig
 from grpo.data import DataError, format_prompt, prepare
 from grpo.models import char_tokenizer
 from grpo.rewards import resolve

@@ -41,11 +41,11 @@ def _params(rt) -> dict:
 def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...] = ()) -> None:
     from omegaconf import OmegaConf
 
-    from grpo.advantages import compute_advantages
+    from grpo.algorithm.advantages import compute_advantages
     from grpo.batch import Batch
-    from grpo.build import build_run, close_run
-    from grpo.config import load
+    from grpo.config.schema import load
     from grpo.engine.unwrap import unwrap_model
+    from grpo.trainer.build import build_run, close_run
     from grpo.update import UpdateSettings, _plan, nested_logprobs, policy_update
     from tests.helpers import compose_recipe
 
@@ -135,9 +135,9 @@ def copy_stopped_run(src: Path, args: list[str]) -> None:
 def _worker(argv: list[str]) -> None:
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(1)
-    import grpo.loop
+    import grpo.trainer.loop
 
-    grpo.loop.save_final = _saving_params(grpo.loop.save_final)
+    grpo.trainer.loop.save_final = _saving_params(grpo.trainer.loop.save_final)
     while argv:
         n = argv.index(THEN) if THEN in argv else len(argv)
         mode, out, args, argv = argv[0], Path(argv[1]), argv[2:n], argv[n + 1:]

@@ -84,8 +84,8 @@ def launch(words: list[str], block: str) -> tuple[int, list[str]]:
 def check_run(world: int, overrides: list[str]) -> None:
     from omegaconf import OmegaConf
 
-    from grpo.compose import compose
-    from grpo.config import load
+    from grpo.config.compose import compose
+    from grpo.config.schema import load
     from grpo.runtime.base import check_world_size
 
     if not any(o.startswith("trainer.output_dir=") for o in overrides):  # the command line names one itself

@@ -251,7 +251,7 @@ def _verl_parquet(cwd: Path) -> None:
 def argv(command: str, extra: list[str] | None) -> list[str]:
     words = shlex.split(command)
     if words[0] == "grpo-report":
-        return [sys.executable, "-m", "grpo.report", *words[1:]]
+        return [sys.executable, "-m", "grpo.trainer.report", *words[1:]]
     words = words[3:] if words[0] == "python" else words[1:]
     if extra is None:  # --cfg job: print only, nothing to scale
         return [sys.executable, "-m", "grpo.train", *words]

@@ -47,10 +47,10 @@ def _ids(run) -> torch.Tensor:
 @pytest.fixture
 def spy(monkeypatch):
     """Keeps the Run that train() builds, its initial weights, and the policy's logits just before save_final."""
-    import grpo.loop
+    import grpo.trainer.loop
 
     s = SimpleNamespace(run=None, initial=None, logits=None)
-    build, final = grpo.loop.build_run, grpo.loop.save_final
+    build, final = grpo.trainer.loop.build_run, grpo.trainer.loop.save_final
 
     def build_run(cfg):
         s.run = build(cfg)
@@ -62,8 +62,8 @@ def spy(monkeypatch):
             s.logits = run.model(_ids(run)).logits.clone()
         return final(run, cfg)
 
-    monkeypatch.setattr(grpo.loop, "build_run", build_run)
-    monkeypatch.setattr(grpo.loop, "save_final", save_final)
+    monkeypatch.setattr(grpo.trainer.loop, "build_run", build_run)
+    monkeypatch.setattr(grpo.trainer.loop, "save_final", save_final)
     return s
 
 
@@ -71,7 +71,7 @@ def test_lora_reference_is_the_base_model_with_the_adapter_disabled(cfg_factory)
     from peft import PeftModel
 
     from grpo import experience
-    from grpo.build import build_run
+    from grpo.trainer.build import build_run
     from grpo.update import UpdateSettings, nested_logprobs, policy_update
 
     cfg = _cfg(cfg_factory)
@@ -112,7 +112,7 @@ def test_lora_run_saves_the_adapter_only_and_it_loads_with_peft(cfg_factory, spy
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from grpo.loop import train
+    from grpo.trainer.loop import train
 
     cfg = _cfg(cfg_factory, {"model": {"lora": {"merge_on_save": False}}})
     train(cfg)
@@ -135,17 +135,17 @@ def test_lora_run_saves_the_adapter_only_and_it_loads_with_peft(cfg_factory, spy
     assert torch.allclose(logits, spy.logits, atol=1e-5)
     assert (logits - base_logits).abs().max() > 1e-3
     # resuming a LoRA run loads the adapter back into a freshly built model
-    import grpo.loop
+    import grpo.trainer.loop
 
     restored = {}
-    restore = grpo.loop.restore
+    restore = grpo.trainer.loop.restore
 
     def spy_restore(run, cfg, log):
         step = restore(run, cfg, log)
         restored.update({n: p.detach().clone() for n, p in run.policy.named_parameters() if _is_lora(n)})
         return step
 
-    monkeypatch.setattr(grpo.loop, "restore", spy_restore)
+    monkeypatch.setattr(grpo.trainer.loop, "restore", spy_restore)
     more = _cfg(cfg_factory, {"model": {"lora": {"merge_on_save": False}},
                               "trainer": {"max_steps": 3, "resume": "auto"}})
     assert train(more)["steps"] == 3
@@ -155,7 +155,7 @@ def test_lora_run_saves_the_adapter_only_and_it_loads_with_peft(cfg_factory, spy
 def test_lora_final_model_is_merged_and_loads_without_peft(cfg_factory, spy):
     from transformers import AutoModelForCausalLM
 
-    from grpo.loop import train
+    from grpo.trainer.loop import train
 
     cfg = _cfg(cfg_factory, {"model": {"lora": {"merge_on_save": True}}})
     train(cfg)

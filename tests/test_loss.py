@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from grpo.loss import BatchCounts, grpo_loss, importance_ratio, kl_estimate, pad, token_weights
+from grpo.algorithm.loss import BatchCounts, grpo_loss, importance_ratio, kl_estimate, pad, token_weights
 
 
 def test_kl_estimators_hand_computed():
@@ -100,7 +100,7 @@ def test_sequence_level_importance_ratio():
 
 
 def test_delta_below_one_plus_epsilon_high_would_zero_the_gradient_so_config_refuses_it(cfg_factory):
-    from grpo.config import ConfigError
+    from grpo.config.schema import ConfigError
 
     # ratio 1.2, A = +1, epsilon_high 0.28: the gradient wrt log pi is -1.2 (unclipped) ...
     logp = torch.log(torch.tensor([[1.2]])).requires_grad_()

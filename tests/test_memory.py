@@ -148,7 +148,7 @@ def test_auto_budget_splits_the_batch_and_keeps_the_gradient(cfg_factory, monkey
     import dataclasses
 
     from grpo import experience
-    from grpo.build import build_run, close_run
+    from grpo.trainer.build import build_run, close_run
     from grpo.update import UpdateSettings, _plan, policy_update
 
     cfg = cfg_factory({"engine": {"max_tokens_per_micro_batch": "auto"}, "rollout": {"prompts_per_step": 4}})
@@ -201,7 +201,7 @@ def test_impossible_fit_fails_at_start_in_one_line(tmp_path, args, fragment):
 
 
 def test_auto_is_the_default_and_is_resolved_at_start(tmp_path):
-    from grpo.config import load
+    from grpo.config.schema import load
 
     assert load({}).engine.max_tokens_per_micro_batch == "auto"
     r = _train(tmp_path, "engine.max_tokens_per_micro_batch=auto", "trainer.max_steps=1", "data.num_eval=0")

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo import checkpoint
 from grpo.errors import SetupError
-from grpo.loop import train
+from grpo.trainer import checkpoint
+from grpo.trainer.loop import train
 
 COMPARED = ("loss", "reward_mean", "reward_std", "kl", "grad_norm", "completion_len_mean", "reward/accuracy",
             "reward/format", "entropy", "ratio_mean", "clip_ratio")

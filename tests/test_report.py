@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.report import PLOTS, find_runs, load_run, report
+from grpo.trainer.report import PLOTS, find_runs, load_run, report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -46,7 +46,8 @@ def test_report_on_a_two_run_sweep(sweep):
     # the Hydra multirun: one run directory per group size
     names = sorted(d.parent.name for d in sweep.glob("*/metrics.jsonl"))
     assert len(names) == 2 and "group_size=2" in names[0] and "group_size=3" in names[1]
-    p = subprocess.run([sys.executable, "-m", "grpo.report", str(sweep)], capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-m", "grpo.trainer.report", str(sweep)], capture_output=True, text=True,
+                       timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     md = (sweep / "report.md").read_text()
     for name in PLOTS:
@@ -77,7 +78,7 @@ def test_report_on_a_running_run_and_a_mix(sweep, tmp_path):
     assert not run.finished and run.steps_done == 1 and [e["step"] for e in run.evals] == [0]
 
     out = tmp_path / "out"
-    from grpo.report import main
+    from grpo.trainer.report import main
 
     main([str(live), "--out", str(out)])
     rows = table_rows((out / "report.md").read_text())
@@ -132,7 +133,7 @@ def test_report_without_training(tmp_path):
 
 
 def test_no_runs_is_one_line(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "grpo.report", str(tmp_path)], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "grpo.trainer.report", str(tmp_path)], capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2 and p.stderr.strip().startswith("error: no runs") and "Traceback" not in p.stderr
 
@@ -153,7 +154,7 @@ def test_identical_runs_stay_visible_and_a_single_step_has_whole_ticks(tmp_path,
     a one-step run gets integer step ticks, not 0.96, 0.98, ..."""
     import matplotlib.figure
 
-    from grpo import report as rep
+    from grpo.trainer import report as rep
 
     runs = [load_run(_fake_run(tmp_path, n, 1)) for n in ("a", "b")]
     rep._label_runs(runs)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from grpo.models import char_tokenizer, tiny_model
-from grpo.rollout import _cut_at_eos, generate
+from grpo.rollout.hf import _cut_at_eos, generate
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
@@ -99,7 +99,7 @@ def _hf_warped_probs(logits, temperature, top_k, top_p):
                                                      (0.9, 6, 0.7)])
 def test_sampler_matches_the_warped_distribution(temperature, top_k, top_p):
     """Inverse-CDF sampling reproduces HF's temperature / top-k / top-p distribution (independent reference)."""
-    from grpo.rollout import sample_tokens
+    from grpo.rollout.hf import sample_tokens
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 12, generator=g) * 2
@@ -117,7 +117,7 @@ def test_cascade_decode_holds_the_prompt_once_and_matches_the_fork(family, monke
     """Shared-prompt decoding keeps one copy of each prompt's K/V (the per-row cache holds only the row's own
     tokens) and samples the same tokens as G forked copies of the prefilled cache; ragged prompts with a
     1-token prompt (a fully padded prefill row) included."""
-    import grpo.rollout as rollout
+    import grpo.rollout.hf as rollout
 
     tok = char_tokenizer()
     model = tiny_model(family, len(tok), seed=0)
@@ -147,7 +147,7 @@ def test_cascade_decode_holds_the_prompt_once_and_matches_the_fork(family, monke
 def test_rows_stop_at_their_own_eos_and_the_loop_runs_for_the_rest():
     """decode() with a scripted picker: row r says EOS at step r; finished rows get padding, the loop runs until
     the last row stops."""
-    from grpo.rollout import decode, prefill
+    from grpo.rollout.hf import decode, prefill
 
     tok = char_tokenizer()
     model = tiny_model("llama", len(tok), seed=0)
@@ -168,7 +168,7 @@ def test_rows_stop_at_their_own_eos_and_the_loop_runs_for_the_rest():
 
 
 def test_non_finite_logits_fail_clearly():
-    from grpo.rollout import sample_tokens
+    from grpo.rollout.hf import sample_tokens
 
     with pytest.raises(RuntimeError, match="not finite"):
         sample_tokens(torch.tensor([[0.0, float("nan"), 1.0]]))
@@ -180,7 +180,7 @@ def test_suffixes_prefill_each_prompt_once_and_match_whole_contexts(family, monk
     its own suffix. Greedy tokens equal those of prefilling every prompt + suffix whole (share_prompt=False); the
     sampler's log-prob of every sampled token equals a plain forward over the whole context. Ragged prompts (one of
     1 token), ragged suffixes and groups of 3, 1 and 2 rows over two chunks."""
-    import grpo.rollout as rollout
+    import grpo.rollout.hf as rollout
     from tests.oracle import hf_logprobs
 
     tok = char_tokenizer()

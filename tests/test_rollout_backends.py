@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from grpo.models import char_tokenizer, tiny_model
-from grpo.rollout import generate
-from grpo.rollout_backends import HFBackend, Sampling, resolve_backend, step_seed, vllm_available
+from grpo.rollout.backends import HFBackend, Sampling, resolve_backend, step_seed, vllm_available
+from grpo.rollout.hf import generate
 
 
 def test_hf_backend_is_our_decode_loop():
@@ -54,7 +54,7 @@ def test_step_seed_depends_on_every_part():
 
 
 def test_config_choices(cfg_factory):
-    from grpo.config import ConfigError
+    from grpo.config.schema import ConfigError
 
     assert cfg_factory().rollout.backend == "auto" and cfg_factory().algorithm.rollout_is == "token_truncate"
     with pytest.raises(ConfigError, match="rollout.backend"):

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from grpo.loss import grpo_loss
-from grpo.rollout_is import rollout_is, summarize
+from grpo.algorithm.loss import grpo_loss
+from grpo.algorithm.rollout_is import rollout_is, summarize
 
 
 def rollout_is_weights(*args):
@@ -88,7 +88,7 @@ def test_loss_multiplies_only_the_policy_term():
 def test_meter_sums_by_all_reduce_and_maxes_by_all_max():
     """Two ranks seen through the runtime interface: sums add up, maxima take the larger one (the one-process
     base class returns its input)."""
-    from grpo.rollout_is import MismatchMeter
+    from grpo.algorithm.rollout_is import MismatchMeter
     from grpo.runtime.base import Runtime
 
     class TwoRanks(Runtime):  # the other rank measured half the difference and a ratio of 10

@@ -83,7 +83,7 @@ def test_a_quiet_console_when_output_is_not_a_terminal(first_run):
 def test_beta_zero_logs_no_kl_and_the_report_says_n_a(first_run):
     cwd, out, _ = first_run
     assert all(r["kl"] is None for r in read(out / "metrics.jsonl") if "loss" in r)
-    from grpo.report import report
+    from grpo.trainer.report import report
 
     md = report([out], cwd / "report").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| `"))

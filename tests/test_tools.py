@@ -7,12 +7,12 @@ import torch
 
 from grpo.errors import ConfigError, SetupError
 from grpo.models import char_tokenizer
-from grpo.rollout import flatten, regroup
-from grpo.sampling import Completions, Sampling
-from grpo.tools.chat import after_turn, parse_tool_calls
-from grpo.tools.episodes import EpisodeSettings, TurnLoop, episode_metrics
-from grpo.tools.spec import build_toolset, check_template
-from grpo.tools.worker import ToolWorker
+from grpo.rollout.base import Completions, Sampling
+from grpo.rollout.episodes.chat import after_turn, parse_tool_calls
+from grpo.rollout.episodes.spec import build_toolset, check_template
+from grpo.rollout.episodes.turns import EpisodeSettings, TurnLoop, episode_metrics
+from grpo.rollout.episodes.worker import ToolWorker
+from grpo.rollout.hf import flatten, regroup
 
 F = "tests.tool_fixtures"
 # a minimal chat template with tool support (Hermes-like: tools listed in the system turn, results as tool turns)
@@ -95,7 +95,7 @@ def test_after_turn_renders_the_template_between_turns(tok):
 
 
 def test_long_tool_output_is_cut(tok):
-    from grpo.tools.chat import clip_tokens
+    from grpo.rollout.episodes.chat import clip_tokens
 
     assert clip_tokens(tok, "x" * 50, 10) == "x" * 10 + " ...[cut]"
     assert clip_tokens(tok, "short", 10) == "short"
@@ -270,7 +270,7 @@ def test_reset_text_must_be_the_same_for_a_group(tok, monkeypatch):
 
 
 def test_sampler_logprobs_are_padded_with_zeros_for_tool_tokens(tok):
-    from grpo.tools.episodes import Episode, Episodes
+    from grpo.rollout.episodes.turns import Episode, Episodes
 
     e = Episode()
     e.add([5, 6], True, torch.tensor([-1.0, -2.0]))
@@ -287,7 +287,7 @@ def test_episodes_stay_within_the_planned_length(tok):
     for) ends the episode instead: two calls per turn overrun a cap planned for one result per turn."""
     from types import SimpleNamespace
 
-    from grpo.tools.spec import max_completion_tokens
+    from grpo.rollout.episodes.spec import max_completion_tokens
 
     call = '<tool_call>[{"name": "slow", "arguments": {"seconds": 0}}, {"name": "slow", "arguments": {"seconds": 0}}]'
     settings = EpisodeSettings(3, 2, True, max_new_tokens=120, overhead=2)
@@ -301,8 +301,8 @@ def test_episodes_stay_within_the_planned_length(tok):
 
 
 def test_text_reset_adds_is_counted_against_the_micro_batch(tok):
-    """The start-up check (grpo/budget.py) cannot see the text reset(row) adds to a prompt; the turn loop counts it:
-    an episode ends (over_length) before its next turn could pass engine.max_tokens_per_micro_batch beside the grown
+    """The start-up check (grpo/trainer/budget.py) cannot see the text reset(row) adds to a prompt; the turn loop counts
+    it: an episode ends (over_length) before its next turn could pass engine.max_tokens_per_micro_batch beside the grown
     prompt, and a prompt that leaves no room for one turn stops with one line."""
     def run(brief, max_tokens):
         settings = EpisodeSettings(3, 8, False, max_new_tokens=10, overhead=0, max_tokens=max_tokens)

@@ -6,9 +6,9 @@ import pytest
 
 from grpo.errors import ConfigError
 from grpo.rewards.registry import resolve
+from grpo.rollout.episodes.calculator import Calculator, calculate, evaluate
+from grpo.rollout.episodes.spec import build_toolset, check_template
 from grpo.tasks import get_task
-from grpo.tools.calculator import Calculator, calculate, evaluate
-from grpo.tools.spec import build_toolset, check_template
 
 
 def test_multiplication_task():
@@ -42,9 +42,9 @@ def test_the_calculator_environment():
 
 
 def test_both_ways_pass_the_start_up_checks():
-    tools = build_toolset(["grpo.tools.calculator:calculate"], None)
+    tools = build_toolset(["grpo.rollout.episodes.calculator:calculate"], None)
     assert tools.protocol == "tools" and tools.schemas[0]["function"]["parameters"]["required"] == ["expression"]
-    assert build_toolset([], "grpo.tools.calculator:Calculator").protocol == "text"
+    assert build_toolset([], "grpo.rollout.episodes.calculator:Calculator").protocol == "text"
 
 
 def test_smollm2s_template_has_no_tool_support():
@@ -53,7 +53,7 @@ def test_smollm2s_template_has_no_tool_support():
 
     tok = load_tokenizer("embedded:smollm2-135m-instruct")
     with pytest.raises(ConfigError, match="has no tool support"):
-        check_template(build_toolset(["grpo.tools.calculator:calculate"], None), tok, True)
+        check_template(build_toolset(["grpo.rollout.episodes.calculator:calculate"], None), tok, True)
 
 
 def test_final_answer_reads_the_last_model_turn():

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from grpo.config import AlgorithmConfig, EngineConfig
+from grpo.config.schema import AlgorithmConfig, EngineConfig
 from tests.helpers import nest_like
 from tests.oracle import assert_grads_close, close, flat, old_and_reference_logprobs, oracle_grads
 from tests.test_update_oracle import CaptureRuntime

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from grpo.config import AlgorithmConfig, EngineConfig
+from grpo.config.schema import AlgorithmConfig, EngineConfig
 from grpo.runtime.base import Runtime
 from tests.helpers import nest_like
 from tests.oracle import assert_grads_close, close, flat, hf_logprobs, old_and_reference_logprobs, oracle_grads

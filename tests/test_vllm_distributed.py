@@ -41,10 +41,10 @@ def _check_case(out: Path, case: str) -> dict:
     import torch
     from omegaconf import OmegaConf
 
-    from grpo.build import build_run, close_run
-    from grpo.config import load
+    from grpo.config.schema import load
     from grpo.engine import token_logprobs
-    from grpo.rollout_backends import Sampling, backend_for, step_seed
+    from grpo.rollout.backends import Sampling, backend_for, step_seed
+    from grpo.trainer.build import build_run, close_run
     from tests.helpers import VLLM_TINY, compose_recipe, vllm_logprobs_of
 
     tiny = [f"model.tiny.{k}={v}" for k, v in VLLM_TINY.items()]
@@ -111,8 +111,8 @@ def _train(out: Path, case: str) -> dict:
 
     from omegaconf import OmegaConf
 
-    from grpo.config import load
-    from grpo.loop import train
+    from grpo.config.schema import load
+    from grpo.trainer.loop import train
     from tests.helpers import VLLM_TINY, compose_recipe
 
     tiny = [f"model.tiny.{k}={v}" for k, v in VLLM_TINY.items()]

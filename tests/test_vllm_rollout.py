@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from grpo.models import char_tokenizer, tiny_model
-from grpo.rollout import generate
-from grpo.rollout_backends import Sampling
+from grpo.rollout.backends import Sampling
+from grpo.rollout.hf import generate
 from tests.helpers import VLLM_TINY, vllm_logprobs_of, vllm_problem
 
 pytestmark = pytest.mark.skipif(vllm_problem() is not None, reason=str(vllm_problem()))
@@ -29,7 +29,7 @@ _LIVE: dict = {}  # vLLM keeps process-wide state (its parallel groups): one eng
 
 
 def _engine(tok, family: str):
-    from grpo.vllm_rollout import VLLMBackend
+    from grpo.rollout.vllm import VLLMBackend
 
     if family not in _LIVE:
         _close_engines()
@@ -82,7 +82,7 @@ def test_greedy_tokens_equal_our_decode_loop_and_every_name_maps(tok, family):
     """Each tested family: after a sync of a differently seeded model, greedy tokens equal our decode loop's (so
     every weight went where vLLM reads it: fused q/k/v and gate/up, qwen3's q/k norms, ...); a name vLLM does not
     know, or a vLLM weight left unfilled, is an error; a correct sync afterwards works again."""
-    from grpo.vllm_rollout import WeightSyncError
+    from grpo.rollout.vllm import WeightSyncError
 
     model = tiny_model(family, len(tok), seed=3, **TINY)
     backend = _engine(tok, family)
@@ -108,7 +108,7 @@ def test_greedy_tokens_equal_our_decode_loop_and_every_name_maps(tok, family):
 def test_smollm2_greedy_tokens_equal_our_decode_loop():
     """The embedded SmolLM2-135M-Instruct (tied embeddings, 9 heads of 64): 8 prompts x 16 greedy tokens."""
     from grpo.models import load_tokenizer, prepare_embedded
-    from grpo.vllm_rollout import VLLMBackend
+    from grpo.rollout.vllm import VLLMBackend
 
     try:
         path = prepare_embedded()
@@ -123,7 +123,7 @@ def test_smollm2_greedy_tokens_equal_our_decode_loop():
              "The capital of France is", "def add(a, b):", "Translate 'cat' to French:"]
     prompts = [stok(stok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                              tokenize=False), add_special_tokens=False)["input_ids"] for t in texts]
-    from grpo.rollout import _eos_ids
+    from grpo.rollout.hf import _eos_ids
 
     backend = VLLMBackend(model, eos_ids=_eos_ids(model, stok), max_model_len=256, seed=0)
     try:
@@ -221,7 +221,7 @@ def test_lora_weights_are_merged_into_the_engine(tok, engine):
 def test_unsupported_family_says_which_backend_to_use(tok):
     import transformers
 
-    from grpo.vllm_rollout import VLLMBackend
+    from grpo.rollout.vllm import VLLMBackend
 
     cfg = transformers.GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=1, n_head=1)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
@@ -232,7 +232,7 @@ def test_unsupported_family_says_which_backend_to_use(tok):
 def test_smoke_run_with_the_vllm_backend(cfg_factory):
     """Two optimizer steps with rollout.backend=vllm on the tiny model: the rollout's log-probs match the
     trainer's (fp32), the mismatch is logged every step, and the run finishes."""
-    from grpo.loop import train
+    from grpo.trainer.loop import train
 
     _close_engines()  # the run starts its own
     cfg = cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 2},
@@ -251,7 +251,7 @@ def test_multi_turn_episodes_with_the_vllm_backend(cfg_factory, tmp_path, monkey
     """The one turn loop over vLLM (docs/tools-and-environments.md): an environment's observations enter every
     episode and stay out of the loss, and vLLM's log-probs of the model's own tokens, turn after turn, match the
     trainer's."""
-    from grpo.loop import train
+    from grpo.trainer.loop import train
     from tests.test_tools_train import ENV
 
     (tmp_path / "vllm_steps_env.py").write_text(ENV)
@@ -285,7 +285,7 @@ def _with(*parts):
 def test_resume_samples_what_an_uninterrupted_run_samples(cfg_factory, tmp_path):
     """Three steps straight vs one step, then resumed for two: the same completions (same lengths and rewards),
     loss and gradient norms, and the engine's start does not disturb the trainer's random state."""
-    from grpo.loop import train
+    from grpo.trainer.loop import train
     from tests.test_reliability import assert_same_run, steps
 
     _close_engines()

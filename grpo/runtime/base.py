@@ -78,7 +78,7 @@ class Runtime:
 
     @contextlib.contextmanager
     def generation_context(self):
-        """Around a rollout: prepares the model and yields options for `grpo.rollout.generate` (``synced_gpus``:
+        """Around a rollout: prepares the model and yields options for `grpo.rollout.hf.generate` (``synced_gpus``:
         a callable ``any_rank``, when every rank must run every decoding step until all are done)."""
         yield {}
 

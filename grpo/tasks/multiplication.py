@@ -1,5 +1,5 @@
 """Multi-digit multiplication, ``Compute 347 * 589.``: hard to do in the head for a small model, one call for a
-calculator (the calculator-tools recipe: `grpo.tools.calculator`)."""
+calculator (the calculator-tools recipe: `grpo.rollout.episodes.calculator`)."""
 from __future__ import annotations
 
 import random

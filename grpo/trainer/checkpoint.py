@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from grpo.config import Config
+from grpo.config.schema import Config
 from grpo.errors import SetupError
-from grpo.run import LoopState
+from grpo.trainer.run import LoopState
 
 if TYPE_CHECKING:
-    from grpo.logger import MetricsLogger
-    from grpo.run import Run
+    from grpo.trainer.logger import MetricsLogger
+    from grpo.trainer.run import Run
 
 MARKER = "COMPLETE"
 STATE = "trainer_state.pt"

@@ -4,15 +4,15 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from grpo.config import Config
-from grpo.logger import interactive
-from grpo.rollout import generate
-from grpo.sampling import Completions, Sampling
-from grpo.tools.episodes import episode_metrics
-from grpo.tools.runs import episode_columns, turn_loop
+from grpo.config.schema import Config
+from grpo.rollout.base import Completions, Sampling
+from grpo.rollout.episodes.runs import episode_columns, turn_loop
+from grpo.rollout.episodes.turns import episode_metrics
+from grpo.rollout.hf import generate
+from grpo.trainer.logger import interactive
 
 if TYPE_CHECKING:
-    from grpo.run import Run
+    from grpo.trainer.run import Run
 
 
 def evaluate(run: Run, cfg: Config, label: str) -> dict:

@@ -1,9 +1,9 @@
-"""What a run is made of: `Run`, the objects built once (`grpo.build.build_run`), and `LoopState`, the
-few values the training loop changes from step to step (and `grpo.checkpoint` saves and restores).
+"""What a run is made of: `Run`, the objects built once (`grpo.trainer.build.build_run`), and `LoopState`, the
+few values the training loop changes from step to step (and `grpo.trainer.checkpoint` saves and restores).
 
 The built objects keep their own internal state (weights, optimizer moments, the schedule, the sampler's
 position), which checkpoints save and restore in place; nothing else writes into a `Run` (except
-`grpo.rollout_backends`, which creates the rollout engine on first use and notes when it last synced).
+`grpo.rollout.backends`, which creates the rollout engine on first use and notes when it last synced).
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import torch
 from grpo.batch import Batch
 from grpo.data import PromptSampler, Splits
 from grpo.rewards.score import RewardFunction
+from grpo.rollout.base import RolloutBackend
+from grpo.rollout.episodes.spec import Toolset
+from grpo.rollout.episodes.worker import ToolWorker
 from grpo.runtime.base import Runtime
-from grpo.sampling import RolloutBackend
-from grpo.tools.spec import Toolset
-from grpo.tools.worker import ToolWorker
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Run:
     owns_output_dir: bool = True          # finalises checkpoints in its output_dir (rank 0; a node's first rank
                                           # when that node's output_dir is not rank 0's, see `build.owns_output_dir`)
     # the rollout engine, created at the first rollout and closed by `build.close_run`; the optimizer/scheduler
-    # step its weights were last synced at (both set only by `grpo.rollout_backends`)
+    # step its weights were last synced at (both set only by `grpo.rollout.backends`)
     rollout_backend: RolloutBackend | None = None
     rollout_synced_at: tuple | None = None
     # multi-turn episodes (rollout.tools / rollout.environment): what they are, and the process their calls run in

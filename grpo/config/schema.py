@@ -193,7 +193,7 @@ class Config:
 
 
 # --------------------------------------------------------------------------------------- checking
-# the off-policy corrections of grpo/rollout_is.py (docs/rollout.md#the-correction)
+# the off-policy corrections of grpo/algorithm/rollout_is.py (docs/rollout.md#the-correction)
 ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),

@@ -1,10 +1,10 @@
 """A calculator, both ways a model can be given one (the calculator-tools recipe, docs/tools-and-environments.md):
 
 - ``calculate``: a tool function for models whose chat template shows tools (``rollout.tools:
-  [grpo.tools.calculator:calculate]``);
+  [grpo.rollout.episodes.calculator:calculate]``);
 - ``Calculator``: a plain-text environment for models without (``rollout.environment:
-  grpo.tools.calculator:Calculator``): a turn with ``<calc>expression</calc>`` gets ``Result: <value>`` back as the
-  next user turn; a turn without one ends the episode.
+  grpo.rollout.episodes.calculator:Calculator``): a turn with ``<calc>expression</calc>`` gets ``Result: <value>``
+  back as the next user turn; a turn without one ends the episode.
 
 Expressions are parsed, never passed to ``eval``: numbers, + - * / // % **, parentheses; exponents up to 64.
 """

@@ -2,13 +2,13 @@
 
 A backend is a small object with ``generate(prompt_ids, group_size, sampling, seed, suffixes) -> Completions``,
 ``sync_weights(model)`` (called before a rollout whenever the policy has changed since the last one),
-``sleep()`` (after a rollout) and ``close()`` (`grpo.sampling`). Two exist:
+``sleep()`` (after a rollout) and ``close()`` (`grpo.rollout.base`). Two exist:
 
-- ``hf``: our own decode loop on the training model itself (`grpo.rollout.generate`: each prompt prefilled once,
+- ``hf``: our own decode loop on the training model itself (`grpo.rollout.hf.generate`: each prompt prefilled once,
   the G samples decoding against one copy of its K/V). Exactly on-policy; nothing to sync.
-- ``vllm``: a vLLM engine in this process, colocated with training (`grpo.vllm_rollout`), weights copied into it
+- ``vllm``: a vLLM engine in this process, colocated with training (`grpo.rollout.vllm`), weights copied into it
   in memory after every optimizer step. It returns its own per-token log-probs, which the update uses for the
-  rollout importance-sampling correction (`grpo.rollout_is`).
+  rollout importance-sampling correction (`grpo.algorithm.rollout_is`).
 
 ``rollout.backend=auto`` picks vllm on a CUDA device when the package is installed, else hf.
 """
@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from grpo.config import Config
+from grpo.config.schema import Config
 from grpo.errors import SetupError
-from grpo.sampling import Completions, RolloutBackend, Sampling
+from grpo.rollout.base import Completions, RolloutBackend, Sampling
 
 if TYPE_CHECKING:
-    from grpo.run import Run
+    from grpo.trainer.run import Run
 
 __all__ = ["Completions", "HFBackend", "RolloutBackend", "Sampling", "backend_for", "close_backend",
            "resolve_backend", "step_seed", "vllm_available"]
@@ -45,7 +45,7 @@ class HFBackend:
         self._generate = generate_fn
 
     def generate(self, prompt_ids, group_size, sampling: Sampling, seed=None, suffixes=None) -> Completions:
-        from grpo.rollout import generate
+        from grpo.rollout.hf import generate
 
         fn = self._generate or generate
         model = self._model() if callable(self._model) and not isinstance(self._model, torch.nn.Module) \
@@ -96,17 +96,17 @@ def step_seed(base: int, rank: int, *state: int) -> int:
 
 def backend_for(run: Run, cfg: Config, hf_generate=None) -> RolloutBackend:
     """The run's rollout backend, created on first use (kept in ``run.rollout_backend``, closed by
-    `grpo.build.close_run`), with the policy's current weights in it. ``hf_generate``: the decode function the hf
-    backend calls (default `grpo.rollout.generate`)."""
+    `grpo.trainer.build.close_run`), with the policy's current weights in it. ``hf_generate``: the decode function
+    the hf backend calls (default `grpo.rollout.hf.generate`)."""
     if run.rollout_backend is None:
         rt, r = run.runtime, cfg.rollout
         name = resolve_backend(r.backend, torch.device(rt.device).type)
         if name == "vllm":
-            from grpo.vllm_rollout import VLLMBackend
+            from grpo.rollout.vllm import VLLMBackend
 
             run.rollout_backend = VLLMBackend.from_run(run, cfg)
         else:
-            from grpo.logger import interactive
+            from grpo.trainer.logger import interactive
 
             run.rollout_backend = HFBackend(lambda: run.runtime.model, run.tokenizer, batch_size=r.batch_size,
                                             share_prompt=r.share_prompt, progress=rt.is_main and interactive(),

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Callable
 from grpo import data
 from grpo.engine.memory import parse_budget
 from grpo.rewards.score import RewardFunction
-from grpo.tools.episodes import Episodes, EpisodeSettings, TurnLoop
-from grpo.tools.spec import Toolset
+from grpo.rollout.episodes.spec import Toolset
+from grpo.rollout.episodes.turns import Episodes, EpisodeSettings, TurnLoop
 
 if TYPE_CHECKING:
-    from grpo.config import Config
-    from grpo.run import Run
+    from grpo.config.schema import Config
+    from grpo.trainer.run import Run
 
 
 def uses_chat(cfg: Config, tokenizer) -> bool:

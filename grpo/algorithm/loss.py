@@ -74,8 +74,8 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, weights, *, beta: floa
     logp, old_logp, ref_logp, mask, weights: ``[B, T]``; advantages: ``[B]``. ``old_logp=None`` means
     one inner iteration (old = logp.detach(), ratio 1); ``ref_logp=None`` or ``beta=0`` skips the KL.
     stats are sums over masked tokens (divide by ``stats["tokens"]`` for means). ``rollout_weights`` ``[B, T]``
-    (optional, no gradient): the rollout importance-sampling weights (`grpo.rollout_is`) that multiply the policy
-    term of every token, not the KL penalty.
+    (optional, no gradient): the rollout importance-sampling weights (`grpo.algorithm.rollout_is`) that multiply the
+    policy term of every token, not the KL penalty.
     """
     mask = mask.float()
     old_logp = logp.detach() if old_logp is None else old_logp

@@ -2,7 +2,7 @@
 without a call (or the environment's ``step`` returns None), a turn is cut at ``max_new_tokens``, or
 ``rollout.max_turns`` model turns have run.
 
-Every model turn is one call of the rollout backend's ``generate`` (`grpo.sampling`), so the hf decode loop and
+Every model turn is one call of the rollout backend's ``generate`` (`grpo.rollout.base`), so the hf decode loop and
 vLLM serve it alike. The first turn samples the G completions of each prompt from one prefill of the prompt (the
 backend shares it); later turns continue every live episode from its own context (prompt + episode so far), one
 sample each, passed as the prompt and its live episodes as suffixes (hf prefills each prompt once and each episode
@@ -18,10 +18,10 @@ from typing import Callable
 import torch
 
 from grpo.errors import SetupError
-from grpo.sampling import Sampling
-from grpo.tools.chat import after_turn, clip_tokens, parse_tool_calls
-from grpo.tools.spec import Toolset
-from grpo.tools.worker import CallResult, ToolWorker
+from grpo.rollout.base import Sampling
+from grpo.rollout.episodes.chat import after_turn, clip_tokens, parse_tool_calls
+from grpo.rollout.episodes.spec import Toolset
+from grpo.rollout.episodes.worker import CallResult, ToolWorker
 
 
 @dataclass(frozen=True)

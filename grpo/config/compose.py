@@ -21,13 +21,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from grpo.config import open_dict_keys
+from grpo.config.schema import open_dict_keys
 from grpo.errors import ConfigError
 
 TASK_KWARGS = "data.task_kwargs"
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # grpo/config/compose.py -> the checkout
 CONFIG_DIR = ROOT / "configs"
 RECIPE_DIR = ROOT / "recipes"
 

@@ -1,12 +1,12 @@
 """The command line before Hydra sees it: a typo costs one clear line, not a traceback, and a single run is
-composed and checked (grpo/compose.py, `build.preflight`) before any run directory exists."""
+composed and checked (grpo/config/compose.py, `build.preflight`) before any run directory exists."""
 from __future__ import annotations
 
 import os
 import sys
 
-from grpo.compose import compose, groups, normalize
-from grpo.config import open_dict_keys, schema_keys, suggest
+from grpo.config.compose import compose, groups, normalize
+from grpo.config.schema import open_dict_keys, schema_keys, suggest
 from grpo.errors import ConfigError
 
 
@@ -70,7 +70,7 @@ def _preflight(flags: list[str], overrides: list[str]) -> list[str]:
     metrics, nothing in ./outputs)."""
     from omegaconf import OmegaConf
 
-    from grpo.config import load
+    from grpo.config.schema import load
 
     raw = compose(overrides)
     job = {k: v for k, v in OmegaConf.to_container(raw, resolve=False).items() if k != "hydra"}
@@ -80,7 +80,7 @@ def _preflight(flags: list[str], overrides: list[str]) -> list[str]:
     out = raw.trainer.get("output_dir")
     job["trainer"]["output_dir"] = out or "outputs"  # without one, Hydra's outputs/<date>/<time>
     cfg = load(OmegaConf.to_container(OmegaConf.create(job), resolve=True))  # the schema's checks: no torch yet
-    from grpo.build import preflight  # the checks that import torch and the user's reward, tool and data code
+    from grpo.trainer.build import preflight  # the checks that import torch and the user's reward, tool and data code
 
     preflight(cfg)
     if out and not any(o.startswith("hydra.run.dir=") for o in overrides):

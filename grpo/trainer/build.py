@@ -15,18 +15,18 @@ import numpy as np
 import torch
 
 from grpo import data
-from grpo.config import Config, TrainerConfig
+from grpo.config.schema import Config, TrainerConfig
 from grpo.data import PromptSampler
 from grpo.errors import SetupError
 from grpo.models import check_name, load_model, load_reference, load_tokenizer
 from grpo.rewards.score import RewardFunction, in_worker
 from grpo.rewards.score import build as build_rewards
-from grpo.rollout_backends import close_backend
-from grpo.run import Run
+from grpo.rollout.backends import close_backend
+from grpo.rollout.episodes.runs import environment_reward
+from grpo.rollout.episodes.spec import build_toolset, check_template
+from grpo.rollout.episodes.worker import ToolWorker
 from grpo.runtime.base import Runtime
-from grpo.tools.runs import environment_reward
-from grpo.tools.spec import build_toolset, check_template
-from grpo.tools.worker import ToolWorker
+from grpo.trainer.run import Run
 
 
 def set_seed(seed: int) -> None:
@@ -109,7 +109,7 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
                                   weight_decay=cfg.trainer.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.trainer))
     runtime.setup(policy, optimizer, scheduler)
-    from grpo.budget import plan as plan_memory  # sizes `auto`, refuses a prompt + completion that cannot fit
+    from grpo.trainer.budget import plan as plan_memory  # sizes `auto`, refuses a prompt + completion that cannot fit
     cfg.engine.max_tokens_per_micro_batch = plan_memory(cfg, splits, runtime)
     sampler = PromptSampler(len(splits.train), seed=cfg.trainer.seed)
     worker = ToolWorker(toolset.environment, cfg.rollout.tool_timeout_s) if toolset is not None else None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo.config import ROLLOUT_IS_MODES as MODES
+from grpo.config.schema import ROLLOUT_IS_MODES as MODES
 from grpo.runtime.base import Runtime
 
 

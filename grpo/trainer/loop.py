@@ -9,14 +9,15 @@ import sys
 import time
 from dataclasses import asdict
 
-from grpo import experience, logger
-from grpo.build import build_run, close_run
-from grpo.checkpoint import restore, save_checkpoint, save_final
-from grpo.config import Config
+from grpo import experience
+from grpo.config.schema import Config
 from grpo.errors import SetupError
-from grpo.evaluate import evaluate
-from grpo.run import LoopState, Run
-from grpo.signals import StopSignals
+from grpo.trainer import logger
+from grpo.trainer.build import build_run, close_run
+from grpo.trainer.checkpoint import restore, save_checkpoint, save_final
+from grpo.trainer.evaluate import evaluate
+from grpo.trainer.run import LoopState, Run
+from grpo.trainer.signals import StopSignals
 from grpo.update import UpdateSettings, policy_update
 
 

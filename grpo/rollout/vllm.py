@@ -28,7 +28,7 @@ import torch
 
 from grpo.engine.unwrap import unwrap_model
 from grpo.errors import SetupError
-from grpo.sampling import Completions, Sampling
+from grpo.rollout.base import Completions, Sampling
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # the model_types tested against our decode loop
 
@@ -91,7 +91,7 @@ class VLLMBackend:
         longest = max((len(r["prompt_ids"]) for split in (run.splits.train, run.splits.eval) for r in split),
                       default=cfg.data.max_prompt_tokens)
         max_len = v.max_model_len or longest + cfg.rollout.max_new_tokens
-        from grpo.rollout import _eos_ids
+        from grpo.rollout.hf import _eos_ids
 
         device = torch.device(rt.device).type
         try:
@@ -148,7 +148,7 @@ class VLLMBackend:
     def generate(self, prompt_ids, group_size, sampling: Sampling, seed=None, suffixes=None) -> Completions:
         from vllm.inputs import TokensPrompt
 
-        from grpo.rollout import _cut_at_eos, flatten, regroup
+        from grpo.rollout.hf import _cut_at_eos, flatten, regroup
 
         if suffixes is not None:  # each prompt + suffix is a one-sample request; prefix caching shares the prompt
             out = self.generate(flatten(prompt_ids, suffixes), 1, sampling, seed)

@@ -1,4 +1,4 @@
-"""What a rollout backend is asked and returns (`grpo.rollout_backends` picks and builds the backend).
+"""What a rollout backend is asked and returns (`grpo.rollout.backends` picks and builds the backend).
 
 `Sampling`: what to sample, with the same meaning for every backend; `Completions`: what came back;
 `RolloutBackend`: the interface every backend implements.

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo.logger import integer_steps, read_metrics
+from grpo.trainer.logger import integer_steps, read_metrics
 
 PLOTS = ("reward.png", "heldout.png", "kl_length.png")
 _SKIP_DIRS = {"final", "checkpoints", ".hydra", ".tmp-final", "wandb", "__pycache__"}

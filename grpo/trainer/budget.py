@@ -10,8 +10,8 @@ import sys
 from grpo.engine.memory import choose_budget, estimate, free_for, group_score_bytes
 from grpo.engine.unwrap import unwrap_model
 from grpo.errors import SetupError
+from grpo.rollout.episodes.spec import max_completion_tokens
 from grpo.runtime.base import Runtime
-from grpo.tools.spec import max_completion_tokens
 
 
 def plan(cfg, splits, runtime: Runtime) -> int:
@@ -19,8 +19,8 @@ def plan(cfg, splits, runtime: Runtime) -> int:
     grpo.errors.SetupError with one line when the longest prompt of the training data plus
     ``rollout.max_new_tokens`` cannot fit. Text an environment's ``reset(row)`` adds to a prompt is not counted: it
     is known only once reset runs, in the rollout (running every row's reset here would start user code per row);
-    the turn loop checks it there instead (`grpo.tools.episodes`: a prompt that leaves no room for one turn stops the
-    run with one line, an episode ends early rather than outgrow the budget)."""
+    the turn loop checks it there instead (`grpo.rollout.episodes.turns`: a prompt that leaves no room for one turn
+    stops the run with one line, an episode ends early rather than outgrow the budget)."""
     limit = cfg.engine.memory_limit_gib
     if limit is not None and not limit > 0:
         raise SetupError(f"engine.memory_limit_gib={limit} must be > 0 (GiB the update may plan for) or null")
