@@ -12,69 +12,23 @@ import torch
 from grpo.algorithm.loss import BatchCounts, grpo_loss, pad, token_weights
 from grpo.algorithm.rollout_is import MismatchMeter
 from grpo.batch import Batch
-from grpo.config.schema import AlgorithmConfig, Config, EngineConfig
-from grpo.engine import plan_micro_batches, token_logprobs
-from grpo.engine.memory import budget_for
-from grpo.rollout.episodes.spec import max_sampled_tokens
+from grpo.config.schema import AlgorithmConfig, EngineConfig
+from grpo.engine import token_logprobs
+from grpo.engine.batch_logprobs import most_micro_batches, plan
 from grpo.runtime.base import Runtime
 
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    """What `policy_update` needs from the config (built once per run with `from_config`)."""
+    """What `policy_update` needs, derived once per run (`grpo.trainer.settings.derive`)."""
     algorithm: AlgorithmConfig
-    engine: EngineConfig
+    engine: EngineConfig       # its max_tokens_per_micro_batch an int in a built run (sized when it was built)
     temperature: float         # rollout.temperature: log-probs of softmax(logits / T), as sampled
     max_len: int               # dr_grpo's constant normaliser: the most tokens the policy samples per completion
     mask_truncated: bool       # truncated completions contribute no loss
     max_grad_norm: float       # clip to this norm (0 = no clipping)
     rollout_is: str = "token_truncate"  # algorithm.rollout_is: the correction for a sampler's own log-probs (vLLM)
     rollout_is_cap: float = 2.0         # algorithm.rollout_is_cap
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> UpdateSettings:
-        a = cfg.algorithm
-        return cls(a, cfg.engine, cfg.rollout.temperature, max_sampled_tokens(cfg.rollout), a.mask_truncated,
-                   cfg.trainer.max_grad_norm, a.rollout_is, a.rollout_is_cap)
-
-
-def nested_logprobs(runtime: Runtime, model, batch: Batch, ecfg: EngineConfig, temperature: float) -> list:
-    """Log-probs of every completion token under ``model`` (no grad), micro-batched like training."""
-    out = [[None] * len(g) for g in batch.completion_ids]
-    with torch.no_grad():
-        plan = _plan(batch, ecfg, model)
-        for _ in range(_most_micro_batches(runtime, len(plan)) - len(plan)):
-            _idle_forward(model, ecfg, temperature)
-        for mb in plan:
-            lps = token_logprobs(model, [batch.prompt_ids[g] for g, _ in mb],
-                                 [batch.completion_ids[g][s] for g, s in mb],
-                                 shared_prefix=ecfg.shared_prefix, temperature=temperature,
-                                 attention_kernel=ecfg.attention_kernel)
-            for (g, s), group_lps in zip(mb, lps):
-                for j, lp in zip(range(*s.indices(len(batch.completion_ids[g]))), group_lps):
-                    out[g][j] = lp.detach()
-    return out
-
-
-def _most_micro_batches(runtime: Runtime, n: int) -> int:
-    """The most micro-batches any process has (``n`` with one process). Under DeepSpeed ZeRO-2/3 every backward
-    (ZeRO-3: every forward too) talks to the other ranks, so a rank with fewer runs idle ones to match."""
-    return max(runtime.gather(n))
-
-
-def _idle_forward(model, ecfg: EngineConfig, temperature: float) -> None:
-    """A one-token forward through the same path as a real micro-batch, for a rank with fewer of them."""
-    token_logprobs(model, [[0]], [[[0]]], shared_prefix=ecfg.shared_prefix, temperature=temperature,
-                   attention_kernel=ecfg.attention_kernel)
-
-
-def _plan(batch: Batch, ecfg: EngineConfig, model=None):
-    """Micro-batches of at most engine.max_tokens_per_micro_batch tokens (resolved by grpo.trainer.budget.plan when the
-    run was built; ``auto`` outside a built run is sized for ``model`` here)."""
-    return plan_micro_batches([len(p) for p in batch.prompt_ids],
-                              [[len(c) for c in g] for g in batch.completion_ids],
-                              budget_for(model, ecfg.max_tokens_per_micro_batch, ecfg),
-                              shared_prefix=ecfg.shared_prefix)
 
 
 def loss_mask(batch: Batch, mask_truncated: bool) -> list[bool]:
@@ -107,12 +61,12 @@ def policy_update(runtime: Runtime, batch: Batch, settings: UpdateSettings) -> d
     if counts.num_seqs == 0:  # nothing to learn from on any rank (all filtered or masked): no forward, no step
         return dict(EMPTY)
     totals: dict[str, float] = {"loss": 0.0, "entropy": 0.0}
-    plan = _plan(batch, settings.engine, runtime.model)
-    n_micro = _most_micro_batches(runtime, len(plan))
+    mbs = plan(batch, settings.engine, runtime.model)
+    n_micro = most_micro_batches(runtime, len(mbs))
     # a sampler with its own log-probs (vLLM): each token re-weighted by pi_old / pi_sampler (grpo.algorithm.rollout_is)
     meter = MismatchMeter(settings.rollout_is, settings.rollout_is_cap) if batch.sampling_logps is not None else None
     runtime.expect_backwards(n_micro)  # DeepSpeed: the last backward closes the accumulation
-    for mb in plan + [None] * (n_micro - len(plan)):  # None: idle, another rank has more micro-batches
+    for mb in mbs + [None] * (n_micro - len(mbs)):  # None: idle, another rank has more micro-batches
         for k, v in _micro_batch(runtime, batch, mb, keep, counts, settings, meter).items():
             totals[k] = totals.get(k, 0.0) + v
     grad_norm, stepped = runtime.step(settings.max_grad_norm)

@@ -39,25 +39,47 @@ def _params(model) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+class SpyBackend:
+    """The run's real rollout backend, injected in its place: counts the rollouts (``calls``) and lets a test
+    rewrite what comes back (``spy.rewrite(completions)``, in place)."""
+
+    def __init__(self, inner, spy):
+        self.inner, self.spy, self.name, self.calls = inner, spy, inner.name, 0
+
+    def generate(self, *a, **k):
+        self.calls += 1
+        out = self.inner.generate(*a, **k)
+        if self.spy.rewrite is not None:
+            self.spy.rewrite(out)
+        return out
+
+    def sync_weights(self, model):
+        self.inner.sync_weights(model)
+
+    def sleep(self):
+        self.inner.sleep()
+
+    def close(self):
+        self.inner.close()
+
+
 @pytest.fixture
 def spy(monkeypatch):
-    """Wraps train(): keeps the Run, counts rollouts and log-prob passes, snapshots the initial weights."""
+    """Wraps train(): keeps the Run, counts rollouts (a `SpyBackend` injected as the run's rollout backend) and
+    log-prob passes, snapshots the initial weights."""
     import grpo.experience
     import grpo.trainer.loop
 
-    s = SimpleNamespace(run=None, initial=None, rollouts=0, logprob_passes=0, scores=[])
+    s = SimpleNamespace(run=None, initial=None, backend=None, logprob_passes=0, scores=[], rewrite=None)
     build = grpo.trainer.loop.build_run
 
     def build_run(cfg):
         s.run = build(cfg)
         s.initial = _params(s.run.policy)
+        s.run.rollout.backend = s.backend = SpyBackend(s.run.rollout.make(), s)
         return s.run
 
-    gen, nested, score = grpo.experience.generate, grpo.experience.nested_logprobs, grpo.experience.score_groups
-
-    def generate(*a, **k):
-        s.rollouts += 1
-        return gen(*a, **k)
+    nested, score = grpo.experience.nested_logprobs, grpo.experience.score_groups
 
     def nested_logprobs(*a, **k):
         s.logprob_passes += 1
@@ -69,7 +91,6 @@ def spy(monkeypatch):
         return rewards, stats
 
     monkeypatch.setattr(grpo.trainer.loop, "build_run", build_run)
-    monkeypatch.setattr(grpo.experience, "generate", generate)
     monkeypatch.setattr(grpo.experience, "nested_logprobs", nested_logprobs)
     monkeypatch.setattr(grpo.experience, "score_groups", score_groups)
     return s
@@ -111,26 +132,21 @@ def pattern_reward(prompts, completions, **kwargs):
 
 
 @pytest.fixture
-def ragged(monkeypatch, spy):
+def ragged(spy):
     """The real rollout, then completions cut to 1, 3 or 5 tokens followed by EOS (one in four left as sampled,
     usually truncated): the random tiny model rarely stops by itself, and the switches that depend on lengths
     or truncation need both kinds in every batch."""
-    import grpo.experience
 
-    gen = grpo.experience.generate
-
-    def generate(model, tokenizer, prompt_ids, **kw):
-        comps, truncated = gen(model, tokenizer, prompt_ids, **kw)
-        eos = tokenizer.eos_token_id
-        for g, group in enumerate(comps):
+    def rewrite(out):
+        eos = spy.run.tokenizer.eos_token_id
+        for g, group in enumerate(out.ids):
             for j, c in enumerate(group):
                 n = [1, 3, 5, None][(g + j) % 4]
                 if n is not None:
                     group[j] = [t for t in c if t != eos][:n] + [eos]
-                    truncated[g][j] = False
-        return comps, truncated
+                    out.truncated[g][j] = False
 
-    monkeypatch.setattr(grpo.experience, "generate", generate)
+    spy.rewrite = rewrite
 
 
 @pytest.fixture
@@ -281,9 +297,10 @@ def _capture_grads(monkeypatch, run) -> list:
 
 
 def _update(run, cfg, batch, acfg=None, ecfg=None, mask_truncated=False):
-    from grpo.update import UpdateSettings, policy_update
+    from grpo.trainer.settings import derive
+    from grpo.update import policy_update
 
-    settings = dataclasses.replace(UpdateSettings.from_config(cfg), algorithm=acfg or cfg.algorithm,
+    settings = dataclasses.replace(derive(cfg).update, algorithm=acfg or cfg.algorithm,
                                    engine=ecfg or cfg.engine, mask_truncated=mask_truncated)
     return policy_update(run.runtime, batch, settings)
 
@@ -293,7 +310,8 @@ def _update(run, cfg, batch, acfg=None, ecfg=None, mask_truncated=False):
 def test_gradient_accumulation_does_not_change_the_gradient(fixed, monkeypatch, agg, level):
     """Whole batch vs micro-batches that split groups, beyond the defaults: old log-probs away from the current
     ones (mu > 1: clipping acts), a reference (beta > 0), token or GSPO ratios, mask_truncated."""
-    from grpo.update import _plan, nested_logprobs
+    from grpo.engine.batch_logprobs import nested_logprobs
+    from grpo.engine.batch_logprobs import plan as _plan
 
     run, cfg, batch = fixed
     gen = torch.Generator().manual_seed(1)
@@ -322,7 +340,7 @@ def test_rollout_is_metrics_over_micro_batches_with_one_collective_of_their_own(
     maxima take the one extra collective (an all_max)."""
     from grpo.algorithm.loss import pad
     from grpo.algorithm.rollout_is import rollout_is, summarize
-    from grpo.update import nested_logprobs
+    from grpo.engine.batch_logprobs import nested_logprobs
 
     run, cfg, batch = fixed
     gen = torch.Generator().manual_seed(2)
@@ -394,7 +412,7 @@ def test_zero_std_groups_filtered_and_empty_batches_skip_cleanly(cfg_factory, sp
         assert r["num_groups"] == 0 and r["empty_batch"] is True and r["skipped"] is True
         assert r["loss"] is None and r["grad_norm"] == 0.0
     assert rows[-1]["skipped_steps"] == 4
-    assert spy.rollouts == 8 and spy.logprob_passes == 4  # 2 rounds per step; the reference pass sees 0 groups
+    assert spy.backend.calls == 8 and spy.logprob_passes == 4  # 2 rounds per step; the reference pass sees 0 groups
     assert all(torch.equal(spy.initial[n], p) for n, p in spy.run.policy.named_parameters())  # no step
 
 
@@ -408,7 +426,7 @@ def test_resampling_refills_the_batch_with_groups_that_have_signal(cfg_factory, 
     assert first["num_groups"] == 2 and first["empty_batch"] is False and math.isfinite(first["loss"])
     # step 2: no signal anywhere, 3 extra rounds (the limit), nothing kept
     assert second["resample_rounds"] == 3 and second["dropped_groups"] == 8 and second["empty_batch"] is True
-    assert spy.rollouts == 2 + 4
+    assert spy.backend.calls == 2 + 4
     assert first["reward_mean"] == pytest.approx(0.25)  # reward metrics describe the first round
 
 
@@ -416,7 +434,7 @@ def test_without_filtering_zero_std_groups_stay_with_zero_advantage(cfg_factory,
     _use_reward(monkeypatch, scheduled_reward([[True, False]], group_size=4))
     cfg, rows = _train(cfg_factory, {"trainer": {"max_steps": 1}})
     assert rows[0]["zero_std_frac"] == 0.5 and "dropped_groups" not in rows[0]
-    assert spy.rollouts == 1
+    assert spy.backend.calls == 1
 
 
 def test_several_iterations_per_batch_move_the_ratio(cfg_factory, spy):
@@ -424,7 +442,7 @@ def test_several_iterations_per_batch_move_the_ratio(cfg_factory, spy):
     cfg, rows = _train(cfg_factory, {"algorithm": {"num_iterations": 2, "beta": 0.0, "epsilon": 0.01},
                                      "trainer": {"max_steps": 4, "lr": 0.05}})
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert spy.rollouts == 2 and spy.logprob_passes == 2  # the old-policy pass, once per batch
+    assert spy.backend.calls == 2 and spy.logprob_passes == 2  # the old-policy pass, once per batch
     for first, second in (rows[0:2], rows[2:4]):
         assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and first["clip_ratio"] == 0.0
         assert abs(second["ratio_mean"] - 1.0) > 1e-3
@@ -503,11 +521,11 @@ def test_kl_in_the_reward(cfg_factory, spy, monkeypatch):
     cfg = cfg_factory(_merge(FAST, {"algorithm": {"beta": 0.5, "kl_in_reward": True, "kl_estimator": "k3"},
                                     "trainer": {"lr": 0.05}}))
     run = build_run(cfg)
-    first = experience.collect(run, cfg)
+    first = experience.collect(run)
     assert first.stats["kl"] == pytest.approx(0.0, abs=1e-6)
     stats = _update(run, cfg, first)
     assert "kl" not in stats  # not in the loss
-    batch = experience.collect(run, cfg)  # the policy has moved: KL > 0
+    batch = experience.collect(run)  # the policy has moved: KL > 0
     task = spy.scores[-1]
     prompts = [p for p, g in zip(batch.prompt_ids, batch.completion_ids) for _ in g]
     with torch.no_grad():
@@ -568,7 +586,7 @@ def test_scale_rewards_batch_through_collect(cfg_factory, spy, monkeypatch):
     rewards = [0.0, 1.0, 3.0, 0.5, 2.0, 2.5, 0.0, 4.0]
     _use_reward(monkeypatch, lambda prompts, completions, **kw: rewards[:len(completions)])
     cfg = cfg_factory(_merge(FAST, {"algorithm": {"scale_rewards": "batch", "beta": 0.0}}))
-    batch = experience.collect(build_run(cfg), cfg)
+    batch = experience.collect(build_run(cfg))
     r = torch.tensor(rewards, dtype=torch.float64)
     groups = r.view(2, 4)
     want = (groups - groups.mean(1, keepdim=True)).flatten() / (r.std() + cfg.algorithm.adv_eps)
@@ -615,7 +633,7 @@ def test_a_failed_reward_counts_as_zero_in_its_group(cfg_factory, spy, monkeypat
 
     _use_reward(monkeypatch, flaky)
     cfg = cfg_factory(_merge(FAST, {"algorithm": {"beta": 0.0}}))
-    batch = experience.collect(build_run(cfg), cfg)
+    batch = experience.collect(build_run(cfg))
     r = torch.tensor([2.0, 0.0, 4.0, 0.0, 6.0, 0.0, 8.0, 0.0])  # calls 1, 3, 5, 7 scored 1 + n; the others failed
     assert torch.equal(batch.rewards, r) and batch.stats["reward/accuracy_errors"] == 4
     groups = r.view(2, 4)

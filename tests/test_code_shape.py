@@ -1,5 +1,6 @@
 """The codebase's shape (docs/architecture.md, "Rules the tests hold the code to"): no import circle, modules
-that import alone, small files and functions, and the runtime as the only door to torch.distributed."""
+that import alone, the stages in order (no stage imports a later one), the root config only in config/ and
+trainer/, small files and functions, and the runtime as the only door to torch.distributed."""
 import ast
 import subprocess
 import sys
@@ -54,6 +55,62 @@ def test_no_import_circle():
         if name not in state:
             visit(name, [name])
     assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+# The stages in the order a step flows through them (docs/architecture.md): a module may import modules of its own
+# stage and of earlier ones, never of a later one. A module belongs to the longest prefix listed.
+STAGES = [
+    ("shared", ["grpo.errors", "grpo.batch", "grpo.config", "grpo.models", "grpo.data", "grpo.tasks",
+                "grpo.worker_process"]),
+    ("engine, runtime, algorithm", ["grpo.engine", "grpo.runtime", "grpo.algorithm"]),
+    ("rollout, rewards", ["grpo.rollout", "grpo.rewards"]),
+    ("experience, update", ["grpo.experience", "grpo.update"]),
+    ("trainer", ["grpo.trainer", "grpo.config.cli", "grpo.train"]),
+]
+
+
+def stage_of(module: str) -> int | None:
+    """The index in STAGES of ``module`` (None: the ``grpo`` package itself, which only re-exports the engine)."""
+    best, rank = "", None
+    for i, (_, prefixes) in enumerate(STAGES):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > len(best):
+                best, rank = p, i
+    return rank
+
+
+def test_every_module_has_a_stage():
+    assert [m for m in _modules() if m != "grpo" and stage_of(m) is None] == []
+
+
+def test_no_stage_imports_a_later_one():
+    modules = _modules()
+    backwards = []
+    for name, tree in modules.items():
+        mine = stage_of(name)
+        for dep in _imports(name, tree, set(modules)):
+            theirs = stage_of(dep)
+            if mine is not None and theirs is not None and theirs > mine:
+                backwards.append(f"{name} ({STAGES[mine][0]}) imports {dep} ({STAGES[theirs][0]})")
+    assert not backwards, "imports against the stage order:\n" + "\n".join(sorted(backwards))
+
+
+def test_the_root_config_stops_at_the_trainer():
+    """Below the trainer code takes settings or its own config section: no module outside config/, trainer/ and
+    the entry point imports the root `Config` or annotates a parameter with it."""
+    offenders = []
+    for name, tree in _modules().items():
+        if stage_of(name) == len(STAGES) - 1 or name.startswith("grpo.config"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "grpo.config.schema" and \
+                    any(a.name == "Config" for a in node.names):
+                offenders.append(f"{name}:{node.lineno} imports the root Config")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for a in node.args.args + node.args.kwonlyargs:
+                    if a.annotation is not None and ast.unparse(a.annotation).strip("'\"") == "Config":
+                        offenders.append(f"{name}:{node.lineno} {node.name}({a.arg}: Config)")
+    assert not offenders, "\n".join(offenders)
 
 
 def test_every_module_imports_alone():

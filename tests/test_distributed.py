@@ -44,9 +44,12 @@ def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...
     from grpo.algorithm.advantages import compute_advantages
     from grpo.batch import Batch
     from grpo.config.schema import load
+    from grpo.engine.batch_logprobs import nested_logprobs
+    from grpo.engine.batch_logprobs import plan as _plan
     from grpo.engine.unwrap import unwrap_model
     from grpo.trainer.build import build_run, close_run
-    from grpo.update import UpdateSettings, _plan, nested_logprobs, policy_update
+    from grpo.trainer.settings import derive
+    from grpo.update import policy_update
     from tests.helpers import compose_recipe
 
     raw = compose_recipe("smoke", [f"trainer.output_dir={out / 'update-run'}", f"rollout.prompts_per_step={PROMPTS}",
@@ -85,7 +88,7 @@ def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...
     for k in range(3):
         if k == 2:
             batch.advantages = torch.full_like(batch.advantages, float("nan"))
-        stats = policy_update(rt, batch, UpdateSettings.from_config(cfg))
+        stats = policy_update(rt, batch, derive(cfg).update)
         record.setdefault("layer_calls", len(calls))
         hook.remove()
         record["stats"].append(stats)
@@ -362,21 +365,24 @@ def test_config_rejects_settings_deepspeed_cannot_run(cfg_factory):
 
 def test_deepspeed_config_is_derived_from_the_recipe(cfg_factory):
     from grpo.errors import SetupError
+    from grpo.runtime.base import RunShape
     from grpo.runtime.deepspeed_config import check, ds_config
 
     cfg = cfg_factory({"distributed": {"backend": "deepspeed", "zero_stage": 3, "bf16": True,
                                        "ds_config": {"zero_optimization": {"reduce_bucket_size": 1000}}},
                        "rollout": {"prompts_per_step": 4}, "trainer": {"max_grad_norm": 0.5}})
-    d = ds_config(cfg, 2)
+    shape = RunShape(cfg.rollout.prompts_per_step, cfg.algorithm.group_size, cfg.trainer.max_grad_norm, cfg.model.dtype)
+    d = ds_config(cfg.distributed, shape, 2)
     assert d["train_micro_batch_size_per_gpu"] == 2 * cfg.algorithm.group_size and d["gradient_accumulation_steps"] == 1
     assert d["gradient_clipping"] == 0.5 and d["bf16"]["enabled"] and d["zero_optimization"]["stage"] == 3
     assert d["zero_optimization"]["reduce_bucket_size"] == 1000
-    assert ds_config(cfg, 2, train=False)["zero_optimization"]["stage"] == 3   # the reference is partitioned
+    # the reference is partitioned
+    assert ds_config(cfg.distributed, shape, 2, train=False)["zero_optimization"]["stage"] == 3
     with pytest.raises(SetupError, match="divisible"):
-        check(cfg, 3)
+        check(cfg.distributed, shape, 3)
     cfg.model.lora.enabled = True
-    check(cfg, 2)  # ZeRO-3 with LoRA runs (tests/test_zero3_lora.py)
+    check(cfg.distributed, shape, 2)  # ZeRO-3 with LoRA runs (tests/test_zero3_lora.py)
     cfg.model.lora.enabled = False
     cfg.distributed.ds_config = {"zero_optimization": {"stage": 2}}
     with pytest.raises(SetupError, match="zero_optimization.stage is derived"):
-        check(cfg, 2)
+        check(cfg.distributed, shape, 2)

@@ -93,7 +93,7 @@ def check_run(world: int, overrides: list[str]) -> None:
     raw = compose(overrides)
     cfg = load(OmegaConf.to_container(OmegaConf.masked_copy(raw, [k for k in raw if k != "hydra"]), resolve=True))
     assert cfg.distributed.backend == "deepspeed", overrides
-    check_world_size(cfg, world)
+    check_world_size(cfg.rollout.prompts_per_step, world)
     assert cfg.data.num_eval == 0 or cfg.data.num_eval >= world
 
 

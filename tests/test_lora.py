@@ -71,8 +71,10 @@ def test_lora_reference_is_the_base_model_with_the_adapter_disabled(cfg_factory)
     from peft import PeftModel
 
     from grpo import experience
+    from grpo.engine.batch_logprobs import nested_logprobs
     from grpo.trainer.build import build_run
-    from grpo.update import UpdateSettings, nested_logprobs, policy_update
+    from grpo.trainer.settings import derive
+    from grpo.update import policy_update
 
     cfg = _cfg(cfg_factory)
     run = build_run(cfg)
@@ -82,8 +84,8 @@ def test_lora_reference_is_the_base_model_with_the_adapter_disabled(cfg_factory)
     assert trainable and all(_is_lora(n) for n in trainable)
     initial = _snapshot(run.policy)
     for _ in range(2):
-        batch = experience.collect(run, cfg)
-        settings = dataclasses.replace(UpdateSettings.from_config(cfg), mask_truncated=False, max_grad_norm=1.0)
+        batch = experience.collect(run)
+        settings = dataclasses.replace(derive(cfg).update, mask_truncated=False, max_grad_norm=1.0)
         stats = policy_update(run.runtime, batch, settings)
         assert not stats["skipped"]
     assert stats["kl"] > 0  # the adapter moved the policy away from the reference

@@ -148,14 +148,18 @@ def test_auto_budget_splits_the_batch_and_keeps_the_gradient(cfg_factory, monkey
     import dataclasses
 
     from grpo import experience
+    from grpo.engine.batch_logprobs import plan as _plan
     from grpo.trainer.build import build_run, close_run
-    from grpo.update import UpdateSettings, _plan, policy_update
+    from grpo.update import policy_update
 
     cfg = cfg_factory({"engine": {"max_tokens_per_micro_batch": "auto"}, "rollout": {"prompts_per_step": 4}})
     run = build_run(cfg)
     try:
-        assert isinstance(cfg.engine.max_tokens_per_micro_batch, int)  # resolved at start
-        batch = experience.collect(run, cfg)
+        # resolved at start, into the run's settings: the checked config is left as it was
+        assert isinstance(run.settings.update.engine.max_tokens_per_micro_batch, int)
+        assert run.settings.collect.engine == run.settings.update.engine
+        assert cfg.engine.max_tokens_per_micro_batch == "auto"
+        batch = experience.collect(run)
         est = memory.estimate(run.model)
         longest = max(len(p) + max(len(c) for c in g) for p, g in zip(batch.prompt_ids, batch.completion_ids))
         free = int((est.bytes_for(longest + 4)) / memory.MARGIN)  # room for about one sequence
@@ -173,7 +177,7 @@ def test_auto_budget_splits_the_batch_and_keeps_the_gradient(cfg_factory, monkey
         monkeypatch.setattr(run.runtime, "step", capture)
         for ecfg in (whole, tight):
             run.model.load_state_dict(state)
-            settings = dataclasses.replace(UpdateSettings.from_config(cfg), engine=ecfg, mask_truncated=False,
+            settings = dataclasses.replace(run.settings.update, engine=ecfg, mask_truncated=False,
                                            max_grad_norm=1.0)
             policy_update(run.runtime, batch, settings)
         assert got[0].keys() == got[1].keys() and got[0]

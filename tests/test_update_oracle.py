@@ -76,7 +76,7 @@ SPLIT = EngineConfig(shared_prefix=True, max_tokens_per_micro_batch=16, attentio
 
 
 def test_the_batch_exercises_what_it_claims(setup):
-    from grpo.update import _plan
+    from grpo.engine.batch_logprobs import plan as _plan
 
     policy, batch, old, ref = setup
     plan = _plan(batch, SPLIT)

@@ -10,39 +10,38 @@ A backend is a small object with ``generate(prompt_ids, group_size, sampling, se
   in memory after every optimizer step. It returns its own per-token log-probs, which the update uses for the
   rollout importance-sampling correction (`grpo.algorithm.rollout_is`).
 
-``rollout.backend=auto`` picks vllm on a CUDA device when the package is installed, else hf.
+``rollout.backend=auto`` picks vllm on a CUDA device when the package is installed, else hf. The trainer builds the
+run's backend with the run (`SyncedBackend`: made at the first rollout, synced whenever the optimizer has stepped).
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import importlib.util
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
-from grpo.config.schema import Config
 from grpo.errors import SetupError
 from grpo.rollout.base import Completions, RolloutBackend, Sampling
 
-if TYPE_CHECKING:
-    from grpo.trainer.run import Run
-
-__all__ = ["Completions", "HFBackend", "RolloutBackend", "Sampling", "backend_for", "close_backend",
-           "resolve_backend", "step_seed", "vllm_available"]
+__all__ = ["Completions", "HFBackend", "RolloutBackend", "Sampling", "SyncedBackend", "resolve_backend",
+           "step_seed", "vllm_available"]
 
 
 class HFBackend:
     """Our decode loop on the training model (``model()`` returns it, wrapped or not). ``seed=None`` draws from
-    the process's torch generator (checkpointed), as the trainer always has."""
+    the process's torch generator (checkpointed), as the trainer always has. ``context``: the runtime's
+    ``generation_context`` (ZeRO-3: every rank steps until all are done); ``generate_fn``: the decode loop
+    (default `grpo.rollout.hf.generate`); ``desc``: the progress bar's label."""
 
     name = "hf"
 
     def __init__(self, model, tokenizer, *, batch_size: int = 8, share_prompt: bool = True, progress: bool = False,
-                 generate_fn=None):
+                 context: Callable | None = None, generate_fn=None, desc: str = "rollout"):
         self._model, self.tokenizer = model, tokenizer
         self.batch_size, self.share_prompt, self.progress = batch_size, share_prompt, progress
-        self._generate = generate_fn
+        self.context, self._generate, self.desc = context, generate_fn, desc
 
     def generate(self, prompt_ids, group_size, sampling: Sampling, seed=None, suffixes=None) -> Completions:
         from grpo.rollout.hf import generate
@@ -60,7 +59,8 @@ class HFBackend:
             ids, truncated = fn(model, self.tokenizer, prompt_ids, group_size=group_size,
                                 max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                                 top_p=sampling.top_p, top_k=sampling.top_k, batch_size=self.batch_size,
-                                progress=self.progress, share_prompt=self.share_prompt, **extra)
+                                progress=self.progress, share_prompt=self.share_prompt, context=self.context,
+                                desc=self.desc, **extra)
         return Completions(ids, truncated)
 
     def sync_weights(self, model) -> None:  # samples from the training model itself
@@ -94,45 +94,41 @@ def step_seed(base: int, rank: int, *state: int) -> int:
     return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
 
 
-def backend_for(run: Run, cfg: Config, hf_generate=None) -> RolloutBackend:
-    """The run's rollout backend, created on first use (kept in ``run.rollout_backend``, closed by
-    `grpo.trainer.build.close_run`), with the policy's current weights in it. ``hf_generate``: the decode function
-    the hf backend calls (default `grpo.rollout.hf.generate`)."""
-    if run.rollout_backend is None:
-        rt, r = run.runtime, cfg.rollout
-        name = resolve_backend(r.backend, torch.device(rt.device).type)
-        if name == "vllm":
-            from grpo.rollout.vllm import VLLMBackend
+class SyncedBackend:
+    """The run's rollout backend and its weight-sync bookkeeping. ``make()`` builds the backend at the first
+    rollout (a vLLM engine's memory is not taken before it is needed); `ready` gives it back with the policy's
+    current weights in it (synced whenever the optimizer has stepped since its last sync). A test injects a backend
+    by setting ``backend`` before the first rollout."""
 
-            run.rollout_backend = VLLMBackend.from_run(run, cfg)
-        else:
-            from grpo.trainer.logger import interactive
+    def __init__(self, make: Callable[[], RolloutBackend], runtime):
+        self.make, self.runtime = make, runtime
+        self.backend: RolloutBackend | None = None
+        self.synced_at: tuple | None = None
 
-            run.rollout_backend = HFBackend(lambda: run.runtime.model, run.tokenizer, batch_size=r.batch_size,
-                                            share_prompt=r.share_prompt, progress=rt.is_main and interactive(),
-                                            generate_fn=hf_generate)
-        run.rollout_synced_at = None if name == "hf" else _weights_version(run)  # vLLM's engine starts synced
-    version = _weights_version(run)
-    if run.rollout_synced_at != version:
-        run.rollout_backend.sync_weights(run.runtime.model)
-        run.rollout_synced_at = version
-    return run.rollout_backend
+    def ready(self) -> RolloutBackend:
+        if self.backend is None:
+            self.backend = self.make()
+            # vLLM's engine starts with the weights it was made from; hf samples from the training model itself
+            self.synced_at = None if self.backend.name == "hf" else self._weights_version()
+        version = self._weights_version()
+        if self.synced_at != version:
+            self.backend.sync_weights(self.runtime.model)
+            self.synced_at = version
+        return self.backend
 
+    def _weights_version(self) -> tuple:
+        """Changes whenever the optimizer has stepped: its step count and the scheduler's (either one moving is
+        enough; a sync too many costs one copy, one too few samples from stale weights)."""
+        steps = 0
+        for state in getattr(self.runtime.optimizer, "state", {}).values():
+            s = state.get("step") if isinstance(state, dict) else None
+            if s is not None:
+                steps = int(s)
+                break
+        return (steps, getattr(self.runtime.scheduler, "last_epoch", None))
 
-def _weights_version(run: Run) -> tuple:
-    """Changes whenever the optimizer has stepped: its step count and the scheduler's (either one moving is enough;
-    a sync too many costs one copy, one too few samples from stale weights)."""
-    steps = 0
-    for state in getattr(run.optimizer, "state", {}).values():
-        s = state.get("step") if isinstance(state, dict) else None
-        if s is not None:
-            steps = int(s)
-            break
-    return (steps, getattr(run.scheduler, "last_epoch", None))
-
-
-def close_backend(run: Run) -> None:
-    """Give back the run's rollout engine (a vLLM engine holds memory and a temporary directory)."""
-    if run.rollout_backend is not None:
-        run.rollout_backend.close()
-        run.rollout_backend = None
+    def close(self) -> None:
+        """Give back the rollout engine (a vLLM engine holds memory and a temporary directory)."""
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None

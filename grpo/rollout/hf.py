@@ -22,7 +22,7 @@ from grpo.engine.unwrap import unwrap_model
 def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 8,
              greedy: bool = False, desc: str = "rollout", progress: bool = True, share_prompt: bool = True,
-             min_new_tokens: int = 0, suffixes: list[list[list[int]]] | None = None):
+             min_new_tokens: int = 0, suffixes: list[list[list[int]]] | None = None, context: Callable | None = None):
     """Returns ``(completion_ids, truncated)``: per prompt, ``group_size`` token lists and flags.
 
     With ``share_prompt`` each prompt is prefilled once and its G samples decode against one copy of its K/V
@@ -38,19 +38,20 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
     ``suffixes`` (multi-turn episodes after their first turn): per prompt, the contexts to continue it with, one
     sample each, returned in their order (``group_size`` is then unused). With ``share_prompt`` each prompt is
     prefilled once, its K/V forked to its rows (copied, not held once as above), and each row prefills only its
-    own suffix; without it every prompt + suffix is prefilled whole."""
+    own suffix; without it every prompt + suffix is prefilled whole.
+
+    ``context``: the runtime's ``generation_context`` (`grpo.runtime.base.Runtime`), entered around the decode loop:
+    a multi-process runtime may need every rank in every decoding step (DeepSpeed ZeRO-3: partitioned weights),
+    and yields the options that take (``{"synced_gpus": any_rank}``)."""
     if suffixes is not None and not share_prompt:
         ids, cut = generate(model, tokenizer, flatten(prompt_ids, suffixes), group_size=1,
                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             batch_size=batch_size, greedy=greedy, desc=desc, progress=progress,
-                            min_new_tokens=min_new_tokens)
+                            min_new_tokens=min_new_tokens, context=context)
         return regroup([g[0] for g in ids], suffixes), regroup([g[0] for g in cut], suffixes)
     if not greedy:
         _warn_truncated_sampling(top_p, top_k)
-    # A multi-process runtime may need every rank in every decoding step (DeepSpeed ZeRO-3: partitioned
-    # weights): its model carries a context that prepares it and yields options ({"synced_gpus": any_rank}).
-    ready = getattr(model, "grpo_generation_context", None)
-    with ready() if ready is not None else contextlib.nullcontext({}) as extra:
+    with context() if context is not None else contextlib.nullcontext({}) as extra:
         return _generate(unwrap_model(model, peft=False), tokenizer, prompt_ids, group_size=group_size,
                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                          batch_size=batch_size, greedy=greedy, desc=desc, progress=progress, extra=extra,

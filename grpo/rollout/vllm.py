@@ -85,18 +85,16 @@ class VLLMBackend:
         self.sync_weights(model)
 
     @classmethod
-    def from_run(cls, run, cfg) -> "VLLMBackend":
-        """One engine for this run: max_model_len from the longest prompt of the data + rollout.max_new_tokens."""
-        rt, v = run.runtime, cfg.rollout.vllm
-        longest = max((len(r["prompt_ids"]) for split in (run.splits.train, run.splits.eval) for r in split),
-                      default=cfg.data.max_prompt_tokens)
-        max_len = v.max_model_len or longest + cfg.rollout.max_new_tokens
+    def for_runtime(cls, runtime, tokenizer, v, max_model_len: int, seed: int) -> "VLLMBackend":
+        """One engine for this run's ``runtime``. ``v``: the run's `VLLMConfig` section (rollout.vllm);
+        ``max_model_len``: the longest prompt of the data + rollout.max_new_tokens unless rollout.vllm says."""
         from grpo.rollout.hf import _eos_ids
 
+        rt = runtime
         device = torch.device(rt.device).type
         try:
-            return cls(rt.model, eos_ids=_eos_ids(unwrap_model(rt.model), run.tokenizer), max_model_len=max_len,
-                       seed=cfg.trainer.seed, device=device, gpu_memory_utilization=v.gpu_memory_utilization,
+            return cls(rt.model, eos_ids=_eos_ids(unwrap_model(rt.model), tokenizer), max_model_len=max_model_len,
+                       seed=seed, device=device, gpu_memory_utilization=v.gpu_memory_utilization,
                        kv_cache_gib=v.kv_cache_gib, enforce_eager=v.enforce_eager,
                        enable_prefix_caching=v.enable_prefix_caching, sleep=v.sleep, full_weights=rt.full_weights,
                        process_group=(rt.rank, rt.local_rank) if rt.process_group else None)

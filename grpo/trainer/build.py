@@ -21,12 +21,14 @@ from grpo.errors import SetupError
 from grpo.models import check_name, load_model, load_reference, load_tokenizer
 from grpo.rewards.score import RewardFunction, in_worker
 from grpo.rewards.score import build as build_rewards
-from grpo.rollout.backends import close_backend
-from grpo.rollout.episodes.runs import environment_reward
+from grpo.rollout.backends import HFBackend, SyncedBackend, resolve_backend
+from grpo.rollout.episodes.runs import environment_reward, turn_loop_maker, uses_chat
 from grpo.rollout.episodes.spec import build_toolset, check_template
 from grpo.rollout.episodes.worker import ToolWorker
 from grpo.runtime.base import Runtime
+from grpo.trainer.logger import interactive
 from grpo.trainer.run import Run
+from grpo.trainer.settings import derive
 
 
 def set_seed(seed: int) -> None:
@@ -37,9 +39,12 @@ def set_seed(seed: int) -> None:
 
 def make_runtime(cfg: Config) -> Runtime:
     if cfg.distributed.backend == "deepspeed":
+        from grpo.runtime.base import RunShape
         from grpo.runtime.deepspeed import DeepSpeedRuntime
 
-        return DeepSpeedRuntime(cfg)
+        shape = RunShape(cfg.rollout.prompts_per_step, cfg.algorithm.group_size, cfg.trainer.max_grad_norm,
+                         cfg.model.dtype)
+        return DeepSpeedRuntime(cfg.distributed, shape, cfg.trainer.device)
     from grpo.runtime.local import LocalRuntime
 
     return LocalRuntime(cfg.trainer.device)
@@ -110,12 +115,34 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.trainer))
     runtime.setup(policy, optimizer, scheduler)
     from grpo.trainer.budget import plan as plan_memory  # sizes `auto`, refuses a prompt + completion that cannot fit
-    cfg.engine.max_tokens_per_micro_batch = plan_memory(cfg, splits, runtime)
+    settings = derive(cfg, plan_memory(cfg, splits, runtime), chat=uses_chat(cfg.data, tokenizer))
     sampler = PromptSampler(len(splits.train), seed=cfg.trainer.seed)
-    worker = ToolWorker(toolset.environment, cfg.rollout.tool_timeout_s) if toolset is not None else None
-    return Run(runtime, tokenizer, policy, reference, splits, rewards, sampler,
+    worker = turn_loop = None
+    if toolset is not None:
+        worker = ToolWorker(toolset.environment, cfg.rollout.tool_timeout_s)
+        turn_loop = turn_loop_maker(settings.episodes, tokenizer, toolset, worker, cfg.data, runtime)
+    progress = runtime.is_main and interactive()
+    greedy = HFBackend(lambda: runtime.model, tokenizer, batch_size=settings.evaluation.batch_size,
+                       progress=progress, context=runtime.generation_context, desc="eval")
+    return Run(runtime, tokenizer, policy, reference, splits, rewards, sampler, settings,
+               SyncedBackend(backend_maker(cfg, runtime, tokenizer, splits), runtime), greedy,
                completion_format=cfg.reward.completion_format, owns_output_dir=owner, toolset=toolset,
-               tool_worker=worker)
+               tool_worker=worker, turn_loop=turn_loop)
+
+
+def backend_maker(cfg: Config, runtime: Runtime, tokenizer, splits: data.Splits):
+    """``make() -> RolloutBackend``: the backend rollout.backend names (made at the first rollout)."""
+    r = cfg.rollout
+    if resolve_backend(r.backend, torch.device(runtime.device).type) == "vllm":
+        from grpo.rollout.vllm import VLLMBackend
+
+        longest = max((len(row["prompt_ids"]) for split in (splits.train, splits.eval) for row in split),
+                      default=cfg.data.max_prompt_tokens)
+        max_len = r.vllm.max_model_len or longest + r.max_new_tokens
+        return lambda: VLLMBackend.for_runtime(runtime, tokenizer, r.vllm, max_len, cfg.trainer.seed)
+    progress = runtime.is_main and interactive()
+    return lambda: HFBackend(lambda: runtime.model, tokenizer, batch_size=r.batch_size, share_prompt=r.share_prompt,
+                             progress=progress, context=runtime.generation_context)
 
 
 def owns_output_dir(runtime: Runtime, output_dir: str) -> bool:
@@ -156,7 +183,7 @@ def lr_lambda(tcfg: TrainerConfig):
 
 def close_run(run: Run) -> None:
     """Give back what the run holds outside Python's reach: the rollout engine, the tool and reward workers."""
-    close_backend(run)
+    run.rollout.close()
     if run.tool_worker is not None:
         run.tool_worker.kill()
     for worker in {id(rf.worker): rf.worker for rf in run.rewards if rf.worker is not None}.values():

@@ -4,43 +4,34 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from grpo.config.schema import Config
-from grpo.rollout.base import Completions, Sampling
-from grpo.rollout.episodes.runs import episode_columns, turn_loop
+from grpo.experience import score_groups
+from grpo.rollout.base import Sampling
+from grpo.rollout.episodes.runs import episode_columns
 from grpo.rollout.episodes.turns import episode_metrics
-from grpo.rollout.hf import generate
-from grpo.trainer.logger import interactive
 
 if TYPE_CHECKING:
     from grpo.trainer.run import Run
 
 
-def evaluate(run: Run, cfg: Config, label: str) -> dict:
-    """Mean reward and each function's mean on the held-out split (greedy). Empty when there is none.
-    The function named ``accuracy`` (if any) is the headline number."""
+def evaluate(run: Run, label: str) -> dict:
+    """Mean reward and each function's mean on the held-out split (greedy: ``run.eval_backend``, sized by
+    ``run.settings.evaluation``). Empty when there is none. The function named ``accuracy`` (if any) is the
+    headline number."""
     rows = run.splits.eval
     if not rows:
         return {}
-    rt = run.runtime
+    rt, backend = run.runtime, run.eval_backend
     shard = rows[rt.rank::rt.world_size]
     # every rank generates as many prompts (ZeRO-3 ranks decode in lockstep); the padding is not scored
     padded = shard + shard[-1:] * (-(-len(rows) // rt.world_size) - len(shard))
-    max_new = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
-
-    def greedy(prompt_ids, group_size=1, sampling=None, seed=None, suffixes=None) -> Completions:
-        return Completions(*generate(rt.model, run.tokenizer, prompt_ids, group_size=1, max_new_tokens=max_new,
-                                     batch_size=max(cfg.rollout.batch_size * cfg.algorithm.group_size, 1),
-                                     greedy=True, desc=f"eval {label}", progress=rt.is_main and interactive(),
-                                     suffixes=suffixes))
-    from grpo.experience import score_groups
-
+    greedy = Sampling(run.settings.evaluation.max_new_tokens, greedy=True)
+    backend.desc = f"eval {label}"
     extra = episode_stats = None
-    if run.toolset is None:
-        out = greedy([r["prompt_ids"] for r in padded])
+    if run.turn_loop is None:
+        out = backend.generate([r["prompt_ids"] for r in padded], 1, greedy)
         comps, trunc = out.ids[:len(shard)], out.truncated[:len(shard)]
     else:  # the same turn loop as training, greedy; the padding's episodes are dropped before counting
-        eps = turn_loop(run, cfg, greedy).run(padded, [r["prompt_ids"] for r in padded], 1,
-                                              Sampling(max_new, greedy=True))
+        eps = run.turn_loop(backend.generate).run(padded, [r["prompt_ids"] for r in padded], 1, greedy)
         eps.groups, eps.prompt_ids = eps.groups[:len(shard)], eps.prompt_ids[:len(shard)]
         comps, trunc, extra = eps.completion_ids, eps.truncated, episode_columns(eps)
         episode_stats = episode_metrics(rt.all_reduce(eps.sums()), prefix="")

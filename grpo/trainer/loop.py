@@ -18,7 +18,7 @@ from grpo.trainer.checkpoint import restore, save_checkpoint, save_final
 from grpo.trainer.evaluate import evaluate
 from grpo.trainer.run import LoopState, Run
 from grpo.trainer.signals import StopSignals
-from grpo.update import UpdateSettings, policy_update
+from grpo.update import policy_update
 
 
 def train(cfg: Config) -> dict:
@@ -39,14 +39,13 @@ def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
     if start >= cfg.trainer.max_steps and start > 0:
         return _already_done(run, cfg, log, start)
     summary = {"eval_before": _eval_before(run, cfg, log, start)}
-    settings = UpdateSettings.from_config(cfg)
     for step in range(start + 1, cfg.trainer.max_steps + 1):
         t0 = time.time()
         if state.buffer is None or (step - 1) % mu == 0:
-            state.buffer = experience.collect(run, cfg)  # rollout -> rewards -> advantages -> old/ref log-probs
+            state.buffer = experience.collect(run)  # rollout -> rewards -> advantages -> old/ref log-probs
             _count_reward_failures(state, run, cfg)
         batch, t1 = state.buffer, time.time()
-        stats = policy_update(run.runtime, batch, settings)
+        stats = policy_update(run.runtime, batch, run.settings.update)
         if not stats.get("empty_batch"):  # an empty batch (nothing to learn from) is skipped, but is not "bad"
             state.bad_steps = state.bad_steps + 1 if stats["skipped"] else 0
         state.skipped_steps += int(stats["skipped"])
@@ -55,7 +54,7 @@ def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
                    "time/experience_s": t1 - t0, "time/update_s": time.time() - t1}
         metrics.setdefault("kl", batch.stats.get("kl"))  # None with beta = 0: there is no reference
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.max_steps:
-            metrics.update({f"eval/{k}": v for k, v in evaluate(run, cfg, f"step {step}").items()})
+            metrics.update({f"eval/{k}": v for k, v in evaluate(run, f"step {step}").items()})
         log.log(metrics, console=step % cfg.logging.log_every == 0)
         if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
             log.samples(step, experience.sample_rows(run, batch, cfg.logging.num_samples))
@@ -77,7 +76,7 @@ def _eval_before(run: Run, cfg: Config, log: logger.MetricsLogger, start: int) -
     """Step 0's held-out evaluation; a resumed run's "before" is the one it logged when it started."""
     if start > 0:
         return log.logged_eval(0)
-    before = evaluate(run, cfg, "before")
+    before = evaluate(run, "before")
     log.truncate_after(-1)  # a fresh run in a used directory starts a fresh metrics.jsonl
     log.log({"step": 0, **{f"eval/{k}": v for k, v in before.items()}}, console=False)
     return before
@@ -112,7 +111,7 @@ def _already_done(run: Run, cfg: Config, log: logger.MetricsLogger, start: int) 
 def _finish(run: Run, state: LoopState, cfg: Config, log: logger.MetricsLogger, summary: dict) -> dict:
     """After the last step: held-out evaluation, the last checkpoint, final/, the console report."""
     state.step = max(cfg.trainer.max_steps, state.step)
-    summary["eval_after"] = evaluate(run, cfg, "after")
+    summary["eval_after"] = evaluate(run, "after")
     log.log({"step": state.step, **{f"eval/{k}": v for k, v in summary["eval_after"].items()}}, console=False)
     save_checkpoint(run, state, cfg)
     save_final(run, cfg)

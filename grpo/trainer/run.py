@@ -2,23 +2,26 @@
 few values the training loop changes from step to step (and `grpo.trainer.checkpoint` saves and restores).
 
 The built objects keep their own internal state (weights, optimizer moments, the schedule, the sampler's
-position), which checkpoints save and restore in place; nothing else writes into a `Run` (except
-`grpo.rollout.backends`, which creates the rollout engine on first use and notes when it last synced).
+position), which checkpoints save and restore in place; nothing writes into a `Run` after it is built. Its
+``settings`` (`grpo.trainer.settings`) are what every stage reads instead of the config.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from grpo.batch import Batch
 from grpo.data import PromptSampler, Splits
 from grpo.rewards.score import RewardFunction
+from grpo.rollout.backends import SyncedBackend
 from grpo.rollout.base import RolloutBackend
 from grpo.rollout.episodes.spec import Toolset
 from grpo.rollout.episodes.worker import ToolWorker
 from grpo.runtime.base import Runtime
+from grpo.trainer.settings import RunSettings
 
 
 @dataclass
@@ -30,16 +33,17 @@ class Run:
     splits: Splits
     rewards: list[RewardFunction]
     sampler: PromptSampler
+    settings: RunSettings                 # what every stage reads (derived from the config once)
+    rollout: SyncedBackend                # the rollout backend (made at the first rollout) and its weight syncs
+    eval_backend: RolloutBackend          # held-out evaluation: greedy, our decode loop on the training model
     completion_format: str = "auto"       # what rewards receive: text | messages | auto (follow the data)
     owns_output_dir: bool = True          # finalises checkpoints in its output_dir (rank 0; a node's first rank
                                           # when that node's output_dir is not rank 0's, see `build.owns_output_dir`)
-    # the rollout engine, created at the first rollout and closed by `build.close_run`; the optimizer/scheduler
-    # step its weights were last synced at (both set only by `grpo.rollout.backends`)
-    rollout_backend: RolloutBackend | None = None
-    rollout_synced_at: tuple | None = None
-    # multi-turn episodes (rollout.tools / rollout.environment): what they are, and the process their calls run in
+    # multi-turn episodes (rollout.tools / rollout.environment): what they are, the process their calls run in, and
+    # ``turn_loop(generate, seed_for=None) -> TurnLoop`` over a backend's generate
     toolset: Toolset | None = None
     tool_worker: ToolWorker | None = None
+    turn_loop: Callable | None = None
 
     @property
     def model(self) -> torch.nn.Module:

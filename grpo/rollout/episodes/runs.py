@@ -2,37 +2,37 @@
 and the environment's ``reward()`` as a reward function (logged as ``reward/<ClassName>``)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from grpo import data
-from grpo.engine.memory import parse_budget
 from grpo.rewards.score import RewardFunction
 from grpo.rollout.episodes.spec import Toolset
 from grpo.rollout.episodes.turns import Episodes, EpisodeSettings, TurnLoop
-
-if TYPE_CHECKING:
-    from grpo.config.schema import Config
-    from grpo.trainer.run import Run
+from grpo.rollout.episodes.worker import ToolWorker
 
 
-def uses_chat(cfg: Config, tokenizer) -> bool:
-    return bool(cfg.data.chat_template and getattr(tokenizer, "chat_template", None))
+def uses_chat(dcfg, tokenizer) -> bool:
+    """Whether turns are rendered by the chat template (``dcfg``: the run's `DataConfig` section)."""
+    return bool(dcfg.chat_template and getattr(tokenizer, "chat_template", None))
 
 
-def turn_loop(run: Run, cfg: Config, generate: Callable, seed_for: Callable | None = None) -> TurnLoop:
-    """The turn loop of ``run`` over ``generate`` (a backend's ``generate``)."""
-    r, tok = cfg.rollout, run.tokenizer
-    schemas = list(run.toolset.schemas) or None
+def turn_loop_maker(settings: EpisodeSettings, tokenizer, toolset: Toolset, worker: ToolWorker, dcfg,
+                    runtime) -> Callable[..., TurnLoop]:
+    """``make(generate, seed_for=None) -> TurnLoop``: the run's turn loop over ``generate`` (a backend's
+    ``generate``). ``dcfg``: the run's `DataConfig` section (how a prompt's turns are rendered)."""
+    schemas = list(toolset.schemas) or None
 
     def prompt_for(row: dict, text: str):
-        prompt = data.render_turns(data.with_extra_text(row["prompt_turns"], text), cfg.data, tok, schemas)
-        return prompt, tok(prompt, add_special_tokens=False)["input_ids"]
+        prompt = data.render_turns(data.with_extra_text(row["prompt_turns"], text), dcfg, tokenizer, schemas)
+        return prompt, tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
-    most = lambda n: int(run.runtime.all_max({"n": float(n)})["n"])  # noqa: E731
-    return TurnLoop(generate, tok, run.toolset, run.tool_worker,
-                    EpisodeSettings(r.max_turns, r.max_tool_tokens, uses_chat(cfg, tok), r.max_new_tokens,
-                                    max_tokens=parse_budget(cfg.engine.max_tokens_per_micro_batch) or 0), most=most,
-                    seed_for=seed_for or (lambda turn: None), prompt_for=prompt_for)
+    most = lambda n: int(runtime.all_max({"n": float(n)})["n"])  # noqa: E731
+
+    def make(generate: Callable, seed_for: Callable | None = None) -> TurnLoop:
+        return TurnLoop(generate, tokenizer, toolset, worker, settings, most=most,
+                        seed_for=seed_for or (lambda turn: None), prompt_for=prompt_for)
+
+    return make
 
 
 def episode_columns(eps: Episodes) -> dict[str, list]:
