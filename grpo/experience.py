@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.algorithm.advantages import compute_advantages, zero_std_groups
-from grpo.algorithm.loss import kl_estimate
+from grpo.algorithm.kl import kl_estimate
 from grpo.batch import Batch
 from grpo.config.schema import AlgorithmConfig, EngineConfig
 from grpo.engine.batch_logprobs import nested_logprobs
@@ -121,14 +121,14 @@ def _filter_and_refill(run: Run, batch: Batch, zero: list[bool]) -> Batch:
     first round (the policy's on-policy sample); extra rounds do not count towards reward.max_failed_steps."""
     rt, a = run.runtime, run.settings.collect.algorithm
     target = len(batch.completion_ids)
-    kept = _select_groups(batch, [not z for z in zero])
+    kept = batch.select([not z for z in zero])
     dropped, rounds = sum(zero), 0
     while rounds < a.resample_zero_std and rt.any_rank(len(kept.completion_ids) < target):
         rounds += 1
         extra = _rollout(run)
         z = zero_std_groups(extra.rewards, extra.group_sizes)
         dropped += sum(z)
-        kept = _concat(kept, _select_groups(extra, [not x for x in z]), target)
+        kept = _concat(kept, extra.select([not x for x in z]), target)
         for k in ("time/rollout_s", "time/reward_s"):
             batch.stats[k] += extra.stats[k]
     n = rt.all_reduce({"dropped": float(dropped), "groups": float(len(kept.completion_ids))})
@@ -187,33 +187,10 @@ def _std(s: float, s2: float, n: float) -> float:
     return max((s2 - s * s / n) / (n - 1), 0.0) ** 0.5
 
 
-def _select_groups(batch: Batch, keep: list[bool]) -> Batch:
-    sizes = batch.group_sizes
-    flat_keep = [k for k, g in zip(keep, sizes) for _ in range(g)]
-    pick = lambda xs: [x for x, k in zip(xs, keep) if k]  # noqa: E731
-    idx = torch.tensor([i for i, k in enumerate(flat_keep) if k], dtype=torch.long)
-    return Batch(pick(batch.rows), pick(batch.prompt_ids), pick(batch.completion_ids), pick(batch.truncated),
-                 batch.rewards[idx], batch.advantages[idx],
-                 pick(batch.old_logps) if batch.old_logps is not None else None,
-                 pick(batch.ref_logps) if batch.ref_logps is not None else None, dict(batch.stats),
-                 sampling_logps=pick(batch.sampling_logps) if batch.sampling_logps is not None else None,
-                 completion_masks=pick(batch.completion_masks) if batch.completion_masks is not None else None,
-                 episodes=pick(batch.episodes) if batch.episodes is not None else None)
-
-
 def _concat(a: Batch, b: Batch, limit: int) -> Batch:
     """``a`` followed by as many groups of ``b`` as fit in ``limit`` groups (before any log-probs)."""
     room = max(limit - len(a.completion_ids), 0)
-    b = _select_groups(b, [i < room for i in range(len(b.completion_ids))])
-    return Batch(a.rows + b.rows, a.prompt_ids + b.prompt_ids, a.completion_ids + b.completion_ids,
-                 a.truncated + b.truncated, torch.cat([a.rewards, b.rewards]), torch.cat([a.advantages, b.advantages]),
-                 stats=a.stats, sampling_logps=None if a.sampling_logps is None or b.sampling_logps is None
-                 else a.sampling_logps + b.sampling_logps,
-                 completion_masks=_join(a.completion_masks, b.completion_masks), episodes=_join(a.episodes, b.episodes))
-
-
-def _join(a: list | None, b: list | None) -> list | None:
-    return None if a is None or b is None else a + b
+    return a.concat(b.select([i < room for i in range(len(b.completion_ids))]))
 
 
 def sample_rows(run: Run, batch: Batch, n: int) -> list[dict]:

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.algorithm.loss import BatchCounts, grpo_loss, pad, token_weights
+from grpo.algorithm.aggregation import BatchCounts, token_weights
+from grpo.algorithm.loss import objective, pad
 from grpo.algorithm.rollout_is import MismatchMeter
 from grpo.batch import Batch
 from grpo.config.schema import AlgorithmConfig, EngineConfig
@@ -72,11 +73,11 @@ def policy_update(runtime: Runtime, batch: Batch, settings: UpdateSettings) -> d
     grad_norm, stepped = runtime.step(settings.max_grad_norm)
     totals = runtime.all_reduce({**totals, **(meter.sums if meter is not None else {})})
     tokens = max(totals.get("tokens", 0.0), 1.0)
+    mean = lambda *keys: sum(totals[k] for k in keys) / tokens if all(k in totals for k in keys) else None  # noqa
     out = {"loss": totals["loss"], "grad_norm": grad_norm, "skipped": not stepped, "empty_batch": False,
-           "entropy": totals["entropy"] / tokens, "clip_ratio_low": totals["clip_low"] / tokens,
-           "clip_ratio_high": totals["clip_high"] / tokens,
-           "clip_ratio": (totals["clip_low"] + totals["clip_high"]) / tokens,
-           "ratio_mean": totals["ratio"] / tokens}
+           "entropy": totals["entropy"] / tokens, "clip_ratio_low": mean("clip_low"),
+           "clip_ratio_high": mean("clip_high"), "clip_ratio": mean("clip_low", "clip_high"),
+           "ratio_mean": mean("ratio")}  # None: a policy loss that does not clip or report its ratio
     if "kl" in totals:
         out["kl"] = totals["kl"] / tokens
     if meter is not None:
@@ -109,11 +110,8 @@ def _micro_batch(runtime: Runtime, batch: Batch, mb, keep: list[bool], counts: B
     adv = batch.advantages[flat].to(lp.device) if mb else torch.zeros(1, device=lp.device)
     is_w = meter.weights(old if old is not None else lp, _gather(batch.sampling_logps, flat, lp), mask) \
         if meter is not None and mb else None
-    loss, stats = grpo_loss(lp, old, ref, adv, mask, token_weights(mask, acfg.loss_agg, counts),
-                            beta=0.0 if acfg.kl_in_reward else acfg.beta, epsilon=acfg.epsilon,
-                            epsilon_high=acfg.epsilon_high, delta=acfg.delta,
-                            kl_estimator=acfg.kl_estimator, importance_sampling=acfg.importance_sampling,
-                            rollout_weights=is_w)
+    loss, stats = objective(lp, old, ref, adv, mask, token_weights(mask, acfg.loss_agg, counts), acfg,
+                            rollout_weights=is_w, kl_coef=0.0 if acfg.kl_in_reward else acfg.beta)
     runtime.backward(loss)
     ent, _ = pad([t.detach() for group in ents for t in group])
     return {"loss": float(loss.detach()), "entropy": float((ent * mask).sum()),

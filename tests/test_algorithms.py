@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from grpo.algorithm.advantages import compute_advantages
-from grpo.algorithm.loss import BatchCounts, grpo_loss, token_weights
+from grpo.algorithm.aggregation import BatchCounts, token_weights
+from grpo.algorithm.loss import grpo_loss
 
 FAST = {"data": {"num_eval": 0}, "logging": {"sample_every": 0, "plot": False}, "rollout": {"max_new_tokens": 8}}
 

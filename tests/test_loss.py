@@ -3,7 +3,10 @@ import math
 import pytest
 import torch
 
-from grpo.algorithm.loss import BatchCounts, grpo_loss, importance_ratio, kl_estimate, pad, token_weights
+from grpo.algorithm.aggregation import BatchCounts, token_weights
+from grpo.algorithm.kl import kl_estimate
+from grpo.algorithm.loss import grpo_loss, pad
+from grpo.algorithm.policy_loss import importance_ratio
 
 
 def test_kl_estimators_hand_computed():

@@ -1,106 +1,58 @@
-"""The GRPO objective: PPO-style clipped ratio plus a KL penalty to the reference, per token.
+"""The GRPO objective per token: a registered policy loss (`grpo.algorithm.policy_loss`), the rollout correction's
+weights on it, plus a KL penalty to the reference (`grpo.algorithm.kl`), aggregated by batch-wide token weights
+(`grpo.algorithm.aggregation`).
 
-All functions are pure and work on right-padded ``[B, T]`` tensors with a 0/1 ``mask``. The
-aggregation over tokens is expressed as per-token weights computed from *batch-wide* counts, so
-summing the loss of micro-batches gives exactly the full-batch loss (gradient accumulation does not
-change which aggregation is computed).
+All functions are pure and work on right-padded ``[B, T]`` tensors with a 0/1 ``mask``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from grpo.algorithm.aggregation import BatchCounts, token_weights
+from grpo.algorithm.kl import kl_estimate
+from grpo.algorithm.policy_loss import get_policy_loss
+from grpo.config.schema import AlgorithmConfig
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3)."""
-    log_ratio = ref_logp - logp  # log pi_ref / pi
-    if estimator == "k1":
-        return -log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio ** 2
-    if estimator == "k3":
-        return torch.exp(log_ratio) - log_ratio - 1
-    raise ValueError(f"kl_estimator must be k1, k2 or k3, got {estimator!r}")
+__all__ = ["BatchCounts", "grpo_loss", "kl_estimate", "objective", "pad", "token_weights"]
 
 
-@dataclass(frozen=True)
-class BatchCounts:
-    """Batch-wide counts that fix the aggregation's denominators (over *all* micro-batches)."""
-
-    num_seqs: int
-    num_tokens: int
-    max_len: int  # constant length for dr_grpo (rollout.max_new_tokens)
-
-
-def token_weights(mask: torch.Tensor, agg: str, counts: BatchCounts) -> torch.Tensor:
-    """Weight of every token so that ``(per_token_loss * weights).sum()`` is the aggregated loss.
-
-    token_mean:            sum over all tokens / total tokens                      (DAPO)
-    seq_mean_token_mean:   mean over sequences of each sequence's token mean       (GRPO paper)
-    seq_mean_token_sum:    mean over sequences of each sequence's token sum
-    dr_grpo:               sum over all tokens / (num sequences * constant max length)  (Dr. GRPO)
-    """
-    mask = mask.float()
-    if agg == "token_mean":
-        return mask / max(counts.num_tokens, 1)
-    if agg == "seq_mean_token_mean":
-        lengths = mask.sum(-1, keepdim=True).clamp(min=1)
-        return mask / lengths / max(counts.num_seqs, 1)
-    if agg == "seq_mean_token_sum":
-        return mask / max(counts.num_seqs, 1)
-    if agg == "dr_grpo":
-        return mask / (max(counts.num_seqs, 1) * counts.max_len)
-    raise ValueError(f"loss_agg must be token_mean, seq_mean_token_mean, seq_mean_token_sum or dr_grpo, got {agg!r}")
-
-
-def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
-                     level: str = "token") -> torch.Tensor:
-    """rho = pi / pi_old per token, or GSPO's length-normalised sequence ratio broadcast to tokens."""
-    log_ratio = logp - old_logp
-    if level == "token":
-        return torch.exp(log_ratio)
-    if level == "sequence":
-        seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-        return torch.exp(seq).expand_as(logp)
-    raise ValueError(f"importance_sampling must be token or sequence, got {level!r}")
-
-
-def grpo_loss(logp, old_logp, ref_logp, advantages, mask, weights, *, beta: float = 0.0,
-              epsilon: float = 0.2, epsilon_high: float | None = None, delta: float | None = None,
-              kl_estimator: str = "k3", importance_sampling: str = "token", rollout_weights=None):
+def objective(logp, old_logp, ref_logp, advantages, mask, weights, algorithm: AlgorithmConfig,
+              rollout_weights=None, kl_coef: float | None = None):
     """Returns ``(loss, stats)``: the weighted loss of this (micro-)batch and token-summed statistics.
 
-    logp, old_logp, ref_logp, mask, weights: ``[B, T]``; advantages: ``[B]``. ``old_logp=None`` means
-    one inner iteration (old = logp.detach(), ratio 1); ``ref_logp=None`` or ``beta=0`` skips the KL.
-    stats are sums over masked tokens (divide by ``stats["tokens"]`` for means). ``rollout_weights`` ``[B, T]``
-    (optional, no gradient): the rollout importance-sampling weights (`grpo.algorithm.rollout_is`) that multiply the
-    policy term of every token, not the KL penalty.
+    Args:
+        logp, old_logp, ref_logp, mask, weights: ``[B, T]``. ``old_logp=None``: one inner iteration (old =
+            logp.detach(), ratio 1); ``ref_logp=None`` or a zero KL coefficient skips the KL.
+        advantages: ``[B]``.
+        algorithm: the run's `AlgorithmConfig`: ``policy_loss`` and its hyperparameters, ``kl_estimator``, ``beta``.
+        rollout_weights: ``[B, T]`` or None, no gradient: the rollout importance-sampling weights
+            (`grpo.algorithm.rollout_is`) that multiply the policy term of every token, not the KL penalty.
+        kl_coef: the KL penalty's coefficient (default ``algorithm.beta``; 0 with the KL in the reward).
+
+    Returns:
+        ``(loss, stats)``: stats are sums over masked tokens (divide by ``stats["tokens"]`` for means).
     """
     mask = mask.float()
     old_logp = logp.detach() if old_logp is None else old_logp
-    eps_high = epsilon if epsilon_high is None else epsilon_high
-    adv = advantages.unsqueeze(-1)
-    ratio = importance_ratio(logp, old_logp, mask, importance_sampling)
-    capped = torch.clamp(ratio, max=delta) if delta is not None else ratio
-    unclipped = capped * adv
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv
-    per_token = -torch.min(unclipped, clipped)
+    per_token, policy_stats = get_policy_loss(algorithm.policy_loss)(logp, old_logp, advantages, mask, algorithm)
     if rollout_weights is not None:
         per_token = per_token * rollout_weights
     stats = {"tokens": mask.sum()}
+    beta = algorithm.beta if kl_coef is None else kl_coef
     if beta > 0 and ref_logp is not None:
-        kl = kl_estimate(logp, ref_logp, kl_estimator)
+        kl = kl_estimate(logp, ref_logp, algorithm.kl_estimator)                        # [B, T]
         per_token = per_token + beta * kl
         stats["kl"] = (kl.detach() * mask).sum()
     loss = (per_token * weights).sum()
-    with torch.no_grad():
-        low = (ratio < 1 - epsilon) & (adv < 0)
-        high = (ratio > 1 + eps_high) & (adv > 0)
-        stats["clip_low"] = (low.float() * mask).sum()
-        stats["clip_high"] = (high.float() * mask).sum()
-        stats["ratio"] = (ratio.detach() * mask).sum()
-    return loss, stats
+    return loss, {**stats, **policy_stats}
+
+
+def grpo_loss(logp, old_logp, ref_logp, advantages, mask, weights, *, beta: float = 0.0, rollout_weights=None,
+              **algorithm):
+    """`objective` with the algorithm's keys as keyword arguments (``epsilon``, ``epsilon_high``, ``delta``,
+    ``kl_estimator``, ``importance_sampling``, ``policy_loss``; the others as `AlgorithmConfig`'s defaults)."""
+    return objective(logp, old_logp, ref_logp, advantages, mask, weights, AlgorithmConfig(beta=beta, **algorithm),
+                     rollout_weights)
 
 
 def pad(seqs: list[torch.Tensor], value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from grpo import data
+from grpo.algorithm.policy_loss import get_policy_loss
 from grpo.config.schema import Config, TrainerConfig
 from grpo.data import PromptSampler
 from grpo.errors import SetupError
@@ -75,6 +76,7 @@ def preflight(cfg: Config) -> list[RewardFunction]:
         raise SetupError(f"reward.functions.{toolset.env_name}: the environment's reward() is logged under that name; "
                          "rename the reward function")
     data.check_source(cfg.data)
+    get_policy_loss(cfg.algorithm.policy_loss)  # a registered name, or a module:function that imports
     return rewards
 
 

@@ -41,14 +41,17 @@ def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
     summary = {"eval_before": _eval_before(run, cfg, log, start)}
     for step in range(start + 1, cfg.trainer.max_steps + 1):
         t0 = time.time()
+        # 1. experience: rollout -> rewards -> advantages -> old/ref log-probs (every mu steps; else the buffer's)
         if state.buffer is None or (step - 1) % mu == 0:
-            state.buffer = experience.collect(run)  # rollout -> rewards -> advantages -> old/ref log-probs
+            state.buffer = experience.collect(run)
             _count_reward_failures(state, run, cfg)
         batch, t1 = state.buffer, time.time()
+        # 2. one optimizer step on it
         stats = policy_update(run.runtime, batch, run.settings.update)
         if not stats.get("empty_batch"):  # an empty batch (nothing to learn from) is skipped, but is not "bad"
             state.bad_steps = state.bad_steps + 1 if stats["skipped"] else 0
         state.skipped_steps += int(stats["skipped"])
+        # 3. metrics, held-out evaluation, samples
         metrics = {"step": step, **batch.stats, **stats, "skipped_steps": state.skipped_steps,
                    "lr": run.scheduler.get_last_lr()[0], "step_time_s": time.time() - t0,
                    "time/experience_s": t1 - t0, "time/update_s": time.time() - t1}
@@ -58,6 +61,7 @@ def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
         log.log(metrics, console=step % cfg.logging.log_every == 0)
         if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
             log.samples(step, experience.sample_rows(run, batch, cfg.logging.num_samples))
+        # 4. the loop's state; checkpoint and stop when asked, or when steps keep going bad
         state.step, state.buffer = step, batch if step % mu else None
         state.stop_requested = run.runtime.any_rank(signals.requested)  # every rank stops after the same step
         if state.bad_steps >= cfg.trainer.max_bad_steps:

@@ -8,12 +8,10 @@ turn, until it returns None).
 """
 from __future__ import annotations
 
-import importlib
 import inspect
-import os
-import sys
 from dataclasses import dataclass, field
 
+from grpo.config.objects import load_object
 from grpo.errors import ConfigError
 
 RESERVED = ("reset", "reward", "step")
@@ -30,24 +28,6 @@ class Toolset:
     environment: str | None = None                       # 'module:Class'
     env_name: str | None = None                          # the class name (reward/<ClassName>)
     env_reward: bool = False                             # the environment defines reward()
-
-
-def load_object(spec: str, key: str):
-    """The object ``'package.module:attr'`` names; a one-line ConfigError naming ``key`` when it cannot."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"{key}={spec!r} must be 'package.module:name'")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())  # like `python -m`: modules beside where the trainer runs
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or the module failing on import
-        raise ConfigError(f"{key}={spec!r}: cannot import module {module_name!r} ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    obj = getattr(module, attr, None)
-    if obj is None:
-        raise ConfigError(f"{key}={spec!r}: module {module_name!r} has no {attr!r}")
-    return obj
 
 
 def tool_schema(fn, key: str) -> dict:

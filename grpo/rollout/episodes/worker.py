@@ -119,14 +119,14 @@ def _describe(e: BaseException) -> str:
 
 
 def _handle(request: tuple):
-    import importlib
+    from grpo.config.objects import import_attr
 
     objects, envs = _objects, _envs
 
     def load(spec):
         if spec not in objects:
             module, _, attr = spec.partition(":")
-            objects[spec] = getattr(importlib.import_module(module), attr)
+            objects[spec] = import_attr(module, attr)
         return objects[spec]
 
     kind = request[0]
