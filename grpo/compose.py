@@ -159,11 +159,35 @@ def compose(overrides: list[str]) -> DictConfig:
         try:
             raw = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
         except Exception as e:  # noqa: BLE001 - Hydra's composition errors, as one line
-            raise ConfigError(hydra_error_line(e)) from None
+            typo = _reward_typo(overrides, lambda ov: hydra_compose(config_name="config", overrides=ov))
+            raise ConfigError(typo or hydra_error_line(e)) from None
         choices = OmegaConf.to_container(raw.hydra.runtime.choices)
         out = apply_precedence(raw, overrides, choices,
                                lambda ov: hydra_compose(config_name="config", overrides=ov))
     return out
+
+
+def _reward_typo(overrides: list[str], compose_fn) -> str | None:
+    """A reward the command line changes or deletes (``reward.functions.NAME...``, ``~reward.functions.NAME``)
+    that the composed config does not have: a "did you mean" (Hydra would suggest ``+`` and add it)."""
+    import difflib
+
+    key = "reward.functions."
+    named = [(line, o.key_or_group[len(key):].split(".")[0]) for line, o in zip(overrides, _parse(overrides))
+             if o.key_or_group.startswith(key) and not (o.is_add() or o.is_force_add())]
+    if not named:
+        return None
+    try:
+        have = set(compose_fn([line for line in overrides if line not in {n[0] for n in named}]).reward.functions)
+    except Exception:  # noqa: BLE001 - another mistake: Hydra's own line says it
+        return None
+    for _, name in named:
+        if name not in have:
+            close = difflib.get_close_matches(name, sorted(have), n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            return (f"reward.functions has no '{name}'{hint}; this run's rewards: {', '.join(sorted(have))}; "
+                    f"add a new one with '+reward.functions.{name}={{fn: ..., weight: ...}}'")
+    return None
 
 
 def hydra_error_line(e: Exception) -> str:
@@ -213,7 +237,7 @@ def find_recipe(value: str) -> Path:
             return d / f"{value}.yaml"
     names = sorted({p.stem for d in folders for p in d.glob("*.yaml")})
     unset = "" if os.environ.get(RECIPE_PATH_ENV) else f" (${RECIPE_PATH_ENV} is not set)"
-    raise ConfigError(f"recipe={value!r} not found in {', '.join(str(d.resolve()) for d in folders)}{unset}; "
+    raise ConfigError(f"recipe={value!r} does not exist in {', '.join(str(d.resolve()) for d in folders)}{unset}; "
                       f"available: {', '.join(names)}; or give a path: recipe=./{value}.yaml")
 
 
