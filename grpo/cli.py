@@ -23,7 +23,7 @@ def check_argv(argv: list[str]) -> None:
             continue
         if key == "recipe" and not arg.startswith("~"):
             for v in value.split(","):
-                find_recipe(v)  # a path, $GRPO_RECIPE_PATH, the built-ins: one line naming them when not found
+                find_recipe(v.strip("\"'"))  # a path, $GRPO_RECIPE_PATH, the built-ins: one line naming them when not found
             continue
         if key in options:
             for v in value.split(","):
@@ -40,6 +40,7 @@ def prepare_argv(argv: list[str]) -> list[str]:
     errors (ConfigError, SetupError, ...)."""
     argv = _drop_local_rank(argv)
     flags, overrides = _split_argv(argv[1:])
+    overrides = _quote_home(overrides)
     check_argv(overrides)
     overrides = normalize(overrides)
     single = not ({"-m", "--multirun", "-h", "--help", "--info", "-i"} & set(flags))
@@ -84,15 +85,34 @@ def _preflight(flags: list[str], overrides: list[str]) -> list[str]:
     printed = OmegaConf.to_yaml(job, resolve=False)
     job["trainer"]["output_dir"] = out or "outputs"  # without one, Hydra's outputs/<date>/<time>
     cfg = load(OmegaConf.to_container(OmegaConf.create(job), resolve=True))  # the schema's checks: no torch yet
+    if _flag_value(flags, "--cfg", "-c") == "job":
+        _check_inputs(cfg)
+        print(printed, end="")
+        sys.exit(0)
     from grpo.build import preflight  # the checks that import torch and the user's reward, tool and data code
 
     preflight(cfg)
-    if _flag_value(flags, "--cfg", "-c") == "job":
-        print(printed, end="")
-        sys.exit(0)
     if out and not any(o.startswith("hydra.run.dir=") for o in overrides):
         overrides = [*overrides, f"hydra.run.dir={_quote(os.path.abspath(out))}"]
     return overrides
+
+
+def _check_inputs(cfg) -> None:
+    """What `grpo.build.preflight` checks of the user's own input without torch (``--cfg job`` stays quick): the
+    reward functions and their arguments, tools and environment, the task's arguments or the data file."""
+    from grpo import data
+    from grpo.rewards.score import build as build_rewards
+    from grpo.tools.spec import build_toolset
+
+    build_rewards(cfg.reward.functions)
+    build_toolset(cfg.rollout.tools, cfg.rollout.environment)
+    data.check_source(cfg.data)
+
+
+def _quote_home(overrides: list[str]) -> list[str]:
+    """``key=~/x`` is not a value Hydra's parser takes: quoted, as ``key='~/x'`` (expanded by `expand_paths`)."""
+    return [f"{o.split('=', 1)[0]}={_quote(o.split('=', 1)[1])}" if "=" in o and o.split("=", 1)[1][:1] == "~"
+            and not o.startswith(("~", "+~")) else o for o in overrides]
 
 
 def expand_paths(trainer: dict) -> str | None:
