@@ -16,7 +16,7 @@ class BuildWithConfigs(build_py):
         target = Path(self.build_lib) / "grpo" / "_data" / "configs"
         shutil.rmtree(target, ignore_errors=True)
         # symlinks=False: the recipe group is copied as files (a wheel keeps no links)
-        shutil.copytree(Path(__file__).parent / "configs", target, ignore=shutil.ignore_patterns("*.pyc", "__pycache__"))
+        shutil.copytree(Path(__file__).parent / "configs", target, ignore=shutil.ignore_patterns("__pycache__"))
 
 
 setup(cmdclass={"build_py": BuildWithConfigs})

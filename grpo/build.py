@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from grpo import data
-from grpo.config import Config, TrainerConfig
 from grpo.checkpoint import resolve_resume
+from grpo.config import Config, TrainerConfig
 from grpo.data import PromptSampler
 from grpo.errors import SetupError
 from grpo.models import check_name, load_model, load_reference, load_tokenizer

@@ -23,7 +23,7 @@ def check_argv(argv: list[str]) -> None:
             continue
         if key == "recipe" and not arg.startswith("~"):
             for v in value.split(","):
-                find_recipe(v.strip("\"'"))  # a path, $GRPO_RECIPE_PATH, the built-ins: one line naming them when not found
+                find_recipe(v.strip("\"'"))  # a path, $GRPO_RECIPE_PATH, the built-ins: one line if none has it
             continue
         if key in options:
             for v in value.split(","):

@@ -261,8 +261,9 @@ def _option(path: Path) -> str:
         if not _overlay:
             _overlay.append(Path(tempfile.mkdtemp(prefix="grpo-recipes-")))
             atexit.register(shutil.rmtree, _overlay[0], True)
-        used = set(_served.values())
-        option = next(o for i in range(1, len(_served) + 2) if (o := f"user{i if i > 1 else ''}/{path.stem}") not in used)
+        used = set(_served.values())  # two files of one name (a sweep over folders): user/NAME, user2/NAME
+        options = (f"user{i if i > 1 else ''}/{path.stem}" for i in range(1, len(_served) + 2))
+        option = next(o for o in options if o not in used)
         target = _overlay[0] / "recipe" / f"{option}.yaml"
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(_GLOBAL + path.read_text())

@@ -25,10 +25,9 @@ def _hydra_main():
         from hydra.core.hydra_config import HydraConfig
         from omegaconf import OmegaConf
 
+        from grpo.cli import expand_paths
         from grpo.compose import apply_precedence
         from grpo.loop import train  # torch and the models: only for a config that composed and passed its checks
-
-        from grpo.cli import expand_paths
 
         hc = HydraConfig.get()
         run_dir = hc.runtime.output_dir
