@@ -97,7 +97,7 @@ def check_vllm_cpu(name_or_path: str, tiny: dict) -> None:
 
     d = head_dim(name_or_path, tiny)
     if d is not None and d not in VLLM_CPU_HEAD_DIMS:
-        fix = ("'+model.tiny={hidden_size: 128, num_attention_heads: 2, num_key_value_heads: 1}' (head_dim 64)"
+        fix = ("'model.tiny={hidden_size: 128, num_attention_heads: 2, num_key_value_heads: 1}' (head_dim 64)"
                if name_or_path.startswith("tiny:") else "a model with one of those")
         raise SetupError(f"rollout.backend=vllm on CPU: vLLM has no CPU attention kernel for head_dim={d} "
                          f"({name_or_path}; it supports {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}); use "

