@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -247,9 +248,17 @@ def recipe_file(option: str) -> Path:
 
 
 def _is_global(text: str) -> bool:
-    from hydra.plugins.config_source import ConfigSource
-
-    return ConfigSource._get_header_dict(text).get("package") == "_global_"
+    """Whether Hydra reads ``text`` as global: its header is the leading ``# @key value`` lines (blank lines
+    skipped; any other line ends it, a plain comment too) and the last ``@package`` there says ``_global_``."""
+    package = None
+    for line in (line.strip() for line in text.splitlines()):
+        if not line:
+            continue
+        if not re.match(r"#\s*@", line):
+            break
+        key, _, value = line.lstrip("#").strip().partition(" ")
+        package = value.strip() if key == "@package" else package
+    return package == "_global_"
 
 
 def _option(path: Path) -> str:

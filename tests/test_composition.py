@@ -196,3 +196,12 @@ def test_a_recipe_not_found_names_every_folder_searched(monkeypatch, tmp_path):
     assert f"in {tmp_path / 'mine'}, {(ROOT / 'recipes').resolve()}; available: " in msg and "\n" not in msg
     with pytest.raises(ConfigError, match="recipe='./nope.yaml': no such file"):
         check_argv(["recipe=./nope.yaml"])
+
+
+def test_a_built_in_folder_recipe_with_a_comment_above_its_package_line_applies_its_keys():
+    recipe = _recipe(ROOT / "recipes" / "zz-comment-first.yaml", 11, "# what it shows\n# @package _global_\n")
+    try:
+        raw = compose_recipe("zz-comment-first", ["trainer.output_dir=/tmp/x"])
+    finally:
+        recipe.unlink()
+    assert "recipe" not in raw and raw.trainer.max_steps == 11
