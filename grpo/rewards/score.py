@@ -94,6 +94,7 @@ class Scores:
 
 
 _reported: set[str] = set()
+_first_failure: dict[str, str] = {}  # function name -> one line on its first failure (for the stop message)
 # frames of the scoring machinery in this package (the built-ins' text/messages wrapper included): not the user's
 _MACHINERY = ("score.py", "worker.py", "adapters.py", "registry.py")
 
@@ -117,7 +118,7 @@ def score_one(rf: RewardFunction, prompts, completions, columns) -> tuple[list, 
     except RewardCountError:
         raise
     except RewardTimeout:
-        _report(rf.name)
+        _report(rf.name, f"timed out after {rf.timeout_s:g} s (reward.timeout_s) and was killed")
         vals, errors = [None] * len(completions), len(completions)
     except Exception:
         _report(rf.name)
@@ -132,20 +133,32 @@ def score_one(rf: RewardFunction, prompts, completions, columns) -> tuple[list, 
                 vals.append(None)
                 errors += 1
     bad = [v is not None and not math.isfinite(v) for v in vals]
+    if any(bad):
+        _report(rf.name, f"returned {next(v for v, b in zip(vals, bad) if b)}")
     return [None if b else v for v, b in zip(vals, bad)], errors + sum(bad)
 
 
-def _report(name: str) -> None:
-    """The first failure of a function, once, with the user's own frames (not the scoring machinery's)."""
+def first_failure(name: str) -> str | None:
+    """One line on the first failure of the function ``name`` in this process (None: it never failed here)."""
+    return _first_failure.get(name)
+
+
+def _report(name: str, what: str = "") -> None:
+    """The first failure of a function, once: what happened (``what``; empty: the exception being handled, with
+    the user's own frames, not the scoring machinery's). Kept for the stop message (`first_failure`)."""
     if name in _reported:
         return
     _reported.add(name)
-    etype, err, tb = sys.exc_info()
-    frames = [f for f in traceback.extract_tb(tb) if os.path.basename(f.filename) not in _MACHINERY
-              or os.path.dirname(f.filename) != _HERE]
-    text = "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(etype, err))
-    log.warning("reward function %r raised (the samples it cannot score get no score; shown once):\n%s",
-                name, text.rstrip())
+    text = ""
+    if not what:
+        etype, err, tb = sys.exc_info()
+        frames = [f for f in traceback.extract_tb(tb) if os.path.basename(f.filename) not in _MACHINERY
+                  or os.path.dirname(f.filename) != _HERE]
+        last = traceback.format_exception_only(etype, err)
+        text = ":\n" + ("".join(traceback.format_list(frames)) + "".join(last)).rstrip()
+        what = "raised " + ("".join(last).strip().splitlines() or [etype.__name__])[-1]
+    _first_failure[name] = what[:300]
+    log.warning("reward function %r %s (the samples it cannot score get no score; shown once)%s", name, what, text)
 
 
 def reward_inputs(rows: list[dict], texts: list[str], group_size: int, completion_format: str) -> tuple[list, list]:
