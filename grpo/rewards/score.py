@@ -59,9 +59,11 @@ def in_worker(rewards: list[RewardFunction], timeout_s: float) -> list[RewardFun
 
 
 def check_kwargs(name: str, spec: str, fn: Callable, kwargs: dict) -> None:
-    """Config arguments against the function: a misspelled one (``wieght``, ``mdoe``) is an error, not a
-    silently ignored column. A built-in also runs once on an empty batch, so a missing or bad argument
-    (``overlong_penalty`` without ``max_len``, ``reward_model`` with a path that does not exist) fails now."""
+    """Config arguments against the function: every one must be a parameter the function names, so a misspelled
+    one (``wieght``, ``mdoe``, ``target_wrds``) is an error, not silently swallowed by its ``**kwargs`` (which
+    receives the dataset columns at each call). A built-in also runs once on an empty batch, so a missing or bad
+    argument (``overlong_penalty`` without ``max_len``, ``reward_model`` with a path that does not exist) fails
+    now."""
     target = getattr(fn, "verl_fn", fn)
     params = inspect.signature(target).parameters
     named = [p for p in params if params[p].kind not in (inspect.Parameter.VAR_POSITIONAL,
@@ -69,12 +71,14 @@ def check_kwargs(name: str, spec: str, fn: Callable, kwargs: dict) -> None:
     open_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     builtin = is_builtin(spec)
     for key in kwargs:
-        if key not in named and (builtin or not open_kw):
+        if key not in named:
             close = difflib.get_close_matches(key, [*named, *_RESERVED], n=1, cutoff=0.6)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             takes = ", ".join(p for p in named if p not in ("prompts", "completions")) or "no arguments"
+            opened = "; a config argument must be a parameter it names (its **kwargs gets the dataset columns)" \
+                if open_kw and not builtin else ""
             raise RewardSpecError(f"reward.functions.{name}.{key}: {spec!r} has no argument {key!r}{hint}; "
-                                  f"it takes {takes} (and fn, weight)")
+                                  f"it takes {takes} (and fn, weight){opened}")
     if builtin:
         required = {p: [] for p, v in params.items() if v.default is inspect.Parameter.empty
                     and p not in ("prompts", "completions") and p in named and p not in kwargs}
