@@ -101,7 +101,9 @@ def _stop_on_failed_rewards(state: LoopState, run: Run, cfg: Config, stats: dict
         if n < cfg.reward.max_failed_steps:
             continue
         errors = stats[f"reward/{rf.name}_errors"]
-        why = first_failure(rf.name) if errors else "returned None for every sample"
+        why = first_failure(rf.name) if errors else "returned None for every sample" + (
+            " (a verl-style function that raises scores None: its first error is logged once)"
+            if hasattr(rf.fn, "verl_fn") else "")
         raise SetupError(f"reward function {rf.name!r} scored no sample in {n} training rollouts in a row (the last "
                          f"at step {state.step}; reward.max_failed_steps={cfg.reward.max_failed_steps}): it "
                          f"{why or 'failed'}; fix it or remove it with ~reward.functions.{rf.name}")
