@@ -13,7 +13,7 @@ from grpo.config.schema import AlgorithmConfig, EngineConfig
 from grpo.engine.batch_logprobs import nested_logprobs
 from grpo.rewards.score import reward_inputs, score
 from grpo.rollout.backends import Sampling, step_seed
-from grpo.rollout.episodes.runs import episode_columns, episode_records
+from grpo.rollout.episodes.runs import episode_columns, episode_records, seen_rows
 from grpo.rollout.episodes.turns import episode_metrics
 from grpo.runtime.base import Runtime
 
@@ -101,6 +101,7 @@ def _rollout(run: Run) -> Batch:
         completion_ids, truncated, sampling_logps = out.ids, out.truncated, out.logprobs
     else:
         eps = run.turn_loop(backend.generate, seed_for).run(rows, prompt_ids, s.group_size, s.sampling)
+        rows = seen_rows(rows, eps)  # with the text reset(row) added: what rewards and samples.jsonl show
         prompt_ids, completion_ids, truncated = eps.prompt_ids, eps.completion_ids, eps.truncated
         sampling_logps, masks, episodes = eps.sampling_logps, eps.masks, episode_records(eps)
         extra = episode_columns(eps)

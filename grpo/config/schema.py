@@ -115,9 +115,7 @@ class AlgorithmConfig:
     adv_eps: float = 1e-4            # added to the std that divides the advantages
     num_iterations: int = 1          # mu: optimiser passes over each batch of rollouts
     importance_sampling: str = "token"  # token | sequence (GSPO)
-    # the per-token policy term: a loss registered with @register_policy_loss (grpo/algorithm/policy_loss.py:
-    # ppo_clip, the clipped surrogate the keys above tune), or 'package.module:function' (docs/architecture.md)
-    policy_loss: str = "ppo_clip"
+    policy_loss: str = "ppo_clip"    # a @register_policy_loss name (ppo_clip: the clip above) or module:function
     filter_zero_std_groups: bool = False  # drop groups whose rewards are all equal (DAPO dynamic sampling)
     resample_zero_std: int = 0       # with filtering: at most this many extra rollout rounds to refill the batch
     mask_truncated: bool = False     # completions cut at max_new_tokens do not contribute

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from grpo.experience import score_groups
 from grpo.rollout.base import Sampling
-from grpo.rollout.episodes.runs import episode_columns
+from grpo.rollout.episodes.runs import episode_columns, seen_rows
 from grpo.rollout.episodes.turns import episode_metrics
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ def evaluate(run: Run, label: str) -> dict:
     else:  # the same turn loop as training, greedy; the padding's episodes are dropped before counting
         eps = run.turn_loop(backend.generate).run(padded, [r["prompt_ids"] for r in padded], 1, greedy)
         eps.groups, eps.prompt_ids = eps.groups[:len(shard)], eps.prompt_ids[:len(shard)]
-        comps, trunc, extra = eps.completion_ids, eps.truncated, episode_columns(eps)
+        comps, trunc, extra, shard = eps.completion_ids, eps.truncated, episode_columns(eps), seen_rows(shard, eps)
         episode_stats = episode_metrics(rt.all_reduce(eps.sums()), prefix="")
     _, stats = score_groups(run, shard, comps, trunc, extra)  # eval never stops a run (the loop counts failures)
     out = {"reward_mean": stats["reward_mean"], "completion_len_mean": stats["completion_len_mean"],
