@@ -9,7 +9,7 @@ import torch
 
 from grpo.engine import memory, token_logprobs
 from grpo.engine.memory import Estimate, activation_bytes_per_token, choose_budget, estimate
-from tests.test_prefix_engine import (
+from tests.engine.test_logprobs import (
     ROOT,
     assert_grads_close,
     grads,

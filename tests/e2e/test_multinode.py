@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_distributed import SMOKE, ZERO3, _env, _free_port
+from tests.e2e.test_distributed import SMOKE, ZERO3, _env, _free_port
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """Every `scripts/*.py` command that docs/ and the README show names a script that exists and only options that
 script's own parser offers (read from its `--help`), so a renamed or removed option cannot leave a benchmark
 recipe in the docs that fails on its first flag. The benchmarks themselves are run scaled down by
-tests/test_bench_*.py and tests/test_prefix_engine.py."""
+tests/test_bench_*.py and tests/engine/test_logprobs.py."""
 from __future__ import annotations
 
 import functools
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 
 

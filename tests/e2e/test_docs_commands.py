@@ -20,7 +20,8 @@ SCALE = {"model": "tiny", "trainer.max_steps": "1", "data.num_eval": "0", "rollo
          "rollout.prompts_per_step": "2", "data.num_train": "32"}
 
 
-# the last section of getting-started.md runs from an installed wheel outside the checkout: tests/test_own_project.py
+# the last section of getting-started.md runs from an installed wheel outside the checkout:
+# tests/e2e/test_own_project.py
 OWN_PROJECT = "## 8. Use it from your own project"
 
 

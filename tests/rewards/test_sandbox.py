@@ -18,7 +18,7 @@ from grpo.rewards import sandbox
 from grpo.rewards.code_exec import code_tests, extract_code, parse_tests
 
 ROOT = os.geteuid() == 0
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 2.0
 
 

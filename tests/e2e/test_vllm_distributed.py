@@ -1,6 +1,6 @@
 """The vLLM rollout backend under DeepSpeed: two CPU processes (gloo), one engine per rank (real vLLM; no mocks).
 
-Run by torchrun, this file is also the worker (``python tests/test_vllm_distributed.py OUT_DIR CASE...``). Each
+Run by torchrun, this file is also the worker (``python tests/e2e/test_vllm_distributed.py OUT_DIR CASE...``). Each
 case builds the run as training does (``build_run``, then the rollout backend as the first rollout creates it),
 then on every rank:
 
@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIXED_PROMPT, FIXED_COMPLETION = "What is 2+2?", " 4, surely"
 CASES = {
     "zero2": ["distributed=zero2"],
@@ -156,7 +156,7 @@ pytestmark = pytest.mark.skipif(_problem() is not None, reason=str(_problem()))
 
 @pytest.mark.slow
 def test_each_rank_engine_gets_the_weights_after_a_zero_step(tmp_path):
-    from tests.test_distributed import torchrun
+    from tests.e2e.test_distributed import torchrun
 
     p = torchrun(str(Path(__file__)), str(tmp_path), *CASES, "train-zero3", cwd=tmp_path, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]

@@ -1,6 +1,6 @@
 """Two CPU processes (gloo) through DeepSpeed ZeRO-2 and ZeRO-3 on the smoke recipe.
 
-Run by torchrun, this file is also the worker (``python tests/test_distributed.py MODE OUT_DIR args...``):
+Run by torchrun, this file is also the worker (``python tests/e2e/test_distributed.py MODE OUT_DIR args...``):
 
 - ``update``: build the run, then three `policy_update` calls on a fixed global batch (every rank takes
   its groups, as `experience.collect` does; rank 0's groups are long and rank 1's short, so rank 1 runs
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS, G, BUDGET = 4, 4, 64   # fixed batch: 4 prompts x 4 completions, 64-token micro-batches
 SMOKE = ["recipe=smoke", "logging.sample_every=0", "logging.plot=false"]
 ZERO3 = ["distributed=zero3", "+distributed.ds_config.zero_optimization.stage3_param_persistence_threshold=0"]
@@ -381,7 +381,7 @@ def test_deepspeed_config_is_derived_from_the_recipe(cfg_factory):
     with pytest.raises(SetupError, match="divisible"):
         check(cfg.distributed, shape, 3)
     cfg.model.lora.enabled = True
-    check(cfg.distributed, shape, 2)  # ZeRO-3 with LoRA runs (tests/test_zero3_lora.py)
+    check(cfg.distributed, shape, 2)  # ZeRO-3 with LoRA runs (tests/e2e/test_zero3_lora.py)
     cfg.model.lora.enabled = False
     cfg.distributed.ds_config = {"zero_optimization": {"stage": 2}}
     with pytest.raises(SetupError, match="zero_optimization.stage is derived"):

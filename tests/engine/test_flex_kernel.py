@@ -12,7 +12,7 @@ import torch
 from grpo.engine import logprobs, token_logprobs
 from grpo.engine.flex_kernel import build_block_mask, flex_available, flex_length, segment_mask_mod
 from grpo.engine.layout import build_layout
-from tests.test_prefix_engine import (
+from tests.engine.test_logprobs import (
     FAMILIES,
     assert_grads_close,
     grads,

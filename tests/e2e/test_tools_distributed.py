@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.test_distributed import SMOKE, ZERO3, torchrun
+from tests.e2e.test_distributed import SMOKE, ZERO3, torchrun
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="distributed tests need deepspeed (pip install 'grpo[deepspeed]')")

@@ -252,7 +252,7 @@ def test_multi_turn_episodes_with_the_vllm_backend(cfg_factory, tmp_path, monkey
     episode and stay out of the loss, and vLLM's log-probs of the model's own tokens, turn after turn, match the
     trainer's."""
     from grpo.trainer.loop import train
-    from tests.test_tools_train import ENV
+    from tests.e2e.test_tools_train import ENV
 
     (tmp_path / "vllm_steps_env.py").write_text(ENV)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -286,7 +286,7 @@ def test_resume_samples_what_an_uninterrupted_run_samples(cfg_factory, tmp_path)
     """Three steps straight vs one step, then resumed for two: the same completions (same lengths and rewards),
     loss and gradient norms, and the engine's start does not disturb the trainer's random state."""
     from grpo.trainer.loop import train
-    from tests.test_reliability import assert_same_run, steps
+    from tests.e2e.test_reliability import assert_same_run, steps
 
     _close_engines()
     train(cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 3, "output_dir": str(tmp_path / "a")}})))

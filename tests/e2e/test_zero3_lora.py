@@ -1,6 +1,6 @@
 """ZeRO-3 with LoRA on two CPU processes (gloo), against one process with the same global batch.
 
-One launch of `tests/test_distributed.py`'s worker (``cli``, then ``resume``; the one-process reference runs in
+One launch of `tests/e2e/test_distributed.py`'s worker (``cli``, then ``resume``; the one-process reference runs in
 the test process): the fixed-batch update checks that the adapter's update equals the one-process LoRA update
 (the reference being the base model with the adapter disabled: equal KL), that only the adapter moves and that
 every weight, the base's included, is partitioned over the ranks; the real command line checks the adapter-only
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_distributed import BUDGET, SMOKE, THEN, ZERO3, _check_updates, _max_diff, one_process, worker
+from tests.e2e.test_distributed import BUDGET, SMOKE, THEN, ZERO3, _check_updates, _max_diff, one_process, worker
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="distributed tests need deepspeed (pip install 'grpo[deepspeed]')")

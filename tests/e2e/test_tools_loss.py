@@ -11,7 +11,7 @@ import torch
 from grpo.config.schema import AlgorithmConfig, EngineConfig
 from tests.helpers import nest_like
 from tests.oracle import assert_grads_close, close, flat, old_and_reference_logprobs, oracle_grads
-from tests.test_update_oracle import CaptureRuntime
+from tests.test_update import CaptureRuntime
 
 EOS, VOCAB, MAX_LEN, TEMP = 2, 100, 8, 0.7
 AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "dr_grpo"]

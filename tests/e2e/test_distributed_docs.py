@@ -3,7 +3,7 @@ line that it is a cluster-only example validated here; every launcher command in
 accelerate launch, srun, a SLURM batch script's directives) is parsed by that launcher's own argument parser,
 its `grpo.train` overrides compose into a valid config, and its number of processes passes the start-up checks
 (`rollout.prompts_per_step` and the held-out split divide over the ranks). The launches themselves run, scaled
-to one machine, in tests/test_distributed.py, tests/test_multinode.py and tests/test_rank_failure.py."""
+to one machine, in tests/e2e/test_distributed.py, tests/e2e/test_multinode.py and tests/e2e/test_rank_failure.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None
                                 reason="needs deepspeed and accelerate (their launchers' parsers)")
 
 DOC = ROOT / "docs" / "distributed.md"
-MARK = "cluster-only example (validated by tests/test_distributed_docs.py"
+MARK = "cluster-only example (validated by tests/e2e/test_distributed_docs.py"
 LAUNCHERS = ("torchrun", "deepspeed", "accelerate", "srun")
 # what the SLURM variables stand for when a batch script is checked (its own #SBATCH --nodes wins)
 SLURM = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-2]"}

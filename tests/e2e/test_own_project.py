@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.e2e.test_docs_commands import OWN_PROJECT, SCALE, steps
 from tests.helpers import ROOT
-from tests.test_docs_commands import OWN_PROJECT, SCALE, steps
 
 DOC = ROOT / "docs" / "getting-started.md"
 

@@ -13,7 +13,7 @@ from grpo.engine import plan_micro_batches, token_logprobs
 from grpo.engine.layout import build_layout
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 128
 TINY = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -8,7 +8,7 @@ import grpo.engine.grouped_attention as ga
 from grpo.engine import token_logprobs
 from grpo.engine.completion_attention import completion_attention
 from grpo.engine.merged_attention import merged_attention, merged_attention_available
-from tests.test_prefix_engine import assert_grads_close, grads, make_data, make_model, max_err, reference_with_grads
+from tests.engine.test_logprobs import assert_grads_close, grads, make_data, make_model, max_err, reference_with_grads
 
 torch.set_num_threads(1)
 
