@@ -291,13 +291,61 @@ def test_fresh_run_into_a_used_directory_is_refused(cfg_factory, tmp_path):
         train(cfg_factory({"trainer": {"max_steps": 2, "output_dir": str(tmp_path / "r")}}))
 
 
-def test_resuming_an_older_checkpoint_abandons_newer_ones(cfg_factory, tmp_path):
+def _weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def test_resuming_an_older_checkpoint_does_nothing_or_abandons_the_later_steps(cfg_factory, tmp_path, capsys):
+    """Nothing to do: nothing deleted (step_3, step_4, their metrics and final/ stay). Training on from step 2:
+    checkpoints, metrics lines and final/ of steps 3-4 go, and final/ is then the new step 3's model."""
     out = tmp_path / "r"
-    train(cfg_factory({"trainer": {"max_steps": 3, "save_every": 1, "keep_last": 3, "output_dir": str(out)}}))
-    train(cfg_factory({"trainer": {"max_steps": 2, "output_dir": str(out),
-                                   "resume": str(out / "checkpoints" / "step_1")}}))
-    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step_1", "step_2"]
-    assert sorted(steps(out)) == [1, 2]
+    base = {"save_every": 1, "keep_last": 4, "output_dir": str(out)}
+    train(cfg_factory({"trainer": {**base, "max_steps": 4}, "data": {"num_eval": 0}}))
+    old_final = _weights(out / "final" / "model.safetensors")
+    metrics = (out / "metrics.jsonl").read_text()
+    older = {**base, "resume": str(out / "checkpoints" / "step_2")}
+    assert train(cfg_factory({"trainer": {**older, "max_steps": 2}, "data": {"num_eval": 0}}))["steps"] == 2
+    assert "nothing to do" in capsys.readouterr().err
+    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step_1", "step_2", "step_3", "step_4"]
+    assert (out / "metrics.jsonl").read_text() == metrics
+    assert all(torch.equal(v, old_final[k]) for k, v in _weights(out / "final" / "model.safetensors").items())
+    train(cfg_factory({"trainer": {**older, "max_steps": 3}, "data": {"num_eval": 0}}))
+    err = capsys.readouterr().err
+    assert "removed step_3, step_4, 3 metrics lines, final/" in err, err  # steps 3 and 4, the held-out line at 4
+    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step_1", "step_2", "step_3"]
+    assert sorted(steps(out)) == [1, 2, 3]
+    final, step_3 = _weights(out / "final" / "model.safetensors"), _weights(out / "checkpoints/step_3/trainable.safetensors")
+    common = sorted(set(final) & set(step_3))
+    assert common and all(torch.equal(final[k], step_3[k]) for k in common)
+    assert not all(torch.equal(final[k], old_final[k]) for k in common)
+
+
+def test_resume_applies_a_changed_learning_rate(cfg_factory, tmp_path, capsys):
+    """trainer.lr lowered on resume: the resumed step trains at it (weights barely move) and says what changed."""
+    out = tmp_path / "r"
+    base = {"save_every": 1, "keep_last": 3, "output_dir": str(out), "lr": 1e-3}
+    train(cfg_factory({"trainer": {**base, "max_steps": 2}, "data": {"num_eval": 0}}))
+    capsys.readouterr()
+    train(cfg_factory({"trainer": {**base, "max_steps": 3, "resume": "auto", "lr": 1e-12, "weight_decay": 0.1},
+                       "data": {"num_eval": 0}}))
+    err = capsys.readouterr().err
+    notice = [line for line in err.splitlines() if "changed since the checkpoint" in line]
+    assert len(notice) == 1 and "trainer.lr 0.001 -> 1e-12" in notice[0] and "trainer.max_steps 2 -> 3" in notice[0]
+    assert "trainer.weight_decay 0.0 -> 0.1" in notice[0]
+    assert steps(out)[3]["lr"] == pytest.approx(1e-12)
+    w1, w2, w3 = (_weights(out / "checkpoints" / f"step_{s}" / "trainable.safetensors") for s in (1, 2, 3))
+    moved = lambda a, b: max(float((a[k] - b[k]).abs().max()) for k in a)  # noqa: E731
+    assert moved(w1, w2) > 1e-5 and moved(w2, w3) < 1e-8
+
+
+def test_logged_lr_is_the_one_each_step_trained_with(cfg_factory, tmp_path):
+    """Warmup visible from step 1, the last step of a decaying schedule not 0."""
+    cfg = cfg_factory({"trainer": {"max_steps": 4, "lr": 1e-3, "warmup_steps": 2, "lr_schedule": "linear"},
+                       "data": {"num_eval": 0}})
+    train(cfg)
+    assert [r["lr"] for r in steps(Path(cfg.trainer.output_dir)).values()] == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])
 
 
 def test_train_restores_signal_handlers(cfg_factory):
