@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import uuid
 from pathlib import Path
 
 WANDB_ID = "wandb_run_id"
@@ -110,12 +111,10 @@ class MetricsLogger:
     def _wandb_id(self, resumed: bool) -> str:
         """One wandb run per output directory: its id is kept in ``<output_dir>/wandb_run_id``; a resume continues
         that run, a fresh start (step 0) gets a new one."""
-        import wandb
-
         f = self.dir / WANDB_ID
         if resumed and f.is_file() and f.read_text().strip():
             return f.read_text().strip()
-        run_id = wandb.util.generate_id()
+        run_id = uuid.uuid4().hex[:12]
         f.write_text(run_id + "\n")
         return run_id
 
