@@ -369,7 +369,8 @@ def test_resuming_an_older_checkpoint_does_nothing_or_abandons_the_later_steps(c
     assert "removed step_3, step_4, 3 metrics lines, final/" in err, err  # steps 3 and 4, the held-out line at 4
     assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step_1", "step_2", "step_3"]
     assert sorted(steps(out)) == [1, 2, 3]
-    final, step_3 = _weights(out / "final" / "model.safetensors"), _weights(out / "checkpoints/step_3/trainable.safetensors")
+    final = _weights(out / "final" / "model.safetensors")
+    step_3 = _weights(out / "checkpoints" / "step_3" / "trainable.safetensors")
     common = sorted(set(final) & set(step_3))
     assert common and all(torch.equal(final[k], step_3[k]) for k in common)
     assert not all(torch.equal(final[k], old_final[k]) for k in common)
