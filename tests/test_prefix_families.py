@@ -38,3 +38,22 @@ def test_family_shares_the_prefix_exactly(family, impl):
     assert max_err(out, ref) <= 2e-5
     assert_grads_close(grads(model, out, w), ref_grads, rel=1e-3)
     assert model.config._attn_implementation == impl
+
+
+def test_bench_families_quick_runs(capsys):
+    """scripts/bench_families.py (docs/benchmarks.md), scaled down: a table row per family and for the reward model,
+    each with its two timings and speed-ups."""
+    import importlib.util
+
+    from tests.helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_families", ROOT / "scripts" / "bench_families.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--repeats", "1"]) == 0
+    assert bench.main(["--quick", "--repeats", "1", "--reward"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    rows = [r for r in rows if r[0].strip() != "model" and not r[0].startswith("---")]
+    assert [r[0].strip() for r in rows] == ["qwen3_moe", "gemma3_text", "reward model"]
+    for r in rows:
+        assert float(r[4]) > 0 and float(r[5]) > 0 and r[6].strip().endswith("x")
