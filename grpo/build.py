@@ -95,6 +95,8 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
         print(f"[grpo] dropped {splits.dropped} prompts longer than data.max_prompt_tokens="
               f"{cfg.data.max_prompt_tokens}; {len(splits.train)} train / {len(splits.eval)} held-out remain",
               file=sys.stderr, flush=True)
+    if splits.note and runtime.is_main:
+        print(f"[grpo] {splits.note}", file=sys.stderr, flush=True)
     if 0 < len(splits.eval) < runtime.world_size:
         raise SetupError(f"the held-out split has {len(splits.eval)} prompts, fewer than the number of processes "
                          f"({runtime.world_size}); every rank evaluates a share: raise data.num_eval or set it to 0")
