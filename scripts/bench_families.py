@@ -56,7 +56,7 @@ def build(family: str, quick: bool, classifier: bool = False):
     auto = transformers.AutoModelForSequenceClassification if classifier else transformers.AutoModelForCausalLM
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return auto.from_config(config, attn_implementation="sdpa" if family != "gemma3_text" else "eager")
+        return auto.from_config(config, attn_implementation="sdpa")
 
 
 def _alternate(fns: dict, repeats: int) -> dict:
