@@ -57,3 +57,21 @@ def test_bench_families_quick_runs(capsys):
     assert [r[0].strip() for r in rows] == ["qwen3_moe", "gemma3_text", "reward model"]
     for r in rows:
         assert float(r[4]) > 0 and float(r[5]) > 0 and r[6].strip().endswith("x")
+
+
+@pytest.mark.parametrize("family,feature", [("jamba", "layers of type linear_attention"),
+                                            ("falcon_h1", "layers of type hybrid"),
+                                            ("llama4_text", "layers of type chunked_attention"),
+                                            ("bloom", "attention that does not go through transformers' Attention")])
+def test_families_with_an_unimplemented_feature_are_refused_naming_it(family, feature):
+    """What the shared layout cannot do exactly is found on the model (grpo/engine/features.py), not by its name."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        family, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    served, missing = model_features(model)
+    assert missing is not None and missing.startswith(feature) and served == []
