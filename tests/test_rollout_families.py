@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import grpo.rollout as rollout
-from tests.prefix_families import FAMILIES, WINDOW, tiny_model
+from tests.prefix_families import EAGER_ONLY, FAMILIES, WINDOW, tiny_model
 
 torch.set_num_threads(1)
 TOKENIZER = SimpleNamespace(eos_token_id=2, pad_token_id=0)
@@ -17,9 +17,10 @@ PROMPTS = [[5, 17, 33, 8, 61, 9, 40], [12], [70, 3, 44]]
 NEW = 8  # 7 + 8 tokens: longer than WINDOW
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_cascade_decode_matches_full_copies(family, monkeypatch):
-    model = tiny_model(family, "eager")
+@pytest.mark.parametrize("family,impl", [(f, i) for f in FAMILIES for i in ("eager", "sdpa")
+                                         if i == "eager" or f not in EAGER_ONLY])
+def test_cascade_decode_matches_full_copies(family, impl, monkeypatch):
+    model = tiny_model(family, impl)
     shared = []
     real_decode = rollout.decode
 
