@@ -25,6 +25,7 @@ class Batch:
     # 0 = one a tool or the environment wrote (no loss, KL or entropy, not counted); None: every token was sampled
     completion_masks: list | None = None
     episodes: list | None = None              # nested: each episode's turns and tool counts (samples.jsonl)
+    scores: list | None = None                # nested: each completion's {reward function: score or None}
 
     # how `select` and `concat` treat each field: nested per group (the default), per completion (a flat tensor
     # over every completion), or kept from the first batch
