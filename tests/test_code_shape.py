@@ -164,3 +164,12 @@ def test_the_runtime_is_the_only_door_to_torch_distributed():
                     "runtime" in ast.unparse(node.args[0]):
                 offenders.append(f"{rel}:{node.lineno} {ast.unparse(node)}: declare it on the runtime interface")
     assert not offenders, "\n".join(offenders)
+
+
+def test_most_modules_have_a_test_at_the_mirrored_path():
+    """``grpo/<package>/<module>.py`` -> ``tests/<package>/test_<module>.py`` (docs/architecture.md, "Tests")."""
+    modules = [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "__init__.py"]
+    missing = [str(p.relative_to(PACKAGE)) for p in modules
+               if not (ROOT / "tests" / p.relative_to(PACKAGE).parent / f"test_{p.stem}.py").exists()]
+    covered = 1 - len(missing) / len(modules)
+    assert covered >= 0.8, f"{covered:.0%} of modules have a mirrored test file; without one: {', '.join(missing)}"
