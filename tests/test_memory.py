@@ -142,6 +142,25 @@ def test_attention_dropout_still_trains():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_attention_dropout_path_values_match_the_reference(family, monkeypatch):
+    """The training-with-dropout path (the joint softmax recorded by autograd, SDPA with dropout_p for the prompts)
+    at a dropout rate that drops nothing in practice: its log-probs and gradients are the per-sequence forward's in
+    eval mode (a wrong causal mask, a mis-ordered head or group, or the prompt block left out shows here)."""
+    import grpo.engine.grouped_attention as ga
+
+    model = make_model(family, attention_dropout=1e-9)
+    prompts, comps = make_data()
+    ref, w, want = reference_with_grads(model, prompts, comps)  # eval: no dropout anywhere
+    seen = []
+    real = ga._completion_attention_with_dropout
+    monkeypatch.setattr(ga, "_completion_attention_with_dropout", lambda *a: seen.append(a[-1]) or real(*a))
+    out = token_logprobs(model.train(), prompts, comps)
+    assert seen and all(p == 1e-9 for p in seen)  # the dropout path ran, once per layer
+    assert max_err(out, ref) <= 1e-5
+    assert_grads_close(grads(model, out, w), want)
+
+
 # ------------------------------------------------------------------------------------ in the trainer
 def test_auto_budget_splits_the_batch_and_keeps_the_gradient(cfg_factory, monkeypatch):
     """auto with little memory plans several micro-batches; the gradient equals one micro-batch's."""

@@ -107,3 +107,52 @@ def test_meter_sums_by_all_reduce_and_maxes_by_all_max():
     assert two["rollout_is/ratio_max"] == 10.0
     assert two["rollout_is/logp_diff_abs_max"] == one["rollout_is/logp_diff_abs_max"]
     assert two["rollout_is/logp_diff_abs_mean"] == pytest.approx(one["rollout_is/logp_diff_abs_mean"])
+
+
+def _update_with_sampler(policy, batch, old, sampling, mode="token_truncate", cap=100.0):
+    """policy_update as a second pass of num_iterations > 1 runs it: old log-probs from before the first optimizer
+    step (not the current policy's), the sampler's own log-probs (vLLM's), the optimizer step captured."""
+    import dataclasses
+
+    from grpo.config import AlgorithmConfig, EngineConfig
+    from grpo.update import UpdateSettings, policy_update
+    from tests.test_update_oracle import CaptureRuntime
+
+    b = dataclasses.replace(batch, old_logps=old, sampling_logps=sampling)
+    rt = CaptureRuntime(policy)
+    settings = UpdateSettings(AlgorithmConfig(num_iterations=2, beta=0.0, epsilon=10.0), EngineConfig(),
+                              temperature=1.0, max_len=8, mask_truncated=False, max_grad_norm=0.0, rollout_is=mode,
+                              rollout_is_cap=cap)
+    return policy_update(rt, b, settings), rt.grads
+
+
+def test_importance_weights_use_the_old_policy_not_the_current_one():
+    """From the second pass on the current log-probs differ from pi_old: rho = pi_old / pi_sampler (vLLM with
+    num_iterations > 1). A sampler that agrees with pi_old exactly gives weights of 1 (the uncorrected gradient);
+    the measured mismatch is |log pi_old - log pi_sampler|, whatever the current policy is. Runs without vLLM: the
+    update only sees the sampler's log-probs in the batch."""
+    from grpo.batch import Batch
+    from grpo.models import tiny_model
+    from grpo.update import nested_logprobs
+    from tests.test_update_oracle import CaptureRuntime
+
+    policy = tiny_model("llama", 50, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 50, (n,), generator=gen).tolist() for n in (5, 3)]
+    comps = [[torch.randint(3, 50, (n,), generator=gen).tolist() for n in g] for g in ([4, 2], [3, 5])]
+    batch = Batch([{}, {}], prompts, comps, [[False, False], [False, False]], torch.zeros(4),
+                  torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    from grpo.config import EngineConfig
+
+    current = nested_logprobs(CaptureRuntime(policy), policy, batch, EngineConfig(), 1.0)
+    old = [[lp - 0.3 * torch.randn(lp.shape, generator=gen) for lp in g] for g in current]  # the policy moved since
+    plain, want = _update_with_sampler(policy, batch, old, None)
+    same, got = _update_with_sampler(policy, batch, old, [[lp.clone() for lp in g] for g in old])
+    assert same["rollout_is/logp_diff_abs_mean"] == 0.0 and same["rollout_is/ratio_max"] == pytest.approx(1.0)
+    assert all(torch.allclose(got[n], want[n], atol=1e-6) for n in want)  # weights of exactly 1
+    assert same["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    delta = [[torch.full_like(lp, 0.25) for lp in g] for g in old]  # pi_old / pi_sampler = e^0.25 on every token
+    shifted, _ = _update_with_sampler(policy, batch, old, [[o - d for o, d in zip(go, gd)] for go, gd in zip(old, delta)])
+    assert shifted["rollout_is/logp_diff_abs_mean"] == pytest.approx(0.25, abs=1e-6)
+    assert shifted["rollout_is/ratio_max"] == pytest.approx(math.exp(0.25), rel=1e-5)
+    assert shifted["loss"] == pytest.approx(plain["loss"] * math.exp(0.25), rel=1e-4)  # every token weighted alike

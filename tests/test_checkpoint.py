@@ -1,0 +1,38 @@
+"""grpo/checkpoint.py's directory bookkeeping past one digit: steps are ordered by number, not by name
+(``step_10`` sorts before ``step_9`` as text), for ``resume=auto``, pruning to ``keep_last`` and ``drop_after``."""
+from __future__ import annotations
+
+from grpo import checkpoint
+
+
+def _save(out, step, keep_last=2):
+    return checkpoint.save(out, step, lambda tmp: (tmp / "w").write_text(str(step)), keep_last=keep_last)
+
+
+def _names(out):
+    return [p.name for p in checkpoint.complete_checkpoints(out)]
+
+
+def test_steps_past_nine_order_by_number_for_resume_and_pruning(tmp_path):
+    for step in (8, 9, 10):
+        _save(tmp_path, step, keep_last=3)
+    (tmp_path / "checkpoints" / "step_11").mkdir()  # no COMPLETE marker: never a checkpoint
+    assert _names(tmp_path) == ["step_8", "step_9", "step_10"]  # oldest first, by number
+    assert checkpoint.latest(tmp_path).name == "step_10"
+    assert checkpoint.resolve_resume("auto", tmp_path).name == "step_10"  # the newest, not step_9
+    _save(tmp_path, 11, keep_last=2)  # pruning keeps the two newest: 10 and 11, not 8 and 9
+    assert _names(tmp_path) == ["step_10", "step_11"]
+    assert (tmp_path / "checkpoints" / "step_11" / "w").read_text() == "11"
+    for step in range(12, 101, 11):  # 12, 23, ..., 100: one, two and three digits
+        _save(tmp_path, step, keep_last=2)
+    assert _names(tmp_path) == ["step_89", "step_100"]
+    assert checkpoint.resolve_resume("auto", tmp_path).name == "step_100"
+
+
+def test_drop_after_removes_only_the_numerically_newer_ones(tmp_path):
+    for step in (2, 9, 10, 19, 100):
+        _save(tmp_path, step, keep_last=10)
+    checkpoint.drop_after(tmp_path, 10)  # resuming from step_10 abandons 19 and 100, keeps 2 and 9
+    assert _names(tmp_path) == ["step_2", "step_9", "step_10"]
+    checkpoint.drop_after(tmp_path, 9)
+    assert _names(tmp_path) == ["step_2", "step_9"]

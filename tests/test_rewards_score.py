@@ -1,0 +1,78 @@
+"""Reward configuration edge values through the step's scoring (grpo/experience.py's score_groups over
+grpo/rewards/score.py): ``weight: 0`` is monitoring only (logged, not in the total), a ``None`` score is left out
+of its function's metrics and of the total (docs/rewards.md); and the verl adapter's ground-truth column precedence
+(grpo/rewards/adapters.py)."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from grpo.rewards.adapters import from_verl
+from grpo.rewards.score import RewardFunction, build, score
+from grpo.runtime.base import Runtime
+
+
+class _Tok:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def _score_groups(rewards, n_rows=2, G=2):
+    from grpo.experience import score_groups
+
+    run = SimpleNamespace(runtime=Runtime(), tokenizer=_Tok(), rewards=rewards, completion_format="text")
+    rows = [{"prompt": f"p{i}", "answer": i} for i in range(n_rows)]
+    comps = [[[g, j] for j in range(G)] for g in range(n_rows)]
+    return score_groups(run, rows, comps, [[False] * G for _ in range(n_rows)])
+
+
+def test_weight_zero_is_logged_but_not_in_the_total():
+    watch = RewardFunction("watch", lambda p, c, **kw: [10.0, 20.0, 30.0, 40.0], weight=0.0)
+    acc = RewardFunction("acc", lambda p, c, **kw: [1.0, 0.0, 0.0, 1.0], weight=2.0)
+    rewards, stats = _score_groups([watch, acc])
+    assert rewards.tolist() == [2.0, 0.0, 0.0, 2.0]  # 2 * acc; watch's scores add nothing
+    assert stats["reward_mean"] == 1.0
+    assert stats["reward/watch"] == 25.0 and stats["reward/watch_std"] == pytest.approx(math.sqrt(500 / 3))
+    assert stats["reward/acc"] == 0.5 and stats["reward/watch_errors"] == 0
+    built = build({"watch": {"fn": "number_only", "weight": 0}, "acc": {"fn": "number_only"}})
+    assert [(r.name, r.weight) for r in built] == [("watch", 0.0), ("acc", 1.0)]  # 0 stays 0, missing is 1
+
+
+def test_a_none_score_is_left_out_of_its_metrics_and_of_the_total():
+    """None is "no score": not a 0 in the function's mean, std or count, not an error, nothing in the total."""
+    partial = RewardFunction("partial", lambda p, c, **kw: [1.0, None, 3.0, None], weight=1.0)
+    other = RewardFunction("other", lambda p, c, **kw: [0.5, 0.5, 0.5, 0.5], weight=1.0)
+    silent = RewardFunction("silent", lambda p, c, **kw: [None] * len(c), weight=1.0)
+    rewards, stats = _score_groups([partial, other, silent])
+    assert rewards.tolist() == [1.5, 0.5, 3.5, 0.5]
+    assert stats["reward/partial"] == 2.0  # mean of 1 and 3 (a zero for each None would give 1.0)
+    assert stats["reward/partial_std"] == pytest.approx(math.sqrt(2.0))
+    assert stats["reward/partial_errors"] == 0 and stats["reward/other"] == 0.5
+    assert stats["reward/silent"] is None and stats["reward/silent_std"] is None  # no score at all: n/a, not 0
+    assert stats["reward/silent_errors"] == 0
+
+
+def test_a_single_score_has_zero_std_and_the_weighted_sum_skips_none():
+    one = RewardFunction("one", lambda p, c, **kw: [None, 4.0, None, None], weight=0.5)
+    rewards, stats = _score_groups([one])
+    assert rewards.tolist() == [0.0, 2.0, 0.0, 0.0]
+    assert stats["reward/one"] == 4.0 and stats["reward/one_std"] == 0.0
+    s = score([one, RewardFunction("w0", lambda p, c, **kw: [7.0] * 4, weight=0.0)], ["p"] * 4, ["c"] * 4, {})
+    assert s.total == [0.0, 2.0, 0.0, 0.0] and s.per_fn["w0"] == [7.0] * 4
+
+
+def _echo(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(ground_truth)}
+
+
+def test_verl_ground_truth_column_wins_over_answer_and_reward_model():
+    fn = from_verl(_echo)
+    cols = {"ground_truth": [1, 2], "answer": [10, 20], "reward_model": [{"ground_truth": 100}] * 2}
+    assert fn(["p", "p"], ["a", "b"], **cols) == [1.0, 2.0]
+    cols.pop("ground_truth")
+    assert fn(["p", "p"], ["a", "b"], **cols) == [10.0, 20.0]  # then answer
+    cols.pop("answer")
+    assert fn(["p", "p"], ["a", "b"], **cols) == [100.0, 100.0]  # then reward_model.ground_truth
+    assert fn(["p"], ["a"], reward_model=["not a dict"]) == [None]  # nothing to compare with: no score
