@@ -151,8 +151,8 @@ def test_importance_weights_use_the_old_policy_not_the_current_one():
     assert same["rollout_is/logp_diff_abs_mean"] == 0.0 and same["rollout_is/ratio_max"] == pytest.approx(1.0)
     assert all(torch.allclose(got[n], want[n], atol=1e-6) for n in want)  # weights of exactly 1
     assert same["loss"] == pytest.approx(plain["loss"], rel=1e-5)
-    delta = [[torch.full_like(lp, 0.25) for lp in g] for g in old]  # pi_old / pi_sampler = e^0.25 on every token
-    shifted, _ = _update_with_sampler(policy, batch, old, [[o - d for o, d in zip(go, gd)] for go, gd in zip(old, delta)])
+    sampler = [[lp - 0.25 for lp in g] for g in old]  # pi_old / pi_sampler = e^0.25 on every token
+    shifted, _ = _update_with_sampler(policy, batch, old, sampler)
     assert shifted["rollout_is/logp_diff_abs_mean"] == pytest.approx(0.25, abs=1e-6)
     assert shifted["rollout_is/ratio_max"] == pytest.approx(math.exp(0.25), rel=1e-5)
     assert shifted["loss"] == pytest.approx(plain["loss"] * math.exp(0.25), rel=1e-4)  # every token weighted alike
