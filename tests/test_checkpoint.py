@@ -36,3 +36,53 @@ def test_drop_after_removes_only_the_numerically_newer_ones(tmp_path):
     assert _names(tmp_path) == ["step_2", "step_9", "step_10"]
     checkpoint.drop_after(tmp_path, 9)
     assert _names(tmp_path) == ["step_2", "step_9"]
+
+
+class _Gathered:
+    """A rank whose gather returns what every rank said: its own view and the other ranks' (multi-node resume)."""
+
+    def __init__(self, *others):
+        self.others = list(others)
+
+    def gather(self, obj):
+        return [obj, *self.others]
+
+
+def _cfg(out):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(trainer=SimpleNamespace(output_dir=str(out)))
+
+
+def test_ranks_agree_on_the_newest_step_every_node_holds(tmp_path):
+    """One output_dir per node: a node that died while finalising step_10 holds one fewer; every rank resumes
+    step_9, the newest complete on all of them (by number: step_10 > step_9 > step_2)."""
+    import pytest
+
+    from grpo.checkpoint import _agree_on_checkpoint
+    from grpo.errors import SetupError
+
+    for step in (2, 9, 10):
+        _save(tmp_path, step, keep_last=5)
+    mine = checkpoint.complete_checkpoints(tmp_path)
+    newest = checkpoint.latest(tmp_path)
+    same = _Gathered(("step_10", ["step_2", "step_9", "step_10"]))
+    assert _agree_on_checkpoint(same, _cfg(tmp_path), newest, mine) == (newest, mine)  # all agree: unchanged
+    behind = _Gathered(("step_9", ["step_9", "step_2"]), ("step_10", ["step_10", "step_9", "step_2"]))
+    ckpt, existing = _agree_on_checkpoint(behind, _cfg(tmp_path), newest, mine)
+    assert ckpt == tmp_path / "checkpoints" / "step_9" and existing == mine
+    both = _Gathered(("step_10", ["step_2", "step_10"]))  # common: 2 and 10 (10 is newer by number, older by name)
+    assert _agree_on_checkpoint(both, _cfg(tmp_path), newest, mine)[0].name == "step_10"
+    with pytest.raises(SetupError, match="no checkpoint in common"):
+        _agree_on_checkpoint(_Gathered(("step_11", ["step_11"])), _cfg(tmp_path), newest, mine)
+
+
+def test_a_fresh_start_is_refused_when_any_node_holds_checkpoints(tmp_path):
+    from grpo.checkpoint import _agree_on_checkpoint
+
+    other = _Gathered((None, ["step_4"]))
+    ckpt, existing = _agree_on_checkpoint(other, _cfg(tmp_path), None, [])
+    assert ckpt is None and existing == [tmp_path / "checkpoints" / "step_4"]  # restore refuses, naming it
+    mine = [tmp_path / "checkpoints" / "step_3"]
+    assert _agree_on_checkpoint(_Gathered((None, [])), _cfg(tmp_path), None, mine) == (None, mine)
+    assert _agree_on_checkpoint(_Gathered((None, [])), _cfg(tmp_path), None, []) == (None, [])  # all fresh

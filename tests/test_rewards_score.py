@@ -76,3 +76,54 @@ def test_verl_ground_truth_column_wins_over_answer_and_reward_model():
     cols.pop("answer")
     assert fn(["p", "p"], ["a", "b"], **cols) == [100.0, 100.0]  # then reward_model.ground_truth
     assert fn(["p"], ["a"], reward_model=["not a dict"]) == [None]  # nothing to compare with: no score
+
+
+def test_verl_arguments_by_name_by_position_and_keyword_only():
+    """verl's four arguments reach a compute_score by name, by position when named otherwise (only required
+    ones), or as keyword-only parameters; a parameter with a default named otherwise stops the positional ones."""
+    seen = []
+
+    def by_position(src, text, truth, info):
+        seen.append((src, text, truth, info))
+        return 1.0
+
+    def by_name(solution_str, ground_truth):
+        seen.append((solution_str, ground_truth))
+        return 2.0
+
+    def keyword_only(solution_str, *, ground_truth, extra_info=None, data_source="x"):
+        seen.append((solution_str, ground_truth, extra_info, data_source))
+        return 3.0
+
+    def stops_at_a_default(data_source, solution_str, scale=10.0, **kw):
+        seen.append((data_source, solution_str, scale, sorted(kw)))
+        return scale
+
+    cols = {"answer": ["4"], "data_source": ["math"], "extra_info": [{"i": 1}]}
+    assert from_verl(by_position)(["p"], ["four"], **cols) == [1.0]
+    assert from_verl(by_name)(["p"], ["four"], **cols) == [2.0]
+    assert from_verl(keyword_only)(["p"], ["four"], **cols) == [3.0]
+    assert from_verl(stops_at_a_default)(["p"], ["four"], **cols) == [10.0]
+    assert seen == [("math", "four", "4", {"i": 1}), ("four", "4"), ("four", "4", {"i": 1}, "math"),
+                    ("math", "four", 10.0, [])]
+
+
+def test_verl_constants_from_the_config_and_non_finite_scores():
+    """A value that is not an aligned list is a constant (a config argument): passed whole, not indexed; a list of
+    another length too. A non-finite or non-numeric score is no score."""
+    got = []
+
+    def fn(data_source, solution_str, ground_truth, extra_info=None, mode="strict", weights=None):
+        got.append((ground_truth, mode, weights))
+        return {"score": float("nan")} if mode == "nan" else "n/a" if mode == "text" else 0.5
+
+    two = from_verl(fn)
+    assert two(["p", "p"], ["a", "b"], ground_truth=["x", "y"], mode="loose", weights=[1, 2, 3]) == [0.5, 0.5]
+    assert got == [("x", "loose", [1, 2, 3]), ("y", "loose", [1, 2, 3])]
+    assert two(["p"], ["a"], ground_truth="const", mode="nan") == [None]
+    assert got[-1][0] == "const"  # a string constant, not its first character
+    assert two(["p"], ["a"], ground_truth=["g"], mode="text") == [None]
+    assert from_verl(lambda data_source, solution_str, ground_truth: float("inf"))(["p"], ["a"]) == [None]
+    info = []
+    one = from_verl(lambda data_source, solution_str, ground_truth, extra_info: info.append(extra_info) or 1.0)
+    assert one(["p"], ["a"], extra_info={"k": 1}) == [1.0] and info == [{"k": 1}]  # a dict of length 1 is whole
