@@ -106,6 +106,8 @@ def test_verl_arguments_by_name_by_position_and_keyword_only():
     assert from_verl(stops_at_a_default)(["p"], ["four"], **cols) == [10.0]
     assert seen == [("math", "four", "4", {"i": 1}), ("four", "4"), ("four", "4", {"i": 1}, "math"),
                     ("math", "four", 10.0, [])]
+    # a fifth required parameter gets nothing: the call fails, the sample scores None (wrapping does not fail)
+    assert from_verl(lambda a, b, c, d, e: 1.0)(["p"], ["x"]) == [None]
 
 
 def test_verl_constants_from_the_config_and_non_finite_scores():
@@ -127,3 +129,33 @@ def test_verl_constants_from_the_config_and_non_finite_scores():
     info = []
     one = from_verl(lambda data_source, solution_str, ground_truth, extra_info: info.append(extra_info) or 1.0)
     assert one(["p"], ["a"], extra_info={"k": 1}) == [1.0] and info == [{"k": 1}]  # a dict of length 1 is whole
+
+
+def test_verl_wrapper_looks_like_a_batch_reward_and_keeps_the_original():
+    """The wrapper's signature is the batch one (what the registry checks); ``verl_fn`` is what check_kwargs reads
+    the config's arguments against; a compute_score taking **kwargs receives every config constant."""
+    import inspect
+
+    from grpo.rewards.score import RewardSpecError, check_kwargs
+
+    def fn(data_source, solution_str, ground_truth, extra_info=None, mode="strict"):
+        return 1.0
+
+    wrapped = from_verl(fn)
+    params = inspect.signature(wrapped).parameters
+    assert [(p.name, p.kind) for p in params.values()] == [
+        ("prompts", inspect.Parameter.POSITIONAL_OR_KEYWORD), ("completions", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("columns", inspect.Parameter.VAR_KEYWORD)]
+    assert wrapped.verl_fn is fn
+    check_kwargs("v", "my:fn", wrapped, {"mode": "loose"})  # fn has mode: accepted
+    with pytest.raises(RewardSpecError, match="has no argument 'mdoe'"):
+        check_kwargs("v", "my:fn", wrapped, {"mdoe": "loose"})
+    got = []
+
+    def open_kw(data_source, solution_str, ground_truth, **kw):
+        got.append(kw)
+        return 0.0
+
+    assert from_verl(open_kw)(["p"], ["a"], ground_truth=["g"], mode="loose", scale=2) == [0.0]
+    assert got == [{"mode": "loose", "scale": 2}]
+    assert from_verl(fn)(["p"], ["a"], ground_truth=["g"], scale=2) == [1.0]  # fn takes no scale: not passed
