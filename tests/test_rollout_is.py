@@ -156,3 +156,16 @@ def test_importance_weights_use_the_old_policy_not_the_current_one():
     assert shifted["rollout_is/logp_diff_abs_mean"] == pytest.approx(0.25, abs=1e-6)
     assert shifted["rollout_is/ratio_max"] == pytest.approx(math.exp(0.25), rel=1e-5)
     assert shifted["loss"] == pytest.approx(plain["loss"] * math.exp(0.25), rel=1e-4)  # every token weighted alike
+
+
+def test_meter_reports_a_ratio_max_below_one():
+    """Every token less likely under pi_old than under the sampler: the largest ratio is below 1 (the meter's start
+    value must not be 1)."""
+    from grpo.rollout_is import MismatchMeter
+    from grpo.runtime.base import Runtime
+
+    meter = MismatchMeter("token_truncate", 2.0)
+    meter.weights(SAMPLER - 0.5, SAMPLER, MASK)  # rho = e^-0.5 on every token
+    out = meter.metrics(Runtime(), meter.sums)
+    assert out["rollout_is/ratio_max"] == pytest.approx(math.exp(-0.5))
+    assert out["rollout_is/logp_diff_abs_max"] == pytest.approx(0.5)
