@@ -169,3 +169,19 @@ def test_meter_reports_a_ratio_max_below_one():
     out = meter.metrics(Runtime(), meter.sums)
     assert out["rollout_is/ratio_max"] == pytest.approx(math.exp(-0.5))
     assert out["rollout_is/logp_diff_abs_max"] == pytest.approx(0.5)
+
+
+def test_summarize_of_nothing_and_of_one_token():
+    """No correction measured (every key missing): zeros, not an error; one token: its own difference."""
+    assert summarize({}) == {"rollout_is/logp_diff_abs_mean": 0.0, "rollout_is/logp_diff_abs_max": 0.0,
+                             "rollout_is/ratio_max": 0.0, "rollout_is/capped_frac": 0.0}
+    one = summarize({"abs_diff": 0.5, "tokens": 1.0, "capped": 1.0, "ratio_max": 3.0, "abs_diff_max": 0.5})
+    assert one["rollout_is/logp_diff_abs_mean"] == 0.5 and one["rollout_is/capped_frac"] == 1.0
+    assert one["rollout_is/logp_diff_abs_max"] == 0.5 and one["rollout_is/ratio_max"] == 3.0
+
+
+def test_meter_weights_come_in_the_log_probs_dtype():
+    from grpo.rollout_is import MismatchMeter
+
+    w = MismatchMeter("token_truncate", 2.0).weights(OLD.bfloat16(), SAMPLER.bfloat16(), MASK)
+    assert w.dtype == torch.bfloat16
