@@ -434,6 +434,13 @@ def test_each_refill_round_keeps_the_groups_its_own_rewards_select(cfg_factory, 
     assert torch.equal(batch.rewards, torch.cat([r.rewards[4 * g:4 * g + 4] for r, g in picks]))
     assert batch.rewards.tolist() == [0.0, 1.0] * 4 and bool((batch.advantages != 0).all())
     assert batch.stats["zero_std_frac"] == 0.5 and batch.stats["reward_mean"] == pytest.approx(0.25)  # round 1's
+    # the limit: resample_zero_std=1 runs one extra round, however short the batch still is
+    _use_reward(monkeypatch, scheduled_reward([[True, False], [False, False], [True, True]], 4))
+    rounds.clear()
+    cfg = cfg_factory(_merge(FAST, {"algorithm": {"filter_zero_std_groups": True, "resample_zero_std": 1,
+                                                  "beta": 0.0}}))
+    batch = experience.collect(build_run(cfg), cfg)
+    assert len(rounds) == 2 and batch.stats["resample_rounds"] == 1 and batch.group_sizes == [4]
 
 
 def test_without_filtering_zero_std_groups_stay_with_zero_advantage(cfg_factory, spy, monkeypatch):

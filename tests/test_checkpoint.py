@@ -75,6 +75,8 @@ def test_ranks_agree_on_the_newest_step_every_node_holds(tmp_path):
     assert _agree_on_checkpoint(both, _cfg(tmp_path), newest, mine)[0].name == "step_10"
     with pytest.raises(SetupError, match="no checkpoint in common"):
         _agree_on_checkpoint(_Gathered(("step_11", ["step_11"])), _cfg(tmp_path), newest, mine)
+    with pytest.raises(SetupError, match="no checkpoint in common"):  # this rank resumes, the other starts fresh
+        _agree_on_checkpoint(_Gathered((None, [])), _cfg(tmp_path), newest, mine)
 
 
 def test_a_fresh_start_is_refused_when_any_node_holds_checkpoints(tmp_path):

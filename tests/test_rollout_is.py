@@ -185,3 +185,16 @@ def test_meter_weights_come_in_the_log_probs_dtype():
 
     w = MismatchMeter("token_truncate", 2.0).weights(OLD.bfloat16(), SAMPLER.bfloat16(), MASK)
     assert w.dtype == torch.bfloat16
+
+
+def test_a_ratio_exactly_at_the_cap_is_kept_and_nothing_masked_gives_zeros():
+    """token_mask keeps a ratio equal to the cap (drops only those above it) and does not count it as capped; with
+    every token masked the maxima are 0 (not 1, not an error)."""
+    logp = torch.tensor([[math.log(2.0), 0.0]])
+    sampler, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    w, stats = rollout_is(logp, sampler, mask, "token_mask", 2.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 1.0]])) and stats["capped"] == 0.0
+    w, stats = rollout_is(logp, sampler, torch.zeros(1, 2), "token_truncate", 2.0)
+    assert torch.equal(w, torch.zeros(1, 2)) and stats["ratio_max"] == 0.0 and stats["abs_diff_max"] == 0.0
+    w, stats = rollout_is(torch.zeros(0, 0), torch.zeros(0, 0), torch.zeros(0, 0), "token_truncate", 2.0)
+    assert w.shape == (0, 0) and stats["ratio_max"] == 0.0 and stats["abs_diff_max"] == 0.0
