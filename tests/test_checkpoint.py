@@ -1,5 +1,6 @@
 """grpo/checkpoint.py's directory bookkeeping past one digit: steps are ordered by number, not by name
-(``step_10`` sorts before ``step_9`` as text), for ``resume=auto``, pruning to ``keep_last`` and ``drop_after``."""
+(``step_10`` sorts before ``step_9`` as text), for ``resume=auto``, pruning to ``keep_last`` and what a resume
+abandons (``later_than``); and the ranks' agreement on one step to resume."""
 from __future__ import annotations
 
 from grpo import checkpoint
@@ -29,13 +30,14 @@ def test_steps_past_nine_order_by_number_for_resume_and_pruning(tmp_path):
     assert checkpoint.resolve_resume("auto", tmp_path).name == "step_100"
 
 
-def test_drop_after_removes_only_the_numerically_newer_ones(tmp_path):
+def test_later_than_picks_only_the_numerically_newer_ones(tmp_path):
+    """What a resume from a step abandons: the checkpoints after it by number (step_100 and step_19 after step_10;
+    step_9 and step_2 before it, though step_9 sorts after step_10 as text)."""
     for step in (2, 9, 10, 19, 100):
         _save(tmp_path, step, keep_last=10)
-    checkpoint.drop_after(tmp_path, 10)  # resuming from step_10 abandons 19 and 100, keeps 2 and 9
-    assert _names(tmp_path) == ["step_2", "step_9", "step_10"]
-    checkpoint.drop_after(tmp_path, 9)
-    assert _names(tmp_path) == ["step_2", "step_9"]
+    assert [p.name for p in checkpoint.later_than(tmp_path, 10)] == ["step_19", "step_100"]
+    assert [p.name for p in checkpoint.later_than(tmp_path, 9)] == ["step_10", "step_19", "step_100"]
+    assert checkpoint.later_than(tmp_path, 100) == [] and checkpoint.step_of(tmp_path / "step_100") == 100
 
 
 class _Gathered:
