@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 
-.PHONY: setup setup-vllm test-vllm model train test lint recipes-check bench bench-env bench-prefix sweep clean
+.PHONY: setup setup-vllm test-vllm model train test lint mutate recipes-check bench bench-env bench-prefix sweep clean
 
 $(STAMP): pyproject.toml
 	test -x $(PIP) || python3 -m venv --clear $(VENV)   # a venv left half-made (no pip) is made again
@@ -56,6 +56,23 @@ test-vllm: setup-vllm
 # ruff (configured in pyproject.toml): unused or undefined names, import order, lines over 120 characters
 lint: setup
 	$(VENV)/bin/ruff check grpo tests scripts
+
+# Mutation testing of the core modules (docs/testing.md; not in CI). mutmut (the `mutate` extra) mutates the modules
+# of pyproject.toml's [tool.mutmut] only_mutate (the one list to edit when a module moves), runs each mutant against
+# the tests of that section's test files that reached the mutated function, and writes mutants/report.md: the score
+# and every survivor's diff. Fails when the score is below MUTATE_MIN_SCORE or a survivor is neither killed nor listed
+# in docs/mutation-equivalents.txt. From scratch each time (MUTATE_FRESH=0 keeps mutmut's earlier results);
+# MUTATE_ARGS="grpo.advantages.*" runs some mutants only (the stats run still runs every selected test once).
+MUTATE_JOBS ?= 2
+MUTATE_ARGS ?=
+MUTATE_FRESH ?= 1
+MUTATE_MIN_SCORE ?= 95
+mutate: setup
+	$(PY) -c "import mutmut" 2>/dev/null || $(PIP) install -q -e '.[mutate]'
+	if [ "$(MUTATE_FRESH)" = 1 ]; then rm -rf mutants; fi
+	mkdir -p mutants
+	$(VENV)/bin/mutmut run --max-children $(MUTATE_JOBS) $(MUTATE_ARGS) > mutants/run.log 2>&1 || (tail -c 3000 mutants/run.log; false)
+	$(PY) scripts/mutate_report.py --min-score $(MUTATE_MIN_SCORE)
 
 # Every recipe meant for one CPU machine runs its first step and first checkpoint (peak memory and s/step
 # printed; about 15 minutes on 2 cores, most of it countdown); GPU and multi-process recipes are composed and
@@ -113,4 +130,4 @@ else
 endif
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) outputs multirun
+	rm -rf $(VENV) $(VLLM_VENV) outputs multirun mutants

@@ -184,3 +184,62 @@ def test_the_eos_token_is_in_the_loss(setup):
     _, want, _ = oracle_grads(policy, one, acfg, temperature=TEMP, max_len=MAX_LEN, mask_truncated=True)
     assert_grads_close(grads, want)
     assert float(grads["lm_head.weight"][EOS].abs().sum()) > 0 and float(logp) < 0
+
+
+class _BehindRuntime(CaptureRuntime):
+    """This rank of two, with fewer micro-batches than the other (which has ``extra`` more): it runs idle ones."""
+
+    def __init__(self, model, extra):
+        super().__init__(model)
+        self.extra, self.announced = extra, None
+
+    def gather(self, n):
+        return [n, n + self.extra]
+
+    def expect_backwards(self, n):
+        self.announced = n
+
+
+def test_a_rank_with_fewer_micro_batches_runs_idle_ones_through_the_same_path(setup, monkeypatch):
+    """ZeRO-2/3 needs every rank in every forward/backward: the rank behind runs one-token idle micro-batches with
+    the real ones' engine settings, and they change neither its log-probs, its loss nor its gradient."""
+    import grpo.update
+    from grpo.update import UpdateSettings, nested_logprobs, policy_update
+
+    policy, batch, old, ref = setup
+    b = dataclasses.replace(batch, old_logps=nest_like(batch, old), ref_logps=nest_like(batch, ref))
+    engine = EngineConfig(shared_prefix=False, max_tokens_per_micro_batch=16, attention_kernel="grouped")
+    calls, real = [], grpo.update.token_logprobs
+
+    def spy(model, prompts, comps, **kw):
+        calls.append((prompts, comps, kw))
+        return real(model, prompts, comps, **kw)
+
+    monkeypatch.setattr(grpo.update, "token_logprobs", spy)
+    alone = nested_logprobs(CaptureRuntime(policy), policy, b, engine, TEMP)
+    n = len(calls)
+    behind = nested_logprobs(_BehindRuntime(policy, 2), policy, b, engine, TEMP)
+    idle = [c for c in calls[n:] if c[0] == [[0]]]
+    assert len(calls) - n == n + 2 and len(idle) == 2
+    assert all(c[1] == [[[0]]] and c[2] == {"shared_prefix": False, "temperature": TEMP, "attention_kernel": "grouped"}
+               for c in idle)
+    assert all(torch.equal(x, y) for ga, gb in zip(alone, behind) for x, y in zip(ga, gb))
+
+    settings = UpdateSettings(_algo(), engine, temperature=TEMP, max_len=MAX_LEN, mask_truncated=False,
+                              max_grad_norm=1.0)
+    one = CaptureRuntime(policy)
+    want = policy_update(one, b, settings)
+    rt = _BehindRuntime(policy, 3)
+    calls.clear()
+    got = policy_update(rt, b, settings)
+    idle = [c for c in calls if c[0] == [[0]]]
+    assert rt.announced == len(calls) == len(idle) + len(_plan_of(b, engine)) and len(idle) == 3
+    assert all(c[2]["return_entropy"] and c[2]["temperature"] == TEMP for c in idle)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6, abs=1e-9)
+    assert_grads_close(rt.grads, one.grads)
+
+
+def _plan_of(batch, engine):
+    from grpo.update import _plan
+
+    return _plan(batch, engine)

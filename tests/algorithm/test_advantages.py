@@ -100,3 +100,37 @@ def test_batch_std_is_the_same_for_one_and_two_processes():
     assert abs(one - want) < 1e-12 * want and got[0] == got[1] and abs(got[0] - want) < 1e-12 * want
     assert torch.allclose(compute_advantages(parts[1], [4], "batch", batch_std=got[1]),
                           (parts[1] - parts[1].mean()) / (want + 1e-4), atol=1e-5)
+
+
+def test_pairs_three_groups_dtypes_and_the_default_scale():
+    """Mutation-testing survivors (docs/testing.md): a group of two (std over n-1 = 1), a third group (each group's
+    own slice), float64 rewards keep their precision in group_stats, the advantages stay float32 with a float
+    batch_std, and the default scale is the group std."""
+    r = torch.tensor([1.0, 3.0, 0.0, 2.0, 4.0, 5.0, 5.0, 6.0])
+    adv = compute_advantages(r, [2, 3, 3], eps=0.0)
+    want = torch.cat([(g - g.mean()) / g.std() for g in (r[:2], r[2:5], r[5:])])
+    assert torch.allclose(adv, want, atol=1e-6) and adv.dtype == torch.float32
+    assert zero_std_groups(torch.tensor([1.0, 2.0, 3.0, 3.0, 4.0, 5.0]), [2, 2, 2]) == [False, True, False]
+    mean, std = group_stats(r.double() + 1e9, [2, 3, 3])
+    assert mean.dtype == std.dtype == torch.float64 and float(mean[0]) == 1e9 + 2.0
+    assert torch.allclose(std, torch.tensor([2 ** 0.5] * 2 + [2.0] * 3 + [0.57735026919] * 3, dtype=torch.float64))
+    assert compute_advantages(r, [2, 3, 3], "batch", batch_std=2.0).dtype == torch.float32
+
+
+def test_batch_scale_edge_cases():
+    """Two rewards in the whole batch have a std; one has none (exactly 0); a batch std of 0 with eps 0 gives 0, not
+    inf, for groups that still differ (the guard behind the eps)."""
+    two = torch.tensor([1.0, 3.0])
+    assert torch.allclose(compute_advantages(two, [2], "batch", eps=0.0), torch.tensor([-1.0, 1.0]) / two.std())
+    assert torch.equal(compute_advantages(torch.tensor([5.0]), [1], "batch"), torch.zeros(1))
+    r = torch.tensor([0.0, 1.0, 2.0, 4.0])
+    assert torch.equal(compute_advantages(r, [2, 2], "batch", eps=0.0, batch_std=0.0), torch.zeros(4))
+
+
+def test_mismatched_sizes_and_unknown_scale_are_named():
+    import pytest
+
+    with pytest.raises(ValueError, match="^3 rewards for groups of total size 4$"):
+        compute_advantages(torch.zeros(3), [2, 2])
+    with pytest.raises(ValueError, match="^scale must be group, batch or none, got 'groups'$"):
+        compute_advantages(torch.tensor([0.0, 1.0]), [2], "groups")

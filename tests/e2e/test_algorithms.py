@@ -431,6 +431,37 @@ def test_resampling_refills_the_batch_with_groups_that_have_signal(cfg_factory, 
     assert first["reward_mean"] == pytest.approx(0.25)  # reward metrics describe the first round
 
 
+def test_each_refill_round_keeps_the_groups_its_own_rewards_select(cfg_factory, monkeypatch):
+    """Round 1: group 0 has signal; round 2: none; round 3: only group 1; round 4 never runs (the batch is full).
+    Kept: group 0 of round 1 and group 1 of round 3, in that order, each with its own rows, completions and rewards
+    (selecting with another round's flags would keep a zero-std group, or stop a round early)."""
+    from grpo import experience
+    from grpo.build import build_run
+
+    _use_reward(monkeypatch, scheduled_reward([[True, False], [False, False], [False, True], [True, True]], 4))
+    rounds, rollout = [], experience._rollout
+    monkeypatch.setattr(experience, "_rollout", lambda *a: rounds.append(rollout(*a)) or rounds[-1])
+    cfg = cfg_factory(_merge(FAST, {"algorithm": {"filter_zero_std_groups": True, "resample_zero_std": 5,
+                                                  "beta": 0.0}}))
+    batch = experience.collect(build_run(cfg), cfg)
+    assert len(rounds) == 3
+    assert batch.stats["resample_rounds"] == 2 and batch.stats["dropped_groups"] == 1 + 2 + 1
+    assert batch.stats["num_groups"] == 2 and batch.group_sizes == [4, 4]
+    picks = [(rounds[0], 0), (rounds[2], 1)]
+    assert batch.rows == [r.rows[g] for r, g in picks]
+    assert batch.completion_ids == [r.completion_ids[g] for r, g in picks]
+    assert torch.equal(batch.rewards, torch.cat([r.rewards[4 * g:4 * g + 4] for r, g in picks]))
+    assert batch.rewards.tolist() == [0.0, 1.0] * 4 and bool((batch.advantages != 0).all())
+    assert batch.stats["zero_std_frac"] == 0.5 and batch.stats["reward_mean"] == pytest.approx(0.25)  # round 1's
+    # the limit: resample_zero_std=1 runs one extra round, however short the batch still is
+    _use_reward(monkeypatch, scheduled_reward([[True, False], [False, False], [True, True]], 4))
+    rounds.clear()
+    cfg = cfg_factory(_merge(FAST, {"algorithm": {"filter_zero_std_groups": True, "resample_zero_std": 1,
+                                                  "beta": 0.0}}))
+    batch = experience.collect(build_run(cfg), cfg)
+    assert len(rounds) == 2 and batch.stats["resample_rounds"] == 1 and batch.group_sizes == [4]
+
+
 def test_without_filtering_zero_std_groups_stay_with_zero_advantage(cfg_factory, spy, monkeypatch):
     _use_reward(monkeypatch, scheduled_reward([[True, False]], group_size=4))
     cfg, rows = _train(cfg_factory, {"trainer": {"max_steps": 1}})
@@ -597,6 +628,82 @@ def test_scale_rewards_batch_through_collect(cfg_factory, spy, monkeypatch):
     assert torch.allclose(batch.advantages.double(), want, atol=1e-6)
     per_group = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + cfg.algorithm.adv_eps)
     assert not torch.allclose(batch.advantages.double(), per_group.flatten(), atol=1e-2)  # not the group std
+
+
+class _ThreadRank:
+    """Rank ``rank`` of a two-rank world whose ranks are threads: the collectives meet at a barrier, everything else
+    is the real one-process runtime's (enough for `collect`: all_reduce, all_max, any_rank, gather)."""
+
+    def __init__(self, real, world: dict, rank: int):
+        self._real, self._world, self.rank, self.world_size = real, world, rank, 2
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def _meet(self, value):
+        slots, barrier = self._world["slots"], self._world["barrier"]
+        slots[self.rank] = value
+        barrier.wait()
+        out = list(slots)
+        barrier.wait()
+        return out
+
+    def all_reduce(self, values):
+        both = self._meet(dict(values))
+        return {k: sum(v[k] for v in both) for k in values}
+
+    def all_max(self, values):
+        both = self._meet(dict(values))
+        return {k: max(v[k] for v in both) for k in values}
+
+    def any_rank(self, flag):
+        return any(self._meet(bool(flag)))
+
+    def gather(self, obj):
+        return self._meet(obj)
+
+
+def test_scale_rewards_batch_through_collect_on_two_ranks(cfg_factory, monkeypatch):
+    """Two ranks (threads, one group each): collect divides by the std of both ranks' rewards, all-reduced, not by
+    this rank's own (every one-process test passes either way); the reward metrics are both ranks' too."""
+    import threading
+
+    from grpo import experience
+    from grpo.build import build_run
+
+    per_rank = {"rank0": [0.0, 1.0, 3.0, 0.5], "rank1": [2.0, 2.5, 0.0, 4.0]}
+    _use_reward(monkeypatch, lambda prompts, completions, **kw: per_rank[threading.current_thread().name])
+    cfg = cfg_factory(_merge(FAST, {"algorithm": {"scale_rewards": "batch", "beta": 0.0}}))
+    world = {"slots": [None, None], "barrier": threading.Barrier(2, timeout=120)}
+    runs = [build_run(cfg), build_run(cfg)]
+    for k, run in enumerate(runs):
+        run.runtime = _ThreadRank(run.runtime, world, k)
+    got, errors = [None, None], []
+
+    def rank(k):
+        try:
+            got[k] = experience.collect(runs[k], cfg)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(e)
+            world["barrier"].abort()
+
+    threads = [threading.Thread(target=rank, args=(k,), name=f"rank{k}") for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    every = torch.tensor(per_rank["rank0"] + per_rank["rank1"], dtype=torch.float64)
+    for k in (0, 1):
+        r = torch.tensor(per_rank[f"rank{k}"], dtype=torch.float64)
+        assert got[k].group_sizes == [4]
+        want = (r - r.mean()) / (every.std() + cfg.algorithm.adv_eps)
+        assert torch.allclose(got[k].advantages.double(), want, atol=1e-6)
+        assert not torch.allclose(got[k].advantages.double(), (r - r.mean()) / (r.std() + cfg.algorithm.adv_eps),
+                                  atol=1e-2)  # not this rank's own std
+        assert got[k].stats["reward_mean"] == pytest.approx(float(every.mean()))
+        assert got[k].stats["reward_std"] == pytest.approx(float(every.std()))
 
 
 def test_top_p_top_k_warn_once_that_the_rollout_is_off_policy(monkeypatch):

@@ -150,6 +150,56 @@ def test_attention_dropout_still_trains():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_attention_dropout_path_values_match_the_reference(family, monkeypatch):
+    """The training-with-dropout path (the joint softmax recorded by autograd, SDPA with dropout_p for the prompts)
+    at a dropout rate that drops nothing in practice: its log-probs and gradients are the per-sequence forward's in
+    eval mode (a wrong causal mask, a mis-ordered head or group, or the prompt block left out shows here)."""
+    import grpo.engine.grouped_attention as ga
+
+    model = make_model(family, attention_dropout=1e-9)
+    prompts, comps = make_data()
+    ref, w, want = reference_with_grads(model, prompts, comps)  # eval: no dropout anywhere
+    seen = []
+    real = ga._completion_attention_with_dropout
+    monkeypatch.setattr(ga, "_completion_attention_with_dropout", lambda *a: seen.append(a[-1]) or real(*a))
+    out = token_logprobs(model.train(), prompts, comps)
+    assert seen and all(p == 1e-9 for p in seen)  # the dropout path ran, once per layer
+    assert max_err(out, ref) <= 1e-5
+    assert_grads_close(grads(model, out, w), want)
+
+
+def test_attention_dropout_drops_both_the_prompt_and_the_own_block():
+    """The dropout path's joint softmax: dropout applies to the weights on the prompt's keys and to those on the
+    completion's own keys (each shown alone by zeroing the other block's values), scaled so the expectation holds;
+    with a rate of ~0 it is the plain joint softmax."""
+    from grpo.engine.grouped_attention import _completion_attention_with_dropout as attend
+
+    g = torch.Generator().manual_seed(0)
+    Hkv, rep, B, G, S, P, D = 1, 2, 1, 2, 3, 4, 8
+    qc = torch.randn(Hkv, rep, B, G, S, D, generator=g)
+    kp, vp = torch.randn(B, Hkv, P, D, generator=g), torch.randn(B, Hkv, P, D, generator=g)
+    kc, vc = torch.randn(Hkv, B, G, S, D, generator=g), torch.randn(Hkv, B, G, S, D, generator=g)
+    for name, args in {"prompt": (qc, kp, vp, kc, torch.zeros_like(vc)),
+                       "own": (qc, kp, torch.zeros_like(vp), kc, vc)}.items():
+        plain = attend(*args, None, 0.125, 1e-12)
+        torch.manual_seed(0)
+        dropped = torch.stack([attend(*args, None, 0.125, 0.5) for _ in range(200)])
+        assert not torch.allclose(dropped[0], plain, atol=1e-3), name  # dropped weights
+        assert torch.allclose(dropped.mean(0), plain, atol=0.1), name  # rescaled by 1 / (1 - p)
+
+
+def test_attention_dropout_path_in_bfloat16():
+    """bf16 weights: the joint softmax's weights come back in the values' dtype (a float32 weight times bf16 values
+    fails), and the result is close to the eval-mode forward."""
+    model = make_model(dtype=torch.bfloat16, attention_dropout=1e-9)
+    prompts, comps = make_data()
+    with torch.no_grad():
+        want = token_logprobs(model, prompts, comps)
+        got = token_logprobs(model.train(), prompts, comps)
+    assert max_err(got, want) <= 5e-2
+
+
 # ------------------------------------------------------------------------------------ in the trainer
 def test_auto_budget_splits_the_batch_and_keeps_the_gradient(cfg_factory, monkeypatch):
     """auto with little memory plans several micro-batches; the gradient equals one micro-batch's."""
