@@ -62,7 +62,7 @@ lint: setup
 # the tests of that section's test files that reached the mutated function, and writes mutants/report.md: the score
 # and every survivor's diff. Fails when the score is below MUTATE_MIN_SCORE or a survivor is neither killed nor listed
 # in docs/mutation-equivalents.txt. From scratch each time (MUTATE_FRESH=0 keeps mutmut's earlier results);
-# MUTATE_ARGS="grpo.advantages.*" runs some mutants only (the stats run still runs every selected test once).
+# MUTATE_ARGS="grpo.algorithm.advantages.*" runs some mutants only (the stats run still runs every selected test once).
 MUTATE_JOBS ?= 2
 MUTATE_ARGS ?=
 MUTATE_FRESH ?= 1

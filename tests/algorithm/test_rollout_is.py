@@ -114,9 +114,9 @@ def _update_with_sampler(policy, batch, old, sampling, mode="token_truncate", ca
     step (not the current policy's), the sampler's own log-probs (vLLM's), the optimizer step captured."""
     import dataclasses
 
-    from grpo.config import AlgorithmConfig, EngineConfig
+    from grpo.config.schema import AlgorithmConfig, EngineConfig
     from grpo.update import UpdateSettings, policy_update
-    from tests.test_update_oracle import CaptureRuntime
+    from tests.test_update import CaptureRuntime
 
     b = dataclasses.replace(batch, old_logps=old, sampling_logps=sampling)
     rt = CaptureRuntime(policy)
@@ -134,7 +134,7 @@ def test_importance_weights_use_the_old_policy_not_the_current_one():
     from grpo.batch import Batch
     from grpo.models import tiny_model
     from grpo.update import nested_logprobs
-    from tests.test_update_oracle import CaptureRuntime
+    from tests.test_update import CaptureRuntime
 
     policy = tiny_model("llama", 50, seed=0)
     gen = torch.Generator().manual_seed(0)
@@ -142,7 +142,7 @@ def test_importance_weights_use_the_old_policy_not_the_current_one():
     comps = [[torch.randint(3, 50, (n,), generator=gen).tolist() for n in g] for g in ([4, 2], [3, 5])]
     batch = Batch([{}, {}], prompts, comps, [[False, False], [False, False]], torch.zeros(4),
                   torch.tensor([1.0, -1.0, 0.5, -0.5]))
-    from grpo.config import EngineConfig
+    from grpo.config.schema import EngineConfig
 
     current = nested_logprobs(CaptureRuntime(policy), policy, batch, EngineConfig(), 1.0)
     old = [[lp - 0.3 * torch.randn(lp.shape, generator=gen) for lp in g] for g in current]  # the policy moved since
@@ -161,7 +161,7 @@ def test_importance_weights_use_the_old_policy_not_the_current_one():
 def test_meter_reports_a_ratio_max_below_one():
     """Every token less likely under pi_old than under the sampler: the largest ratio is below 1 (the meter's start
     value must not be 1)."""
-    from grpo.rollout_is import MismatchMeter
+    from grpo.algorithm.rollout_is import MismatchMeter
     from grpo.runtime.base import Runtime
 
     meter = MismatchMeter("token_truncate", 2.0)
@@ -181,7 +181,7 @@ def test_summarize_of_nothing_and_of_one_token():
 
 
 def test_meter_weights_come_in_the_log_probs_dtype():
-    from grpo.rollout_is import MismatchMeter
+    from grpo.algorithm.rollout_is import MismatchMeter
 
     w = MismatchMeter("token_truncate", 2.0).weights(OLD.bfloat16(), SAMPLER.bfloat16(), MASK)
     assert w.dtype == torch.bfloat16

@@ -436,7 +436,7 @@ def test_each_refill_round_keeps_the_groups_its_own_rewards_select(cfg_factory, 
     Kept: group 0 of round 1 and group 1 of round 3, in that order, each with its own rows, completions and rewards
     (selecting with another round's flags would keep a zero-std group, or stop a round early)."""
     from grpo import experience
-    from grpo.build import build_run
+    from grpo.trainer.build import build_run
 
     _use_reward(monkeypatch, scheduled_reward([[True, False], [False, False], [False, True], [True, True]], 4))
     rounds, rollout = [], experience._rollout
@@ -669,7 +669,7 @@ def test_scale_rewards_batch_through_collect_on_two_ranks(cfg_factory, monkeypat
     import threading
 
     from grpo import experience
-    from grpo.build import build_run
+    from grpo.trainer.build import build_run
 
     per_rank = {"rank0": [0.0, 1.0, 3.0, 0.5], "rank1": [2.0, 2.5, 0.0, 4.0]}
     _use_reward(monkeypatch, lambda prompts, completions, **kw: per_rank[threading.current_thread().name])

@@ -49,24 +49,24 @@ def test_every_listed_equivalent_has_a_reason_and_a_mutated_module():
 
 
 def _meta(tmp_path, codes: dict):
-    d = tmp_path / "mutants" / "grpo"
+    d = tmp_path / "mutants" / "grpo" / "algorithm"
     d.mkdir(parents=True)
     (d / "advantages.py.meta").write_text(json.dumps({"exit_code_by_key": codes}))
     return tmp_path / "mutants"
 
 
 def test_report_scores_and_fails_on_an_untriaged_survivor(tmp_path, monkeypatch):
-    listed = next(iter(k for k in mutate_report.equivalents() if k.startswith("grpo/advantages.py: ")))
+    listed = next(iter(k for k in mutate_report.equivalents() if k.startswith("grpo/algorithm/advantages.py: ")))
     line = listed.split(": ", 1)[1]
-    diffs = {"m_equiv": f"--- grpo/advantages.py\n+++ grpo/advantages.py\n-    old\n+{line}",
-             "m_new": "--- grpo/advantages.py\n+++ grpo/advantages.py\n-    x = 1\n+    x = 2"}
+    diffs = {"m_equiv": f"--- grpo/algorithm/advantages.py\n+++ grpo/algorithm/advantages.py\n-    old\n+{line}",
+             "m_new": "--- grpo/algorithm/advantages.py\n+++ grpo/algorithm/advantages.py\n-    x = 1\n+    x = 2"}
     monkeypatch.setattr(mutate_report, "diff_of", lambda name, module, mutants: diffs[name])
     codes = {"m_k1": 1, "m_k2": 1, "m_k3": 3, "m_timeout": 36, "m_equiv": 0, "m_new": 0, "m_skip": None}
     text, ok = mutate_report.report(_meta(tmp_path, codes), min_score=50)
     # 4 caught (3 killed + 1 timeout) of 5 counted: the equivalent and the one not run are left out
     assert "Score: **80.0%** of 5 non-equivalent mutants killed" in text
-    assert "1 equivalent, 1 not run" in text and "| grpo/advantages.py | 4 | 1 | 0 | 1 |" in text
-    assert "### m_new: survived" in text and "key: `grpo/advantages.py: x = 2`" in text
+    assert "1 equivalent, 1 not run" in text and "| grpo/algorithm/advantages.py | 4 | 1 | 0 | 1 |" in text
+    assert "### m_new: survived" in text and "key: `grpo/algorithm/advantages.py: x = 2`" in text
     assert not ok and "1 survivor(s) neither killed nor listed" in text
     codes["m_new"] = 1
     (tmp_path / "mutants").rename(tmp_path / "old")

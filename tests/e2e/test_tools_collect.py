@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.loss import kl_estimate
-from grpo.tools.spec import max_completion_tokens
+from grpo.algorithm.loss import kl_estimate
+from grpo.rollout.episodes.spec import max_completion_tokens
 
 ECHO = {"rollout": {"environment": "tests.tool_fixtures:Echo", "max_turns": 3, "max_new_tokens": 4,
                     "max_tool_tokens": 16},
@@ -18,7 +18,7 @@ def test_collect_measures_the_kl_over_sampled_tokens_only(cfg_factory):
     from omegaconf import OmegaConf
 
     from grpo import experience
-    from grpo.build import build_run, close_run
+    from grpo.trainer.build import build_run, close_run
 
     cfg = cfg_factory(OmegaConf.merge(ECHO, {"algorithm": {"beta": 0.1, "num_iterations": 2}}))
     run = build_run(cfg)
@@ -27,7 +27,7 @@ def test_collect_measures_the_kl_over_sampled_tokens_only(cfg_factory):
             gen = torch.Generator().manual_seed(0)
             for p in run.reference.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=gen))
-        batch = experience.collect(run, cfg)
+        batch = experience.collect(run)
     finally:
         close_run(run)
     masks = [torch.tensor(m, dtype=torch.float32) for g in batch.completion_masks for m in g]
@@ -43,17 +43,18 @@ def test_collect_measures_the_kl_over_sampled_tokens_only(cfg_factory):
 def test_dr_grpo_constant_counts_sampled_tokens_not_tool_output(cfg_factory):
     from omegaconf import OmegaConf
 
+    from grpo.algorithm.loss import token_weights
     from grpo.batch import Batch
-    from grpo.loss import token_weights
     from grpo.runtime.base import Runtime
-    from grpo.update import UpdateSettings, batch_counts
+    from grpo.trainer.settings import derive
+    from grpo.update import batch_counts
 
     cfg = cfg_factory(OmegaConf.merge(ECHO, {"algorithm": {"loss_agg": "dr_grpo"}}))
-    settings = UpdateSettings.from_config(cfg)
+    settings = derive(cfg).update
     assert settings.max_len == 4 * 3  # max_new_tokens per turn, max_turns turns
     assert max_completion_tokens(cfg.rollout) > settings.max_len  # what it must not be: tool tokens included
     single = cfg_factory({"rollout": {"max_new_tokens": 7}})
-    assert UpdateSettings.from_config(single).max_len == 7
+    assert derive(single).update.max_len == 7
     # the weights: mask / (sequences * constant); the counts' tokens are the sampled ones
     batch = Batch([{}], [[5, 6]], [[[7, 8, 9, 10], [11, 12]]], [[False, False]], torch.zeros(2), torch.zeros(2),
                   completion_masks=[[[1, 0, 0, 1], [1, 1]]])
