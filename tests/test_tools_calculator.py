@@ -8,7 +8,7 @@ from grpo.errors import ConfigError
 from grpo.rewards.registry import resolve
 from grpo.tasks import get_task
 from grpo.tools.calculator import Calculator, calculate, evaluate
-from grpo.tools.spec import build_toolset, check_template
+from grpo.tools.spec import build_toolset, choose_format
 
 
 def test_multiplication_task():
@@ -48,12 +48,15 @@ def test_both_ways_pass_the_start_up_checks():
 
 
 def test_smollm2s_template_has_no_tool_support():
-    """Why recipes/calculator-tools.yaml uses the plain-text protocol."""
+    """Why SmolLM2 gets its tools in the hermes format (rollout.tool_format=auto chooses it)."""
     from grpo.models import load_tokenizer
 
     tok = load_tokenizer("embedded:smollm2-135m-instruct")
+    ts = build_toolset(["grpo.tools.calculator:calculate"], None)
     with pytest.raises(ConfigError, match="has no tool support"):
-        check_template(build_toolset(["grpo.tools.calculator:calculate"], None), tok, True)
+        choose_format(ts, "template", tok, True)
+    chosen, note = choose_format(ts, "auto", tok, True)
+    assert chosen.tool_format == "hermes" and "shows no tools" in note
 
 
 def test_final_answer_reads_the_last_model_turn():
