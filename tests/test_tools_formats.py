@@ -54,10 +54,13 @@ def test_auto_uses_the_template_when_it_shows_tools_else_hermes(schemas, templat
 def test_the_tool_format_is_a_checked_config_key(cfg_factory):
     assert cfg_factory({}).rollout.tool_format == "auto"
     assert cfg_factory({"rollout": {"tool_format": "hermes"}}).rollout.tool_format == "hermes"
-    with pytest.raises(ConfigError, match=r"rollout.tool_format='json' is not a tool format; choose one of: auto, "
+    with pytest.raises(ConfigError, match=r"rollout.tool_format='json' is not allowed; choose one of: auto, "
                                           r"template, hermes") as e:
         cfg_factory({"rollout": {"tool_format": "json"}})
     assert "\n" not in str(e.value)
+    from grpo.config import _CHOICES
+
+    assert _CHOICES["rollout.tool_format"] == ("auto", *FORMATS)  # a registered format is a valid value
 
 
 def test_hermes_shows_the_schemas_in_the_system_prompt(schemas):
