@@ -15,13 +15,14 @@ import numpy as np
 import torch
 
 from grpo import data
+from grpo.checkpoint import resolve_resume
 from grpo.config import Config, TrainerConfig
 from grpo.data import PromptSampler
 from grpo.errors import SetupError
 from grpo.models import check_name, load_model, load_reference, load_tokenizer
 from grpo.rewards.score import RewardFunction, in_worker
 from grpo.rewards.score import build as build_rewards
-from grpo.rollout_backends import close_backend
+from grpo.rollout_backends import check_vllm_cpu, close_backend, resolve_backend
 from grpo.run import Run
 from grpo.runtime.base import Runtime
 from grpo.tools import formats
@@ -65,6 +66,13 @@ def preflight(cfg: Config) -> list[RewardFunction]:
         raise SetupError(f"engine.attention_kernel=flex needs a CUDA device (this run is on {device}: "
                          "PyTorch's FlexAttention has no CPU backward); use auto or grouped")
     check_name(cfg.model.name_or_path)
+    if resolve_backend(cfg.rollout.backend, device) == "vllm" and device == "cpu":  # vLLM missing: one line now
+        check_vllm_cpu(cfg.model.name_or_path, cfg.model.tiny)
+    if cfg.trainer.resume not in (None, "", "auto"):
+        try:
+            resolve_resume(cfg.trainer.resume, out)  # a checkpoint that is not there: found before the model loads
+        except FileNotFoundError as e:
+            raise SetupError(str(e)) from None
     rewards = build_rewards(cfg.reward.functions)  # resolves every fn and checks its arguments
     toolset = build_toolset(cfg.rollout.tools, cfg.rollout.environment)  # imports and checks tools/environment
     if toolset is not None and toolset.env_reward and toolset.env_name in cfg.reward.functions:
@@ -101,6 +109,8 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
         print(f"[grpo] dropped {splits.dropped} prompts longer than data.max_prompt_tokens="
               f"{cfg.data.max_prompt_tokens}; {len(splits.train)} train / {len(splits.eval)} held-out remain",
               file=sys.stderr, flush=True)
+    if splits.note and runtime.is_main:
+        print(f"[grpo] {splits.note}", file=sys.stderr, flush=True)
     if 0 < len(splits.eval) < runtime.world_size:
         raise SetupError(f"the held-out split has {len(splits.eval)} prompts, fewer than the number of processes "
                          f"({runtime.world_size}); every rank evaluates a share: raise data.num_eval or set it to 0")

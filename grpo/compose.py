@@ -17,6 +17,11 @@ and the tests alike:
 """
 from __future__ import annotations
 
+import atexit
+import os
+import re
+import shutil
+import tempfile
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -27,13 +32,17 @@ from grpo.errors import ConfigError
 TASK_KWARGS = "data.task_kwargs"
 
 
-ROOT = Path(__file__).resolve().parent.parent
-CONFIG_DIR = ROOT / "configs"
-RECIPE_DIR = ROOT / "recipes"
+# The configs ship inside the package: an installed wheel has grpo/_data/configs (setup.py copies the checkout's
+# configs/ there, its recipe/ group included); a checkout (editable install) reads configs/ itself, whose recipe/
+# is the symlink to recipes/. One source of truth: the checkout's configs/ and recipes/.
+_PACKAGED = Path(__file__).resolve().parent / "_data" / "configs"
+CONFIG_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parent.parent / "configs"
+RECIPE_DIR = CONFIG_DIR / "recipe"
+RECIPE_PATH_ENV = "GRPO_RECIPE_PATH"  # your recipe folders, searched before the built-ins (os.pathsep-separated)
 
 
 def groups() -> dict[str, list[str]]:
-    """Config groups and their options (``distributed: [none, zero2, zero3]``)."""
+    """Config groups and their options (``distributed: [none, zero2, zero3]``); ``recipe``: the built-ins."""
     out = {"recipe": sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))}
     for d in CONFIG_DIR.iterdir():
         if d.is_dir() and not d.is_symlink():
@@ -52,7 +61,8 @@ def _parse(overrides: list[str]):
 
 
 def normalize(overrides: list[str]) -> list[str]:
-    """Rule 4: ``reward.functions={a: {...}}`` becomes ``~reward.functions`` + ``+reward.functions={...}``."""
+    """Rule 4: ``reward.functions={a: {...}}`` becomes ``~reward.functions`` + ``+reward.functions={...}``; and
+    ``recipe=NAME|PATH`` becomes the option Hydra loads (`serve_recipes`)."""
     dicts, out = open_dict_keys(), []
     for line, o in zip(overrides, _parse(overrides)):
         plain = not (o.is_delete() or o.is_add() or o.is_force_add() or o.is_sweep_override())
@@ -60,7 +70,7 @@ def normalize(overrides: list[str]) -> list[str]:
             out += [f"~{o.key_or_group}", "+" + line]
         else:
             out.append(line)
-    return out
+    return serve_recipes(out)
 
 
 def _is_group(key: str) -> bool:
@@ -91,7 +101,7 @@ def apply_precedence(raw: DictConfig, overrides: list[str], choices: dict, compo
         for g in named:
             if g in plain:
                 out[g] = plain[g]
-    rec = _yaml(RECIPE_DIR / f"{recipe}.yaml") if recipe else OmegaConf.create({})
+    rec = _yaml(recipe_file(recipe)) if recipe else OmegaConf.create({})
     for key in sorted(open_dict_keys()):
         section = key.split(".")[0]
         if section not in out:
@@ -150,11 +160,35 @@ def compose(overrides: list[str]) -> DictConfig:
         try:
             raw = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
         except Exception as e:  # noqa: BLE001 - Hydra's composition errors, as one line
-            raise ConfigError(hydra_error_line(e)) from None
+            typo = _reward_typo(overrides, lambda ov: hydra_compose(config_name="config", overrides=ov))
+            raise ConfigError(typo or hydra_error_line(e)) from None
         choices = OmegaConf.to_container(raw.hydra.runtime.choices)
         out = apply_precedence(raw, overrides, choices,
                                lambda ov: hydra_compose(config_name="config", overrides=ov))
     return out
+
+
+def _reward_typo(overrides: list[str], compose_fn) -> str | None:
+    """A reward the command line changes or deletes (``reward.functions.NAME...``, ``~reward.functions.NAME``)
+    that the composed config does not have: a "did you mean" (Hydra would suggest ``+`` and add it)."""
+    import difflib
+
+    key = "reward.functions."
+    named = [(line, o.key_or_group[len(key):].split(".")[0]) for line, o in zip(overrides, _parse(overrides))
+             if o.key_or_group.startswith(key) and not (o.is_add() or o.is_force_add())]
+    if not named:
+        return None
+    try:
+        have = set(compose_fn([line for line in overrides if line not in {n[0] for n in named}]).reward.functions)
+    except Exception:  # noqa: BLE001 - another mistake: Hydra's own line says it
+        return None
+    for _, name in named:
+        if name not in have:
+            close = difflib.get_close_matches(name, sorted(have), n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            return (f"reward.functions has no '{name}'{hint}; this run's rewards: {', '.join(sorted(have))}; "
+                    f"add a new one with '+reward.functions.{name}={{fn: ..., weight: ...}}'")
+    return None
 
 
 def hydra_error_line(e: Exception) -> str:
@@ -166,3 +200,103 @@ def hydra_error_line(e: Exception) -> str:
     detail = next((line for line in lines[1:] if not line.startswith(("full_key", "object_type", "To append"))), "")
     hint = next((line for line in lines[1:] if line.startswith("To append")), "")
     return " ".join(part for part in (first, detail, hint) if part)
+
+
+# ------------------------------------------------------------------------------------------ recipes from anywhere
+# ``recipe=`` takes a path (``./my.yaml``, ``/abs/my.yaml``, ``recipes/x.yaml``: anything with a slash or a .yaml
+# suffix, relative to the working directory) or a name, looked up in $GRPO_RECIPE_PATH's folders in order, then the
+# built-ins: the first NAME.yaml found wins. Hydra loads group options from its config search path only, so a recipe
+# outside the built-in folder (or one whose first line is not ``# @package _global_``: a recipe is always global) is
+# served from a folder of this process's own, as ``recipe=user/NAME`` with that folder on ``hydra.searchpath``.
+_GLOBAL = "# @package _global_\n"
+_served: dict[Path, str] = {}  # recipe file -> the option that serves it
+_overlay: list[Path] = []
+
+
+def recipe_folders() -> list[Path]:
+    """Where ``recipe=NAME`` is looked up, in order."""
+    env = [Path(p).expanduser().resolve() for p in os.environ.get(RECIPE_PATH_ENV, "").split(os.pathsep) if p]
+    return [*env, RECIPE_DIR]
+
+
+def _is_path(value: str) -> bool:
+    return "/" in value or os.sep in value or value.endswith((".yaml", ".yml")) or value.startswith("~")
+
+
+def find_recipe(value: str) -> Path:
+    """The file ``recipe=value`` names. Raises ConfigError (one line) naming every folder searched."""
+    if value in _served.values():
+        return next(p for p, o in _served.items() if o == value)
+    if _is_path(value):
+        path = Path(value).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"recipe={value!r}: no such file {path}")
+        return path
+    folders = recipe_folders()
+    for d in folders:
+        if (d / f"{value}.yaml").is_file():
+            return d / f"{value}.yaml"
+    names = sorted({p.stem for d in folders for p in d.glob("*.yaml")})
+    unset = "" if os.environ.get(RECIPE_PATH_ENV) else f" (${RECIPE_PATH_ENV} is not set)"
+    raise ConfigError(f"recipe={value!r} does not exist in {', '.join(str(d.resolve()) for d in folders)}{unset}; "
+                      f"available: {', '.join(names)}; or give a path: recipe=./{value}.yaml")
+
+
+def recipe_file(option: str) -> Path:
+    """The file behind the recipe option Hydra chose."""
+    return find_recipe(option) if option in _served.values() else RECIPE_DIR / f"{option}.yaml"
+
+
+def _is_global(text: str) -> bool:
+    """Whether Hydra reads ``text`` as global: its header is the leading ``# @key value`` lines (blank lines
+    skipped; any other line ends it, a plain comment too) and the last ``@package`` there says ``_global_``."""
+    package = None
+    for line in (line.strip() for line in text.splitlines()):
+        if not line:
+            continue
+        if not re.match(r"#\s*@", line):
+            break
+        key, _, value = line.lstrip("#").strip().partition(" ")
+        package = value.strip() if key == "@package" else package
+    return package == "_global_"
+
+
+def _option(path: Path) -> str:
+    """The Hydra option for recipe file ``path``: its name when it is a built-in Hydra reads as global, else a copy
+    with the package line first in this process's overlay folder."""
+    if path.parent.resolve() == RECIPE_DIR.resolve() and _is_global(path.read_text()):
+        return path.stem
+    if path not in _served:
+        if not _overlay:
+            _overlay.append(Path(tempfile.mkdtemp(prefix="grpo-recipes-")))
+            atexit.register(shutil.rmtree, _overlay[0], True)
+        used = set(_served.values())  # two files of one name (a sweep over folders): user/NAME, user2/NAME
+        options = (f"user{i if i > 1 else ''}/{path.stem}" for i in range(1, len(_served) + 2))
+        option = next(o for o in options if o not in used)
+        target = _overlay[0] / "recipe" / f"{option}.yaml"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(_GLOBAL + path.read_text())
+        _served[path] = option
+    return _served[path]
+
+
+def serve_recipes(overrides: list[str]) -> list[str]:
+    """``recipe=`` values (a sweep's too) rewritten to the options Hydra loads, with the overlay folder on
+    ``hydra.searchpath`` when one is used."""
+    out = []
+    for line, o in zip(overrides, _parse(overrides)):
+        if o.key_or_group != "recipe" or o.is_delete():
+            out.append(line)
+            continue
+        values = [str(v) for v in o.value().list] if o.is_sweep_override() else [str(o.value())]
+        prefix = line.split("recipe=", 1)[0]
+        out.append(f"{prefix}recipe=" + ",".join(_option(find_recipe(v)) for v in values))
+    if _overlay and _served:
+        entry = f"file://{_overlay[0]}"
+        given = [i for i, line in enumerate(out) if line.startswith("hydra.searchpath=")]
+        if not given:
+            out.append(f"hydra.searchpath=[{entry}]")
+        elif entry not in out[given[-1]]:
+            out[given[-1]] = out[given[-1]].rstrip("]") + ("," if out[given[-1]].rstrip("]")[-1] != "[" else "") \
+                + entry + "]"
+    return out

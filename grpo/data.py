@@ -170,7 +170,13 @@ def prepare(rows: list[dict], dcfg, tokenizer, tools: list[dict] | None = None,
     keeps its messages under ``prompt_messages`` (what conversational rewards receive as the prompt); with
     ``keep_turns`` (multi-turn episodes) every row keeps its turns under ``prompt_turns``. ``system_text``: added
     to every prompt's system turn (`with_system_text`)."""
-    out, dropped = [], 0
+    out, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text)
+    return out, len(dropped)
+
+
+def _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text=None) -> tuple[list[dict], list[int]]:
+    """`prepare`, with the token length of every dropped prompt."""
+    out, dropped = [], []
     for i, row in enumerate(rows):
         if dcfg.prompt_column not in row or row[dcfg.prompt_column] is None or row[dcfg.prompt_column] == "":
             raise DataError(f"data row {i} has no '{dcfg.prompt_column}' value (data.prompt_column); "
@@ -181,7 +187,7 @@ def prepare(rows: list[dict], dcfg, tokenizer, tools: list[dict] | None = None,
         text = render_turns(turns, dcfg, tokenizer, tools)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > dcfg.max_prompt_tokens:
-            dropped += 1
+            dropped.append(len(ids))
             continue
         cols = {k: v for k, v in row.items() if k != dcfg.prompt_column}
         if dcfg.answer_column in row and dcfg.answer_column != "answer":
@@ -199,6 +205,7 @@ class Splits:
     train: list[dict]
     eval: list[dict]
     dropped: int = 0
+    note: str = ""  # one line for the console: fewer held-out prompts than data.num_eval asked for, and why
 
 
 def build(dcfg, tokenizer, tools: list[dict] | None = None, keep_turns: bool = False,
@@ -208,10 +215,12 @@ def build(dcfg, tokenizer, tools: list[dict] | None = None, keep_turns: bool = F
     rows = load_rows(dcfg)
     if not rows:
         raise DataError(f"data.source={dcfg.source!r} has no rows")
-    rows, dropped = prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text)
+    rows, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text)
     if not rows:
-        raise DataError(f"every prompt is longer than data.max_prompt_tokens={dcfg.max_prompt_tokens}")
-    n_eval = min(dcfg.num_eval, len(rows) // 5) if not dcfg.source.startswith("builtin:") else dcfg.num_eval
+        raise DataError(f"every prompt is longer than data.max_prompt_tokens={dcfg.max_prompt_tokens}: the shortest "
+                        f"is {min(dropped)} tokens (as the model sees it, template included); raise "
+                        f"data.max_prompt_tokens to at least {min(dropped)}")
+    n_eval, note = _held_out_count(dcfg, len(rows))
     if dcfg.source.startswith("builtin:"):
         # generators may repeat a problem; keep held-out prompts out of the training set
         eval_rows = rows[:n_eval]
@@ -221,7 +230,20 @@ def build(dcfg, tokenizer, tools: list[dict] | None = None, keep_turns: bool = F
         train_rows, eval_rows = rows[: len(rows) - n_eval], rows[len(rows) - n_eval:]
     if not train_rows:
         raise DataError("no training rows left after holding out data.num_eval; lower data.num_eval")
-    return Splits(train_rows, eval_rows, dropped)
+    return Splits(train_rows, eval_rows, len(dropped), note)
+
+
+def _held_out_count(dcfg, n_rows: int) -> tuple[int, str]:
+    """How many rows to hold out, and a note when it is fewer than data.num_eval: a built-in task generates
+    them all; a file holds out at most a fifth of its rows (so a file of fewer than 5 rows holds out none)."""
+    if dcfg.source.startswith("builtin:") or dcfg.num_eval <= n_rows // 5:
+        return dcfg.num_eval, ""
+    n = n_rows // 5
+    why = (f"data.num_eval={dcfg.num_eval} but {dcfg.source} has {n_rows} usable rows and a file holds out at most a "
+           "fifth of them: ")
+    if n == 0:
+        return 0, why + "held-out evaluation is off (it needs 5 rows or more; data.num_eval=0 silences this)"
+    return n, why + f"{n} held out"
 
 
 @dataclass

@@ -9,7 +9,7 @@ from grpo.logger import interactive
 from grpo.rollout import generate
 from grpo.sampling import Completions, Sampling
 from grpo.tools.episodes import episode_metrics
-from grpo.tools.runs import episode_columns, turn_loop
+from grpo.tools.runs import episode_columns, seen_rows, turn_loop
 
 if TYPE_CHECKING:
     from grpo.run import Run
@@ -42,7 +42,7 @@ def evaluate(run: Run, cfg: Config, label: str) -> dict:
         eps = turn_loop(run, cfg, greedy).run(padded, [r["prompt_ids"] for r in padded], 1,
                                               Sampling(max_new, greedy=True))
         eps.groups, eps.prompt_ids = eps.groups[:len(shard)], eps.prompt_ids[:len(shard)]
-        comps, trunc, extra = eps.completion_ids, eps.truncated, episode_columns(eps)
+        comps, trunc, extra, shard = eps.completion_ids, eps.truncated, episode_columns(eps), seen_rows(shard, eps)
         episode_stats = episode_metrics(rt.all_reduce(eps.sums()), prefix="")
     _, stats = score_groups(run, shard, comps, trunc, extra)  # eval never stops a run (the loop counts failures)
     out = {"reward_mean": stats["reward_mean"], "completion_len_mean": stats["completion_len_mean"],

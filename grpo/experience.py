@@ -15,7 +15,7 @@ from grpo.rollout import generate
 from grpo.rollout_backends import Sampling, backend_for, step_seed
 from grpo.runtime.base import Runtime
 from grpo.tools.episodes import episode_metrics
-from grpo.tools.runs import episode_columns, episode_records, turn_loop
+from grpo.tools.runs import episode_columns, episode_records, seen_rows, turn_loop
 from grpo.update import nested_logprobs
 
 if TYPE_CHECKING:
@@ -86,6 +86,7 @@ def _rollout(run: Run, cfg: Config) -> Batch:
         completion_ids, truncated, sampling_logps = out.ids, out.truncated, out.logprobs
     else:  # multi-turn: one backend call per turn (grpo.tools.episodes)
         eps = turn_loop(run, cfg, backend.generate, seed_for).run(rows, prompt_ids, G, sampling)
+        rows = seen_rows(rows, eps)  # with the text reset(row) added: what rewards and samples.jsonl show
         prompt_ids, completion_ids, truncated = eps.prompt_ids, eps.completion_ids, eps.truncated
         sampling_logps, masks, episodes = eps.sampling_logps, eps.masks, episode_records(eps)
         extra = episode_columns(eps)

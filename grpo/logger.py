@@ -91,10 +91,14 @@ class MetricsLogger:
 
 
 def format_line(m: dict) -> str:
+    """The console line of a step. A ``kl`` that is logged but null (``algorithm.beta=0``: no reference model, so
+    no KL is measured; metrics.jsonl holds null) reads ``kl n/a``, not 0 and not a silent gap."""
     parts = [f"step {m.get('step', '?'):>4}"]
     for key, label, fmt in CONSOLE_KEYS:
         if m.get(key) is not None:
             parts.append(f"{label} {fmt.format(m[key])}")
+        elif key == "kl" and key in m:
+            parts.append(f"{label} n/a")
     return "  ".join(parts)
 
 

@@ -15,6 +15,7 @@ from grpo.checkpoint import restore, save_checkpoint, save_final
 from grpo.config import Config
 from grpo.errors import SetupError
 from grpo.evaluate import evaluate
+from grpo.rewards.score import first_failure
 from grpo.run import LoopState, Run
 from grpo.signals import StopSignals
 from grpo.update import UpdateSettings, policy_update
@@ -43,7 +44,7 @@ def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
         t0 = time.time()
         if state.buffer is None or (step - 1) % mu == 0:
             state.buffer = experience.collect(run, cfg)  # rollout -> rewards -> advantages -> old/ref log-probs
-            _count_reward_failures(state, run, cfg)
+            _count_reward_failures(state, run, cfg)  # counted here, the stop is after this step is logged
         batch, t1 = state.buffer, time.time()
         stats = policy_update(run.runtime, batch, settings)
         if not stats.get("empty_batch"):  # an empty batch (nothing to learn from) is skipped, but is not "bad"
@@ -60,6 +61,7 @@ def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
             log.samples(step, experience.sample_rows(run, batch, cfg.logging.num_samples))
         state.step, state.buffer = step, batch if step % mu else None
         state.stop_requested = run.runtime.any_rank(signals.requested)  # every rank stops after the same step
+        _stop_on_failed_rewards(state, run, cfg, batch.stats)
         if state.bad_steps >= cfg.trainer.max_bad_steps:
             save_checkpoint(run, state, cfg)  # weights are those of the last good step: bad steps change nothing
             raise SetupError(f"{state.bad_steps} steps in a row had a non-finite loss or gradient; stopped. "
@@ -83,16 +85,28 @@ def _eval_before(run: Run, cfg: Config, log: logger.MetricsLogger, start: int) -
 
 
 def _count_reward_failures(state: LoopState, run: Run, cfg: Config) -> None:
-    """A reward function that failed on every sample of reward.max_failed_steps rollouts in a row stops the run
-    (its counts are the first rollout round's, over every rank: prompts_per_step x G samples)."""
-    samples = cfg.rollout.prompts_per_step * cfg.algorithm.group_size
+    """Per function, the training rollouts in a row in which it scored no sample (it raised, timed out, returned
+    None or a non-finite value on every one), counted over every rank on the first rollout round. The held-out
+    evaluation does not count."""
     for rf in run.rewards:
-        failed = state.buffer.stats[f"reward/{rf.name}_errors"] >= samples
+        failed = state.buffer.stats[f"reward/{rf.name}"] is None
         state.failed_reward_steps[rf.name] = state.failed_reward_steps.get(rf.name, 0) + 1 if failed else 0
-        if state.failed_reward_steps[rf.name] >= cfg.reward.max_failed_steps:
-            raise SetupError(f"reward function {rf.name!r} failed on every sample for "
-                             f"{state.failed_reward_steps[rf.name]} steps in a row; fix it (its error is shown above, "
-                             f"once) or remove it with ~reward.functions.{rf.name}")
+
+
+def _stop_on_failed_rewards(state: LoopState, run: Run, cfg: Config, stats: dict) -> None:
+    """Stop (after the step is logged) when a function scored no sample in reward.max_failed_steps rollouts in a
+    row; the message says what it did the first time it failed."""
+    for rf in run.rewards:
+        n = state.failed_reward_steps.get(rf.name, 0)
+        if n < cfg.reward.max_failed_steps:
+            continue
+        errors = stats[f"reward/{rf.name}_errors"]
+        why = first_failure(rf.name) if errors else "returned None for every sample" + (
+            " (a verl-style function that raises scores None: its first error is logged once)"
+            if hasattr(rf.fn, "verl_fn") else "")
+        raise SetupError(f"reward function {rf.name!r} scored no sample in {n} training rollouts in a row (the last "
+                         f"at step {state.step}; reward.max_failed_steps={cfg.reward.max_failed_steps}): it "
+                         f"{why or 'failed'}; fix it or remove it with ~reward.functions.{rf.name}")
 
 
 def _already_done(run: Run, cfg: Config, log: logger.MetricsLogger, start: int) -> dict:

@@ -107,6 +107,23 @@ def tiny_model(family: str, vocab_size: int, seed: int = 0, **overrides):
         raise ModelError(f"model.tiny={overrides} does not make a valid {family} model: {_first_line(e)}") from None
 
 
+def head_dim(name_or_path: str, tiny: dict) -> int | None:
+    """The attention head size of a tiny model or a local checkpoint, without loading it (None: not known without
+    loading, e.g. a hub id or the embedded SmolLM2, whose heads are 64 wide)."""
+    config = Path(name_or_path).expanduser() / "config.json"
+    if name_or_path.startswith("tiny:"):
+        kw = {**TINY_DEFAULTS, **tiny}
+    elif config.is_file():
+        import json
+
+        kw = json.loads(config.read_text())
+    else:
+        return None
+    if kw.get("head_dim"):
+        return int(kw["head_dim"])
+    return int(kw["hidden_size"]) // int(kw["num_attention_heads"]) if "hidden_size" in kw else None
+
+
 # ------------------------------------------------------------------------------------- loading
 _TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 

@@ -25,44 +25,47 @@ def _hydra_main():
         from hydra.core.hydra_config import HydraConfig
         from omegaconf import OmegaConf
 
+        from grpo.cli import expand_paths
         from grpo.compose import apply_precedence
         from grpo.loop import train  # torch and the models: only for a config that composed and passed its checks
 
         hc = HydraConfig.get()
+        run_dir = hc.runtime.output_dir
         try:
             raw = apply_precedence(raw, list(hc.overrides.task), OmegaConf.to_container(hc.runtime.choices),
                                    lambda ov: hydra_compose(config_name="config", overrides=ov))
         except GRPOError as e:
-            _fail(e)
-        if not raw.trainer.get("output_dir"):
-            raw.trainer.output_dir = hc.runtime.output_dir
-        cfg = _load_or_exit(OmegaConf.to_container(raw, resolve=True))
+            _fail(e, run_dir)
+        if not expand_paths(raw.trainer):  # a sweep's job: its own directory (grpo/cli.py `_sweep_dir`)
+            raw.trainer.output_dir = run_dir
+        cfg = _load_or_exit(OmegaConf.to_container(raw, resolve=True), run_dir)
         saved = os.path.join(hc.runtime.output_dir, hc.output_subdir or "", "config.yaml")
         if hc.output_subdir and os.path.isdir(os.path.dirname(saved)):  # the config that runs, not Hydra's merge
             OmegaConf.save(OmegaConf.create(asdict(cfg)), saved)
         try:
             result = train(cfg)
         except (GRPOError, FileNotFoundError) as e:
-            _fail(e)
+            _fail(e, run_dir)
         after = result.get("eval_after", {})
         return after.get("reward_mean")
 
     return _run
 
 
-def _load_or_exit(raw: dict) -> Config:
+def _load_or_exit(raw: dict, run_dir: str) -> Config:
     try:
         return load(raw)
     except GRPOError as e:
-        _fail(e)
+        _fail(e, run_dir)
 
 
-def _fail(e: Exception):
+def _fail(e: Exception, run_dir: str | None = None):
     """A GRPOError (or a missing file) as one line, ``error: <message>``, exit code 2; with HYDRA_FULL_ERROR=1
-    the traceback."""
+    the traceback. A run directory that holds nothing but what Hydra wrote into it is removed."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise e
     print(f"error: {e}", file=sys.stderr, flush=True)
+    _drop_empty_run_dir(run_dir)
     if int(os.environ.get("WORLD_SIZE") or 1) > 1:
         # one of many processes: exit now, without the interpreter's teardown (destroying the process group,
         # library atexit hooks), which may wait on ranks still blocked in a collective; the launcher then
@@ -70,6 +73,21 @@ def _fail(e: Exception):
         sys.stdout.flush()
         os._exit(2)
     sys.exit(2)
+
+
+def _drop_empty_run_dir(run_dir: str | None) -> None:
+    """Hydra creates the run directory before the run starts: an error then must not leave one holding only
+    ``.hydra/`` (and Hydra's ``train.log``). Never the working directory, never one holding anything else."""
+    import shutil
+
+    if not run_dir or int(os.environ.get("RANK") or 0) > 0 or not os.path.isdir(run_dir):
+        return
+    if os.path.abspath(run_dir) != os.getcwd() and set(os.listdir(run_dir)) <= {".hydra", "train.log"}:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        parent = os.path.dirname(os.path.abspath(run_dir))
+        while parent.startswith(os.getcwd() + os.sep) and not os.listdir(parent):  # outputs/<date>/, emptied
+            os.rmdir(parent)
+            parent = os.path.dirname(parent)
 
 
 def main() -> None:

@@ -460,7 +460,7 @@ def test_logged_loss_is_zero_with_one_iteration_but_the_gradient_is_not(cfg_fact
         assert r["loss"] == pytest.approx(0.0, abs=1e-5) and r["grad_norm"] > 0
 
 
-def test_beta_zero_loads_no_reference_and_runs_no_reference_forward(cfg_factory, spy, monkeypatch):
+def test_beta_zero_loads_no_reference_and_runs_no_reference_forward(cfg_factory, spy, monkeypatch, capsys):
     import grpo.build
     import grpo.run
 
@@ -471,6 +471,9 @@ def test_beta_zero_loads_no_reference_and_runs_no_reference_forward(cfg_factory,
     assert spy.run.reference is None and refs == []
     assert spy.logprob_passes == 0  # mu = 1, no reference: the update's forward is the only one
     assert all(r["kl"] is None for r in rows)  # nothing to measure a KL against
+    # docs/algorithms.md: null in metrics.jsonl, `kl n/a` on the console (not 0, not a silent gap)
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("step ")]
+    assert len(lines) == 2 and all("  kl n/a  " in l for l in lines)
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])

@@ -106,6 +106,9 @@ def run_main(monkeypatch, capsys, tmp_path, *args):
     (["data.source=."], "data.source='.' is a folder"),
     (["reward.functions.accuracy.fn=nosuchmod:f"], "cannot import module 'nosuchmod'"),
     (["+reward.functions.x=1"], "reward.functions.x needs an 'fn'"),
+    (["~reward.functions.acuracy"], "reward.functions has no 'acuracy' (did you mean 'accuracy'?)"),
+    (["reward.functions.acuracy.weight=1"], "reward.functions has no 'acuracy' (did you mean 'accuracy'?)"),
+    (["trainer.resume=/no/such/step_3"], "trainer.resume='/no/such/step_3': no such checkpoint directory"),
 ])
 def test_mistakes_fail_in_one_line_and_leave_no_run_directory(monkeypatch, capsys, tmp_path, args, fragment):
     out = tmp_path / "run"
@@ -139,3 +142,66 @@ def test_cfg_job_prints_the_config_that_runs(monkeypatch, capsys, tmp_path):
     printed = OmegaConf.create(capsys.readouterr().out)
     assert {k: v.fn for k, v in printed.reward.functions.items()} == {"accuracy": "math_accuracy", "format": "format"}
     assert not (tmp_path / "outputs").exists()
+
+
+# ------------------------------------------------------------------------------ recipes from anywhere
+def _recipe(path, steps, header=""):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{header}defaults:\n  - override /model: tiny\ntrainer: {{max_steps: {steps}}}\n")
+    return path
+
+
+def test_a_recipe_by_path_absolute_or_relative(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    _recipe(tmp_path / "sub" / "mine.yaml", 7)
+    for value in (str(tmp_path / "sub" / "mine.yaml"), "./sub/mine.yaml", "sub/mine.yaml"):
+        cfg = composed(value)
+        assert cfg.trainer.max_steps == 7 and cfg.model.name_or_path == "tiny:llama", value
+    assert composed(str(ROOT / "recipes" / "smoke.yaml")).algorithm.group_size == 4  # a built-in, by its path
+
+
+def test_a_recipe_without_the_package_line_or_with_a_comment_above_it_applies_its_keys(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    for header in ("", "# my recipe\n# @package _global_\n", "# just a comment\n"):
+        _recipe(tmp_path / "r.yaml", 9, header)
+        raw = compose_recipe("./r.yaml", ["trainer.output_dir=/tmp/x"])
+        assert "recipe" not in raw and raw.trainer.max_steps == 9, header  # never a stray `recipe:` section
+
+
+def test_recipe_names_are_looked_up_in_the_search_path_then_the_built_ins(monkeypatch, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _recipe(a / "mine.yaml", 3)
+    _recipe(b / "mine.yaml", 4)
+    _recipe(b / "smoke.yaml", 5)
+    monkeypatch.setenv("GRPO_RECIPE_PATH", f"{a}:{b}")
+    assert composed("mine").trainer.max_steps == 3  # the first folder that has it wins
+    assert composed("smoke").trainer.max_steps == 5  # yours before the built-ins
+    assert composed("quickstart").model.name_or_path.startswith("embedded:")  # a built-in still found
+    monkeypatch.setenv("GRPO_RECIPE_PATH", str(b))
+    assert composed("mine").trainer.max_steps == 4
+    # a sweep over recipes of both kinds
+    from grpo.compose import normalize
+    swept = normalize(["recipe=mine,quickstart"])
+    assert swept[0].startswith("recipe=user") and swept[0].endswith(",quickstart")
+
+
+def test_a_recipe_not_found_names_every_folder_searched(monkeypatch, tmp_path):
+    from grpo.cli import check_argv
+    from grpo.errors import ConfigError
+
+    monkeypatch.setenv("GRPO_RECIPE_PATH", str(tmp_path / "mine"))
+    with pytest.raises(ConfigError) as e:
+        check_argv(["recipe=nope"])
+    msg = str(e.value)
+    assert f"in {tmp_path / 'mine'}, {(ROOT / 'recipes').resolve()}; available: " in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match="recipe='./nope.yaml': no such file"):
+        check_argv(["recipe=./nope.yaml"])
+
+
+def test_a_built_in_folder_recipe_with_a_comment_above_its_package_line_applies_its_keys():
+    recipe = _recipe(ROOT / "recipes" / "zz-comment-first.yaml", 11, "# what it shows\n# @package _global_\n")
+    try:
+        raw = compose_recipe("zz-comment-first", ["trainer.output_dir=/tmp/x"])
+    finally:
+        recipe.unlink()
+    assert "recipe" not in raw and raw.trainer.max_steps == 11

@@ -50,7 +50,7 @@ def test_argv_check():
                 "model.tiny.hidden_size=32", "distributed=none", "logging.wandb.mode=offline"])
     with pytest.raises(ConfigError, match="did you mean 'algorithm.group_size'"):
         check_argv(["algorithm.groupsize=4"])
-    with pytest.raises(ConfigError, match="recipe='nope' does not exist; available: .*smoke"):
+    with pytest.raises(ConfigError, match="recipe='nope' does not exist in .*recipes .*; available: .*smoke"):
         check_argv(["recipe=nope"])
 
 

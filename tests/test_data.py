@@ -90,3 +90,29 @@ def test_sampler_passes_and_state_round_trip():
     t = PromptSampler(5, seed=3)
     t.load_state_dict(state)
     assert t.next(6) == rest
+
+
+def test_small_files_say_how_many_prompts_are_held_out(tmp_path, tok):
+    """A file holds out at most a fifth of its rows: fewer than 5 rows hold out none, and the note says so (it
+    was silent); enough rows for data.num_eval need no note."""
+    def splits(n, num_eval):
+        path = tmp_path / f"d{n}.jsonl"
+        path.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": i + 1}) + "\n" for i in range(n)))
+        return build(DataConfig(source=str(path), num_eval=num_eval, chat_template=False), tok)
+
+    four = splits(4, 2)
+    assert (len(four.train), len(four.eval)) == (4, 0)
+    assert "has 4 usable rows" in four.note and "held-out evaluation is off (it needs 5 rows or more" in four.note
+    twelve = splits(12, 5)
+    assert len(twelve.eval) == 2 and twelve.note.endswith("a fifth of them: 2 held out")
+    assert splits(12, 2).note == "" and splits(4, 0).note == ""
+
+
+def test_every_prompt_too_long_says_the_shortest_and_what_to_raise(tok):
+    dcfg = DataConfig(source="builtin:arithmetic", num_train=20, num_eval=0, chat_template=False, max_prompt_tokens=2)
+    shortest = min(len(tok(r["prompt"], add_special_tokens=False)["input_ids"]) for r in load_rows(dcfg))
+    with pytest.raises(DataError) as e:
+        build(dcfg, tok)
+    assert str(e.value) == (f"every prompt is longer than data.max_prompt_tokens=2: the shortest is {shortest} tokens "
+                            f"(as the model sees it, template included); raise data.max_prompt_tokens to at least "
+                            f"{shortest}")

@@ -38,6 +38,14 @@ def test_explicit_budget_wins_and_warns_when_too_big():
     est = Estimate(per_token=1 << 20, fixed=0, transient=0)
     tokens, note = choose_budget(8192, est, GiB, longest=100, on_gpu=False)
     assert tokens == 8192 and "may run out of memory" in note
+    # the hint names what auto would really pick: the memory fit capped for the device (issue 27, item 9)
+    note = choose_budget(10**6, est, 64 * GiB, longest=100, on_gpu=False)[1]
+    assert est.tokens_within(64 * GiB) > memory.CPU_CAP
+    assert note.endswith(f"auto would pick {memory.CPU_CAP}")
+    assert choose_budget("auto", est, 64 * GiB, longest=100, on_gpu=False)[0] == memory.CPU_CAP
+    huge = choose_budget(10**7, est, 256 * GiB, longest=100, on_gpu=True)[1]
+    assert huge.endswith(f"auto would pick {memory.GPU_CAP}")
+    assert "auto cannot fit" in choose_budget(8192, est, 64 * 2**20, longest=100, on_gpu=False)[1]
     as_text = choose_budget("512", est, 8 * GiB, longest=100, on_gpu=False)
     assert as_text == (512, choose_budget(512, est, 8 * GiB, 100, False)[1])
 

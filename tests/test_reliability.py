@@ -198,6 +198,12 @@ def fault_module(tmp_path, monkeypatch):
         def always_fails(prompts, completions, **_):
             raise RuntimeError("broken")
 
+        def always_nan(prompts, completions, **_):
+            return [float("nan")] * len(completions)
+
+        def always_none(prompts, completions, **_):
+            return [None] * len(completions)
+
         def hangs_on_odd(prompts, completions, answer, **_):
             if any(int(a) % 2 for a in answer):
                 while True:
@@ -218,14 +224,24 @@ def test_reward_that_raises_on_some_samples_is_counted(cfg_factory, tmp_path, fa
     assert all(r["reward/flaky_errors"] < 8 or r["reward/flaky"] is None for r in rows.values())
 
 
-def test_reward_failing_every_sample_stops_the_run(cfg_factory, fault_module):
-    cfg = cfg_factory({"reward": {"functions": {"bad": {"fn": "faulty_rewards:always_fails"}}, "max_failed_steps": 2},
-                       "trainer": {"max_steps": 5}, "data": {"num_eval": 0}})
-    with pytest.raises(SetupError, match="'bad' failed on every sample for 2 steps"):
+@pytest.mark.parametrize("fn, why", [("always_fails", "it raised RuntimeError: broken;"),
+                                     ("always_nan", "it returned nan;"),
+                                     ("always_none", "it returned None for every sample;")])
+def test_reward_scoring_no_sample_stops_the_run(cfg_factory, fault_module, fn, why):
+    """Raises, NaN or None on every sample: the run stops after max_failed_steps training steps, each of them logged
+    (the held-out evaluation before training does not count), and the message says what the function did."""
+    cfg = cfg_factory({"reward": {"functions": {fn: {"fn": f"faulty_rewards:{fn}"}},
+                                  "max_failed_steps": 2},
+                       "trainer": {"max_steps": 5}, "data": {"num_eval": 2}})
+    with pytest.raises(SetupError) as e:
         train(cfg)
+    assert f"{fn!r} scored no sample in 2 training rollouts in a row (the last at step 2;" in str(e.value)
+    assert why in str(e.value) and "\n" not in str(e.value)
+    rows = steps(Path(cfg.trainer.output_dir))
+    assert sorted(rows) == [1, 2] and all(rows[s][f"reward/{fn}"] is None for s in rows)
 
 
-def test_hanging_reward_is_killed_after_timeout(cfg_factory, fault_module):
+def test_hanging_reward_is_killed_after_timeout(cfg_factory, fault_module, caplog):
     cfg = cfg_factory({"reward": {"functions": {"hang": {"fn": "faulty_rewards:hangs_on_odd"}}, "timeout_s": 1.5,
                                   "max_failed_steps": 10},
                        "trainer": {"max_steps": 1}, "data": {"num_eval": 0}})
@@ -234,6 +250,8 @@ def test_hanging_reward_is_killed_after_timeout(cfg_factory, fault_module):
     row = steps(Path(cfg.trainer.output_dir))[1]
     assert row["reward/hang_errors"] > 0
     assert time.time() - t0 < 120
+    said = [r.getMessage() for r in caplog.records if "'hang'" in r.getMessage()]
+    assert len(said) == 1 and "'hang' timed out after 1.5 s (reward.timeout_s)" in said[0] and "raised" not in said[0]
 
 
 def test_non_finite_steps_are_skipped_then_stop(cfg_factory, monkeypatch):

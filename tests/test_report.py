@@ -168,3 +168,19 @@ def test_identical_runs_stay_visible_and_a_single_step_has_whole_ticks(tmp_path,
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
     kl_length = seen[2]
     assert [ax.get_title() for ax in kl_length.axes] == ["mean completion length (tokens)"]  # beta = 0: no KL panel
+
+
+def test_reward_curve_of_a_run_without_reference_has_no_kl_panel(tmp_path, monkeypatch):
+    """beta = 0: kl is null in every line, so reward_curve.png draws no KL panel (a line at 0 would claim a
+    measurement); a measured kl gets its panel."""
+    import matplotlib.figure
+
+    from grpo.logger import plot_curves
+
+    seen, save = [], matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda self, *a, **k: (seen.append([ax.get_title() for ax in self.axes]), save(self, *a, **k)))
+    rows = [{"step": s, "reward_mean": 0.1 * s, "kl": None, "completion_len_mean": 3.0} for s in (1, 2)]
+    plot_curves(rows, tmp_path / "none.png")
+    plot_curves([{**r, "kl": 0.01} for r in rows], tmp_path / "kl.png")
+    assert seen == [["reward_mean", "completion_len_mean"], ["reward_mean", "kl", "completion_len_mean"]]

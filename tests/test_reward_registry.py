@@ -78,3 +78,26 @@ def test_kwargs_from_config_reach_the_function(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     fns = build({"len": {"fn": "kw_rewards:scaled", "weight": 1.0, "factor": 0.5}})
     assert score(fns, ["p"], ["abcd"], {}).total == [2.0]
+
+
+def test_config_kwarg_typo_is_refused_even_with_open_kwargs(tmp_path, monkeypatch, cfg_factory):
+    """The docs' `brevity(prompts, completions, target_words=50, **kwargs)`: a misspelled config argument is refused
+    with a did-you-mean at start-up (before any model loads), while the dataset columns still reach **kwargs."""
+    (tmp_path / "open_rewards.py").write_text(textwrap.dedent("""
+        def brevity(prompts, completions, target_words=50, **kwargs):
+            return [float(len(c.split()) <= target_words) + 0 * len(kwargs["answer"]) for c in completions]
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        fns = build({"b": {"fn": "open_rewards:brevity", "target_words": 1}})
+        assert score(fns, ["p", "p"], ["one", "one two"], {"answer": [1, 2]}).total == [1.0, 0.0]
+        with pytest.raises(RewardSpecError) as e:
+            build({"b": {"fn": "open_rewards:brevity", "target_wrds": 1}})
+        assert str(e.value).startswith("reward.functions.b.target_wrds: 'open_rewards:brevity' has no argument "
+                                       "'target_wrds' (did you mean 'target_words'?); it takes target_words")
+        from grpo.build import preflight  # the checks that run before the runtime and the model
+
+        with pytest.raises(RewardSpecError, match="did you mean 'target_words'"):
+            preflight(cfg_factory({"reward": {"functions": {"b": {"fn": "open_rewards:brevity", "target_wrds": 1}}}}))
+    finally:
+        sys.modules.pop("open_rewards", None)

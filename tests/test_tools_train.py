@@ -154,3 +154,47 @@ def test_tools_with_smollm2_from_the_cli(tmp_path):
     assert "episode/tool_use_rate" in step and step["grad_norm"] >= 0
     prompt = json.loads((out / "samples.jsonl").read_text().splitlines()[0])["prompt"]
     assert "<tool_response></tool_response> tags.<|im_end|>\n<|im_start|>user\n" in prompt
+
+
+SEEN = '''
+SEEN = []
+
+
+class Briefed:
+    """reset(row) adds a line to the prompt; the episode ends after its first turn."""
+
+    def reset(self, row):
+        return "Answer in one line."
+
+    def step(self, text):
+        return None
+
+
+def record(prompts, completions, **columns):
+    SEEN.extend(prompts)
+    return [0.0] * len(completions)
+'''
+
+
+def test_rewards_and_samples_see_the_prompt_with_the_text_reset_added(tmp_path, monkeypatch, cfg_factory):
+    """The text an environment's reset(row) adds is part of the prompt the model answered: the rewards' ``prompts``
+    (training and held-out) and samples.jsonl show it."""
+    from grpo.loop import train
+
+    (tmp_path / "seen_env.py").write_text(SEEN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    try:
+        import seen_env
+
+        cfg = cfg_factory({"rollout": {"environment": "seen_env:Briefed", "max_turns": 1},
+                           "reward": {"functions": {"seen": {"fn": "seen_env:record"}}},
+                           "trainer": {"max_steps": 1}, "data": {"num_eval": 2}})
+        train(cfg)
+        # held-out before (2 prompts), one training rollout (2 prompts x G=4), held-out after (2 prompts)
+        assert len(seen_env.SEEN) == 2 + 8 + 2
+        assert all(p.endswith("\n\nAnswer in one line.") for p in seen_env.SEEN)
+        samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+        assert samples and all(s["prompt"].endswith("\n\nAnswer in one line.") for s in samples)
+    finally:
+        sys.modules.pop("seen_env", None)

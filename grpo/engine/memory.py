@@ -140,16 +140,24 @@ def choose_budget(value, est: Estimate, free: int, longest: int, on_gpu: bool) -
         need = est.bytes_for(explicit)
         note = (f"engine.max_tokens_per_micro_batch={explicit}: the update needs about {_gib(need)}")
         if need > free * MARGIN:
-            note += (f", more than {MARGIN:.0%} of the {_gib(free)} free: it may run out of memory; auto would pick "
-                     f"{est.tokens_within(free)}")
+            fits = est.tokens_within(free)
+            auto = (f"auto would pick {_auto_tokens(fits, longest, on_gpu)}" if fits >= longest else
+                    f"auto cannot fit the longest prompt + completion ({longest} tokens) either")
+            note += f", more than {MARGIN:.0%} of the {_gib(free)} free: it may run out of memory; {auto}"
         return explicit, note
     fits = est.tokens_within(free)
     if fits < longest:
         raise ValueError(f"one prompt + completion ({longest} tokens) needs about {_gib(est.bytes_for(longest))} "
                          f"for the update, more than {MARGIN:.0%} of the {_gib(free)} free; {_HINT}")
-    tokens = max(min(fits, GPU_CAP if on_gpu else CPU_CAP), longest)
+    tokens = _auto_tokens(fits, longest, on_gpu)
     return tokens, (f"engine.max_tokens_per_micro_batch=auto -> {tokens} tokens (about {_gib(est.bytes_for(tokens))} "
                     f"for the update; {_gib(free)} free, {est.per_token / 2**20:.2f} MiB of activations per token)")
+
+
+def _auto_tokens(fits: int, longest: int, on_gpu: bool) -> int:
+    """What ``auto`` picks when ``fits`` tokens fit in memory: at most the device's cap, at least the longest
+    prompt + completion (which must fit in one micro-batch)."""
+    return max(min(fits, GPU_CAP if on_gpu else CPU_CAP), longest)
 
 
 def group_score_bytes(config, group_size: int, prompt: int, completion: int) -> int:

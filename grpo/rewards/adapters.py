@@ -77,7 +77,8 @@ def from_verl(fn: Callable) -> Callable:
     Per sample: ``data_source`` from the ``data_source`` column (else ``"unknown"``),
     ``ground_truth`` from the ``ground_truth``, ``answer`` or ``reward_model.ground_truth``
     column, ``extra_info`` from the ``extra_info`` column (else ``{}``). Scalar keyword arguments
-    from the config are passed on when ``fn`` accepts them (verl's ``reward_kwargs``). A sample
+    from the config are passed on (verl's ``reward_kwargs``; `score.check_kwargs` refuses one ``fn`` does not
+    name). A sample
     whose call raises, or returns something that is not a finite number, scores None; the first
     such error of a wrapped function is logged with its traceback.
     """

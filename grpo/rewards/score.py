@@ -59,9 +59,11 @@ def in_worker(rewards: list[RewardFunction], timeout_s: float) -> list[RewardFun
 
 
 def check_kwargs(name: str, spec: str, fn: Callable, kwargs: dict) -> None:
-    """Config arguments against the function: a misspelled one (``wieght``, ``mdoe``) is an error, not a
-    silently ignored column. A built-in also runs once on an empty batch, so a missing or bad argument
-    (``overlong_penalty`` without ``max_len``, ``reward_model`` with a path that does not exist) fails now."""
+    """Config arguments against the function: every one must be a parameter the function names, so a misspelled
+    one (``wieght``, ``mdoe``, ``target_wrds``) is an error, not silently swallowed by its ``**kwargs`` (which
+    receives the dataset columns at each call). A built-in also runs once on an empty batch, so a missing or bad
+    argument (``overlong_penalty`` without ``max_len``, ``reward_model`` with a path that does not exist) fails
+    now."""
     target = getattr(fn, "verl_fn", fn)
     params = inspect.signature(target).parameters
     named = [p for p in params if params[p].kind not in (inspect.Parameter.VAR_POSITIONAL,
@@ -69,12 +71,14 @@ def check_kwargs(name: str, spec: str, fn: Callable, kwargs: dict) -> None:
     open_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     builtin = is_builtin(spec)
     for key in kwargs:
-        if key not in named and (builtin or not open_kw):
+        if key not in named:
             close = difflib.get_close_matches(key, [*named, *_RESERVED], n=1, cutoff=0.6)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             takes = ", ".join(p for p in named if p not in ("prompts", "completions")) or "no arguments"
+            opened = "; a config argument must be a parameter it names (its **kwargs gets the dataset columns)" \
+                if open_kw and not builtin else ""
             raise RewardSpecError(f"reward.functions.{name}.{key}: {spec!r} has no argument {key!r}{hint}; "
-                                  f"it takes {takes} (and fn, weight)")
+                                  f"it takes {takes} (and fn, weight){opened}")
     if builtin:
         required = {p: [] for p, v in params.items() if v.default is inspect.Parameter.empty
                     and p not in ("prompts", "completions") and p in named and p not in kwargs}
@@ -94,6 +98,7 @@ class Scores:
 
 
 _reported: set[str] = set()
+_first_failure: dict[str, str] = {}  # function name -> one line on its first failure (for the stop message)
 # frames of the scoring machinery in this package (the built-ins' text/messages wrapper included): not the user's
 _MACHINERY = ("score.py", "worker.py", "adapters.py", "registry.py")
 
@@ -117,7 +122,7 @@ def score_one(rf: RewardFunction, prompts, completions, columns) -> tuple[list, 
     except RewardCountError:
         raise
     except RewardTimeout:
-        _report(rf.name)
+        _report(rf.name, f"timed out after {rf.timeout_s:g} s (reward.timeout_s) and was killed")
         vals, errors = [None] * len(completions), len(completions)
     except Exception:
         _report(rf.name)
@@ -132,20 +137,32 @@ def score_one(rf: RewardFunction, prompts, completions, columns) -> tuple[list, 
                 vals.append(None)
                 errors += 1
     bad = [v is not None and not math.isfinite(v) for v in vals]
+    if any(bad):
+        _report(rf.name, f"returned {next(v for v, b in zip(vals, bad) if b)}")
     return [None if b else v for v, b in zip(vals, bad)], errors + sum(bad)
 
 
-def _report(name: str) -> None:
-    """The first failure of a function, once, with the user's own frames (not the scoring machinery's)."""
+def first_failure(name: str) -> str | None:
+    """One line on the first failure of the function ``name`` in this process (None: it never failed here)."""
+    return _first_failure.get(name)
+
+
+def _report(name: str, what: str = "") -> None:
+    """The first failure of a function, once: what happened (``what``; empty: the exception being handled, with
+    the user's own frames, not the scoring machinery's). Kept for the stop message (`first_failure`)."""
     if name in _reported:
         return
     _reported.add(name)
-    etype, err, tb = sys.exc_info()
-    frames = [f for f in traceback.extract_tb(tb) if os.path.basename(f.filename) not in _MACHINERY
-              or os.path.dirname(f.filename) != _HERE]
-    text = "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(etype, err))
-    log.warning("reward function %r raised (the samples it cannot score get no score; shown once):\n%s",
-                name, text.rstrip())
+    text = ""
+    if not what:
+        etype, err, tb = sys.exc_info()
+        frames = [f for f in traceback.extract_tb(tb) if os.path.basename(f.filename) not in _MACHINERY
+                  or os.path.dirname(f.filename) != _HERE]
+        last = traceback.format_exception_only(etype, err)
+        text = ":\n" + ("".join(traceback.format_list(frames)) + "".join(last)).rstrip()
+        what = "raised " + ("".join(last).strip().splitlines() or [etype.__name__])[-1]
+    _first_failure[name] = what[:300]
+    log.warning("reward function %r %s (the samples it cannot score get no score; shown once)%s", name, what, text)
 
 
 def reward_inputs(rows: list[dict], texts: list[str], group_size: int, completion_format: str) -> tuple[list, list]:

@@ -69,6 +69,7 @@ class Episodes:
     prompt_ids: list[list[int]]          # per group (reset(row) may have added text)
     prompts: list[str]                   # the prompt text per group
     groups: list[list[Episode]]
+    added: list[str | None] = field(default_factory=list)  # per group: the text reset(row) added (None: nothing)
 
     @property
     def completion_ids(self):
@@ -131,7 +132,7 @@ class TurnLoop:
 
     def run(self, rows: list[dict], prompt_ids: list[list[int]], group_size: int, sampling: Sampling) -> Episodes:
         G = 1 if sampling.greedy else group_size
-        prompts, prompt_ids = self._reset(rows, prompt_ids, G)
+        prompts, prompt_ids, added = self._reset(rows, prompt_ids, G)
         groups = [[Episode() for _ in range(G)] for _ in rows]
         try:
             for turn in range(1, self.settings.max_turns + 1):
@@ -163,14 +164,14 @@ class TurnLoop:
                         e.env_reward = self.worker.reward((g, j))
         finally:
             self.worker.drop_all()
-        return Episodes(prompt_ids, prompts, groups)
+        return Episodes(prompt_ids, prompts, groups, added)
 
     def _reset(self, rows, prompt_ids, G):
         """One environment per episode; the text reset(row) returns joins the group's prompt (it must be the same
         for the G episodes of a row: they share one prompt)."""
-        prompts = [r["prompt"] for r in rows]
+        prompts, added = [r["prompt"] for r in rows], [None] * len(rows)
         if self.toolset.environment is None:
-            return prompts, prompt_ids
+            return prompts, prompt_ids, added
         prompt_ids = list(prompt_ids)
         for g, row in enumerate(rows):
             try:
@@ -184,13 +185,14 @@ class TurnLoop:
             text = texts.pop()
             if text and self.prompt_for is not None:
                 prompts[g], prompt_ids[g] = self.prompt_for(row, text)
+                added[g] = text
                 st, n = self.settings, len(prompt_ids[g])
                 if st.max_tokens and n + st.max_new_tokens > st.max_tokens:
                     raise SetupError(f"rollout.environment={self.toolset.environment!r}: with the text reset(row) "
                                      f"added, a prompt is {n} tokens; with rollout.max_new_tokens={st.max_new_tokens} "
                                      f"it does not fit engine.max_tokens_per_micro_batch={st.max_tokens} (planned at "
                                      "start, before any reset(row) ran): raise it, or return less text from reset(row)")
-        return prompts, prompt_ids
+        return prompts, prompt_ids, added
 
     def _turn(self, e: Episode, key, ids: list[int], cut: bool, logps, turn: int, prompt_len: int) -> None:
         """One model turn of episode ``e``: append it, then end the episode or append what answers it. A turn cut at

@@ -37,6 +37,19 @@ def turn_loop(run: Run, cfg: Config, generate: Callable, seed_for: Callable | No
                     seed_for=seed_for or (lambda turn: None), prompt_for=prompt_for)
 
 
+def seen_rows(rows: list[dict], eps: Episodes) -> list[dict]:
+    """The rows as the model saw them: with the text reset(row) added to ``prompt``, ``prompt_ids`` and the last user
+    turn of ``prompt_messages``, so the rewards' ``prompts`` and samples.jsonl show the prompt that was answered."""
+    out = []
+    for row, text, prompt, ids in zip(rows, eps.added or [None] * len(rows), eps.prompts, eps.prompt_ids):
+        if text:
+            row = {**row, "prompt": prompt, "prompt_ids": ids}
+            if row.get("prompt_messages"):
+                row["prompt_messages"] = data.with_extra_text(row["prompt_messages"], text)
+        out.append(row)
+    return out
+
+
 def episode_columns(eps: Episodes) -> dict[str, list]:
     """Per-sample columns the reward functions receive (flat order): the episode's turns and tool counts."""
     flat = [e for g in eps.groups for e in g]
