@@ -146,7 +146,7 @@ def test_tools_with_smollm2_from_the_cli(tmp_path):
     p = subprocess.run([sys.executable, "-m", "grpo.train", "recipe=quickstart",
                         "rollout.tools=[tests.tool_fixtures:add]", "rollout.max_turns=2", f"trainer.output_dir={out}",
                         "trainer.max_steps=1", "data.num_eval=0", "rollout.prompts_per_step=2",
-                        "algorithm.group_size=2", "rollout.max_new_tokens=8"],
+                        "algorithm.group_size=2", "rollout.max_new_tokens=8", "logging.sample_every=1"],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "rollout.tool_format=hermes (the chat template of" in p.stderr and "results as tool turns" in p.stderr
