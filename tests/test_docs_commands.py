@@ -167,7 +167,7 @@ def check_tool_format(name: str, rewards: set):
         assert p.stderr.count(f"[grpo] rollout.tool_format={name} (") == 1, p.stderr[-2000:]
         check_episodes(rewards)(ctx, p)
         sample = json.loads((new_run(ctx) / "samples.jsonl").read_text().splitlines()[0])
-        assert "<tool_response></tool_response> tags." in sample["prompt"]
+        assert "</tool_response> tags." in sample["prompt"]  # samples keep the prompt's end
         cfg = saved_config(new_run(ctx))
         assert all(f"reward/{k}" in m for k in cfg["reward"]["functions"] for m in steps(new_run(ctx)))
     return check
