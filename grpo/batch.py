@@ -25,6 +25,7 @@ class Batch:
     # or the environment wrote (no loss, KL or entropy, not counted); None: every token was sampled
     completion_masks: list | None = None
     episodes: list | None = None              # nested: each episode's turns and tool counts (samples.jsonl)
+    scores: list | None = None                # nested: each completion's {reward function: score or None}
 
     @property
     def group_sizes(self) -> list[int]:

@@ -55,11 +55,35 @@ def latest(output_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def drop_after(output_dir: str | Path, step: int) -> None:
-    """Remove complete checkpoints newer than ``step`` (resuming from ``step`` abandons them)."""
-    for p in complete_checkpoints(output_dir):
-        if int(_STEP.match(p.name).group(1)) > step:
+def step_of(ckpt: Path) -> int:
+    return int(_STEP.match(ckpt.name).group(1))
+
+
+def later_than(output_dir: str | Path, step: int) -> list[Path]:
+    """Complete checkpoints newer than ``step``, oldest first."""
+    return [p for p in complete_checkpoints(output_dir) if step_of(p) > step]
+
+
+def abandon_after(run: Run, cfg: Config, log: MetricsLogger, step: int) -> None:
+    """A resume from ``step`` that goes on training: what the directory holds of steps after it (checkpoints,
+    ``metrics.jsonl`` / ``samples.jsonl`` lines, and ``final/`` when it came from one of those steps) belongs
+    to the continuation it replaces and is removed, so that the directory never holds two histories. Called
+    only once training is about to start: a resume with nothing to do deletes nothing."""
+    out = Path(cfg.trainer.output_dir)
+    later = later_than(out, step)
+    lines = log.truncate_after(step)
+    final = out / "final"
+    gone = [p.name for p in later] + [f"{lines} metrics lines"] * bool(lines)
+    if run.owns_output_dir:
+        for p in later:
             shutil.rmtree(p, ignore_errors=True)
+        if later and final.is_dir() and run.runtime.is_main:  # final/ of the abandoned continuation
+            shutil.rmtree(final, ignore_errors=True)
+            gone.append("final/")
+    run.runtime.barrier()
+    if later and run.runtime.is_main:
+        print(f"[grpo] resuming from step {step} abandons the later steps of this directory: removed "
+              f"{', '.join(gone)}", file=sys.stderr, flush=True)
 
 
 def rng_state() -> dict:
@@ -182,6 +206,7 @@ def save_checkpoint(run: Run, state: LoopState, cfg: Config) -> Path:
                 "rng": rng_state(), "buffer": state.buffer, "skipped_steps": state.skipped_steps,
                 "bad_steps": state.bad_steps, "failed_reward_steps": state.failed_reward_steps,
                 "fingerprint": fingerprint(cfg), "config_hash": _hash(fingerprint(cfg)),
+                "schedule": schedule(cfg),
             })
         rt.barrier()  # every rank has written its files before rank 0 marks the checkpoint complete
 
@@ -190,9 +215,11 @@ def save_checkpoint(run: Run, state: LoopState, cfg: Config) -> Path:
     return path
 
 
-def restore(run: Run, cfg: Config, log: MetricsLogger) -> LoopState:
+def restore(run: Run, cfg: Config) -> LoopState:
     """Load the checkpoint named by trainer.resume into the run's objects; returns the loop's state to continue
-    from (a fresh `LoopState`, step 0, when there is nothing to resume)."""
+    from (a fresh `LoopState`, step 0, when there is nothing to resume). Nothing in the directory is changed here:
+    a resume that then trains abandons what came after its checkpoint (`abandon_after`), one that has nothing to
+    do leaves everything as it was."""
     rt = run.runtime
     try:
         ckpt = resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
@@ -220,12 +247,42 @@ def restore(run: Run, cfg: Config, log: MetricsLogger) -> LoopState:
         mine = torch.load(own, map_location="cpu", weights_only=False)
         set_rng_state(mine["rng"])
         state.buffer = mine["buffer"]
-    log.truncate_after(state.step)
-    if run.owns_output_dir:  # later checkpoints belong to the abandoned continuation; never resume them
-        drop_after(cfg.trainer.output_dir, state.step)
+    changed = apply_schedule(run, cfg, saved)
     if rt.is_main:
         print(f"[grpo] resumed from {ckpt} (step {state.step})", file=sys.stderr, flush=True)
+        if changed:
+            print(f"[grpo] changed since the checkpoint, in effect from step {state.step + 1}: {', '.join(changed)}",
+                  file=sys.stderr, flush=True)
     return state
+
+
+# Keys that may change on resume and that the optimizer or the LR schedule hold (a checkpoint restores the
+# saved values): after loading, the configured ones are put back in place.
+SCHEDULE = ["trainer.lr", "trainer.warmup_steps", "trainer.lr_schedule", "trainer.max_steps",
+            "trainer.weight_decay", "trainer.adam_betas"]
+
+
+def schedule(cfg: Config) -> dict:
+    t = cfg.trainer
+    return {"trainer.lr": t.lr, "trainer.warmup_steps": t.warmup_steps, "trainer.lr_schedule": t.lr_schedule,
+            "trainer.max_steps": t.max_steps, "trainer.weight_decay": t.weight_decay,
+            "trainer.adam_betas": list(t.adam_betas)}
+
+
+def apply_schedule(run: Run, cfg: Config, saved: dict) -> list[str]:
+    """Make the configured learning rate, schedule, weight decay and betas the ones the resumed steps use (the
+    optimizer's and scheduler's saved state carry the checkpoint's). Returns ``key old -> new`` for each that
+    changed (a checkpoint that did not record its schedule: the learning rate, read from the scheduler)."""
+    before = saved.get("schedule") or {"trainer.lr": saved["scheduler"]["base_lrs"][0]}
+    sch, t = run.scheduler, cfg.trainer
+    sch.base_lrs = [t.lr for _ in sch.base_lrs]
+    for group, fn in zip(run.optimizer.param_groups, sch.lr_lambdas):  # the lr of the next step, as LambdaLR does
+        group.update(initial_lr=t.lr, lr=t.lr * fn(sch.last_epoch), weight_decay=t.weight_decay)
+        if "betas" in group:
+            group["betas"] = tuple(t.adam_betas)
+    sch._last_lr = [g["lr"] for g in run.optimizer.param_groups]
+    now = schedule(cfg)
+    return [f"{k} {before[k]} -> {now[k]}" for k in SCHEDULE if k in before and before[k] != now[k]]
 
 
 def _check_fingerprint(saved: dict, cfg: Config, ckpt: Path) -> None:

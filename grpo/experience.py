@@ -92,12 +92,19 @@ def _rollout(run: Run, cfg: Config) -> Batch:
         extra = episode_columns(eps)
     backend.sleep()  # vLLM on CUDA with rollout.vllm.sleep: its memory is the update's until the next rollout
     t1 = time.time()
-    rewards, stats = score_groups(run, rows, completion_ids, truncated, extra)
+    scores: list[dict] = []
+    rewards, stats = score_groups(run, rows, completion_ids, truncated, extra, scores_out=scores)
     if run.toolset is not None:
         stats.update(episode_metrics(rt.all_reduce(eps.sums())))
     stats["time/rollout_s"], stats["time/reward_s"] = t1 - t0, time.time() - t1
     return Batch(rows, prompt_ids, completion_ids, truncated, rewards, torch.zeros_like(rewards), stats=stats,
-                 sampling_logps=sampling_logps, completion_masks=masks, episodes=episodes)
+                 sampling_logps=sampling_logps, completion_masks=masks, episodes=episodes,
+                 scores=_nest(scores, completion_ids) if scores else None)
+
+
+def _nest(flat: list, like: list[list]) -> list[list]:
+    it = iter(flat)
+    return [[next(it) for _ in g] for g in like]
 
 
 def _filter_and_refill(run: Run, cfg: Config, batch: Batch, zero: list[bool]) -> Batch:
@@ -122,10 +129,11 @@ def _filter_and_refill(run: Run, cfg: Config, batch: Batch, zero: list[bool]) ->
     return kept
 
 
-def score_groups(run: Run, rows, completion_ids, truncated, extra: dict | None = None):
+def score_groups(run: Run, rows, completion_ids, truncated, extra: dict | None = None, scores_out: list | None = None):
     """Decode, score with every reward function, and summarise (all-reduced across ranks). ``reward/<name>_errors``
     counts the samples a function failed on (the loop's reward.max_failed_steps check reads it). ``extra``: more
-    per-sample columns for the reward functions (multi-turn episodes: turns, tool counts, the episode's turns)."""
+    per-sample columns for the reward functions (multi-turn episodes: turns, tool counts, the episode's turns).
+    ``scores_out`` receives each completion's ``{function name: score or None}`` (the completions table)."""
     rt, tok = run.runtime, run.tokenizer
     G = len(completion_ids[0]) if completion_ids else 0
     texts = [tok.decode(c, skip_special_tokens=True) for g in completion_ids for c in g]
@@ -137,6 +145,8 @@ def score_groups(run: Run, rows, completion_ids, truncated, extra: dict | None =
     columns.update(extra or {})
     s = score(run.rewards, prompts, completions, columns)
     rewards = torch.tensor(s.total, dtype=torch.float32)
+    if scores_out is not None:
+        scores_out.extend({name: vals[i] for name, vals in s.per_fn.items()} for i in range(len(texts)))
     n = len(texts)
     lens = [len(c) for c in columns["completion_ids"]]
     sums = {"reward": float(rewards.sum()), "reward2": float((rewards ** 2).sum()), "n": float(n),
@@ -183,7 +193,8 @@ def _select_groups(batch: Batch, keep: list[bool]) -> Batch:
                  pick(batch.ref_logps) if batch.ref_logps is not None else None, dict(batch.stats),
                  sampling_logps=pick(batch.sampling_logps) if batch.sampling_logps is not None else None,
                  completion_masks=pick(batch.completion_masks) if batch.completion_masks is not None else None,
-                 episodes=pick(batch.episodes) if batch.episodes is not None else None)
+                 episodes=pick(batch.episodes) if batch.episodes is not None else None,
+                 scores=pick(batch.scores) if batch.scores is not None else None)
 
 
 def _concat(a: Batch, b: Batch, limit: int) -> Batch:
@@ -194,7 +205,8 @@ def _concat(a: Batch, b: Batch, limit: int) -> Batch:
                  a.truncated + b.truncated, torch.cat([a.rewards, b.rewards]), torch.cat([a.advantages, b.advantages]),
                  stats=a.stats, sampling_logps=None if a.sampling_logps is None or b.sampling_logps is None
                  else a.sampling_logps + b.sampling_logps,
-                 completion_masks=_join(a.completion_masks, b.completion_masks), episodes=_join(a.episodes, b.episodes))
+                 completion_masks=_join(a.completion_masks, b.completion_masks), episodes=_join(a.episodes, b.episodes),
+                 scores=_join(a.scores, b.scores))
 
 
 def _join(a: list | None, b: list | None) -> list | None:
@@ -213,4 +225,21 @@ def sample_rows(run: Run, batch: Batch, n: int) -> list[dict]:
                     "reward": float(batch.rewards[batch.flat_index(g, j)]), "answer": row.get("answer")})
         if batch.episodes is not None:  # the whole episode, turn by turn, tool/environment turns marked by role
             out[-1]["episode"] = batch.episodes[g][j]
+    return out
+
+
+def completion_rows(run: Run, batch: Batch) -> list[dict]:
+    """Every completion of the batch (this rank's) for the completions table: prompt, completion, each reward
+    function's score, the total reward and the advantage."""
+    tok, out = run.tokenizer, []
+    names = [rf.name for rf in run.rewards]
+    for g, comps in enumerate(batch.completion_ids):
+        for j, ids in enumerate(comps):
+            k = batch.flat_index(g, j)
+            scores = batch.scores[g][j] if batch.scores is not None else {}
+            prompt = batch.rows[g]["prompt"]
+            out.append({"prompt": prompt if isinstance(prompt, str) else str(prompt),
+                        "completion": tok.decode(ids, skip_special_tokens=True),
+                        **{f"reward/{n}": scores.get(n) for n in names}, "reward": float(batch.rewards[k]),
+                        "advantage": float(batch.advantages[k])})
     return out

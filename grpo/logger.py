@@ -2,12 +2,15 @@
 sample completions every N steps, and a reward-curve PNG at the end."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
+import uuid
 from pathlib import Path
 
+WANDB_ID = "wandb_run_id"
 CONSOLE_KEYS = [("reward_mean", "reward", "{:.3f}"), ("reward_std", "±", "{:.3f}"), ("loss", "loss", "{:+.4f}"),
                 ("kl", "kl", "{:.4f}"), ("clip_ratio", "clip", "{:.3f}"), ("completion_len_mean", "len", "{:.1f}"),
                 ("grad_norm", "|g|", "{:.3f}"), ("step_time_s", "s/step", "{:.1f}")]
@@ -27,9 +30,65 @@ def quiet_when_not_interactive() -> None:
         hf_logging.disable_progress_bar()
 
 
+LOG = "train.log"
+
+
+class _Tee:
+    """stderr, with each complete line also appended to the run's ``train.log`` (of a line a progress bar redraws
+    with ``\\r``, its last state). Lines written before the output directory exists are kept until it does."""
+
+    def __init__(self, stream, path: Path):
+        self.stream, self.path = stream, path
+        self._file, self._line, self._pending = None, "", []
+
+    def write(self, text: str) -> int:
+        n = self.stream.write(text)
+        *done, self._line = (self._line + text).split("\n")
+        self._pending += [line.rsplit("\r", 1)[-1] + "\n" for line in done]
+        self._drain()
+        return n
+
+    def _drain(self) -> None:
+        if self._pending and (self._file is not None or self.path.parent.is_dir()):
+            self._file = self._file or self.path.open("a")
+            self._file.write("".join(self._pending))
+            self._file.flush()
+            self._pending = []
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._line:
+            self._pending.append(self._line.rsplit("\r", 1)[-1] + "\n")
+        self._drain()
+        if self._file is not None:
+            self._file.close()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, ...: the terminal's
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def run_log(output_dir: str, enabled: bool = True):
+    """While inside: what the trainer prints (stderr) also goes to ``<output_dir>/train.log``, appended (a resume
+    continues the log). Nested uses for the same directory write each line once."""
+    path = Path(output_dir).absolute() / LOG
+    if not enabled or (isinstance(sys.stderr, _Tee) and sys.stderr.path == path):
+        yield
+        return
+    tee = sys.stderr = _Tee(sys.stderr, path)
+    try:
+        yield
+    finally:
+        if sys.stderr is tee:
+            sys.stderr = tee.stream
+        tee.close()
+
+
 class MetricsLogger:
     def __init__(self, output_dir: str, cfg_dict: dict | None = None, wandb_cfg: dict | None = None,
-                 enabled: bool = True):
+                 enabled: bool = True, resumed: bool = False):
         self.dir = Path(output_dir)
         self.enabled = enabled
         self.path = self.dir / "metrics.jsonl"
@@ -46,14 +105,31 @@ class MetricsLogger:
 
             os.environ.setdefault("WANDB_SILENT", "true")
             self._wandb = wandb.init(project=wandb_cfg.get("project", "grpo"), name=wandb_cfg.get("name"),
-                                     mode=wandb_cfg["mode"], dir=str(self.dir), config=cfg_dict or {})
+                                     mode=wandb_cfg["mode"], dir=str(self.dir), config=cfg_dict or {},
+                                     id=self._wandb_id(resumed), resume="allow")
 
-    def truncate_after(self, step: int) -> None:
-        """On resume: drop lines of steps after ``step`` (written after the checkpoint we resume from)."""
+    def _wandb_id(self, resumed: bool) -> str:
+        """One wandb run per output directory: its id is kept in ``<output_dir>/wandb_run_id``; a resume continues
+        that run, a fresh start (step 0) gets a new one."""
+        f = self.dir / WANDB_ID
+        if resumed and f.is_file() and f.read_text().strip():
+            return f.read_text().strip()
+        run_id = uuid.uuid4().hex[:12]
+        f.write_text(run_id + "\n")
+        return run_id
+
+    def truncate_after(self, step: int) -> int:
+        """Drop the lines of steps after ``step`` (a resume from ``step`` replaces them); returns how many
+        metrics.jsonl lines went."""
+        dropped = 0
         for path in (self.path, self.samples_path):
             if self.enabled and path.exists():
-                kept = [m for m in read_metrics(path) if m.get("step", 0) <= step]
-                path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+                rows = read_metrics(path)
+                kept = [m for m in rows if m.get("step", 0) <= step]
+                if len(kept) < len(rows):
+                    path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+                dropped += (len(rows) - len(kept)) * (path == self.path)
+        return dropped
 
     def logged_eval(self, step: int) -> dict:
         """The held-out evaluation logged at ``step`` (``eval/<name>`` keys, without the prefix); {} if none."""
@@ -84,6 +160,17 @@ class MetricsLogger:
         for r in rows:
             text = r["completion"].replace("\n", "\\n")
             print(f"  sample  reward={r['reward']:.2f}  answer={r.get('answer')!s:<8} | {text[:160]}", file=sys.stderr)
+
+    def completions(self, step: int, rows: list[dict]) -> None:
+        """The step's completions as a wandb Table ``completions`` (TRL's ``log_completions``): step, prompt,
+        completion, each reward function's score, the total reward and the advantage; one row per dict."""
+        if not (self.enabled and self._wandb is not None and rows):
+            return
+        import wandb
+
+        columns = ["step", *rows[0]]
+        table = wandb.Table(columns=columns, data=[[step, *r.values()] for r in rows])
+        self._wandb.log({"completions": table}, step=step)
 
     def finish(self) -> None:
         if self._wandb is not None:

@@ -9,9 +9,9 @@ import sys
 import time
 from dataclasses import asdict
 
-from grpo import experience, logger
+from grpo import checkpoint, experience, logger
 from grpo.build import build_run, close_run
-from grpo.checkpoint import restore, save_checkpoint, save_final
+from grpo.checkpoint import abandon_after, restore, save_checkpoint, save_final
 from grpo.config import Config
 from grpo.errors import SetupError
 from grpo.evaluate import evaluate
@@ -24,24 +24,40 @@ from grpo.update import UpdateSettings, policy_update
 def train(cfg: Config) -> dict:
     """Run GRPO as configured; returns the final summary (eval accuracy before/after, steps)."""
     logger.quiet_when_not_interactive()
-    run = build_run(cfg)  # runtime, tokenizer, policy, reference, data, rewards, optimizer, sampler
-    try:  # a collective that timed out or lost a rank (it failed or hangs): one line, not a traceback
-        with StopSignals() as signals, run.runtime.peer_failures_as_errors():
-            return _train(run, cfg, signals)
-    finally:
-        close_run(run)
+    with logger.run_log(cfg.trainer.output_dir, enabled=int(os.environ.get("RANK") or 0) == 0):  # train.log
+        run = build_run(cfg)  # runtime, tokenizer, policy, reference, data, rewards, optimizer, sampler
+        try:  # a collective that timed out or lost a rank (it failed or hangs): one line, not a traceback
+            with StopSignals(run.runtime.is_main, lambda: _saved(cfg)) as signals, \
+                    run.runtime.peer_failures_as_errors():
+                return _train(run, cfg, signals)
+        finally:
+            close_run(run)
+
+
+def _saved(cfg: Config) -> str:
+    """What a stop at once leaves (the second Ctrl-C)."""
+    last = checkpoint.latest(cfg.trainer.output_dir)
+    if last is None:
+        return "no checkpoint has been written, nothing to resume"
+    return f"the last complete checkpoint, {last}, is intact: resume with trainer.resume=auto"
 
 
 def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
-    log = logger.MetricsLogger(cfg.trainer.output_dir, asdict(cfg), cfg.logging.wandb, enabled=run.runtime.is_main)
-    state = restore(run, cfg, log)  # LoopState: step, counters, rollout buffer (step 0 when fresh)
+    state = restore(run, cfg)  # LoopState: step, counters, rollout buffer (step 0 when fresh)
     start, mu = state.step, cfg.algorithm.num_iterations
+    log = logger.MetricsLogger(cfg.trainer.output_dir, asdict(cfg), cfg.logging.wandb, enabled=run.runtime.is_main,
+                               resumed=start > 0)
     if start >= cfg.trainer.max_steps and start > 0:
         return _already_done(run, cfg, log, start)
+    if start > 0:  # training goes on from this checkpoint: what this directory holds of later steps goes
+        abandon_after(run, cfg, log, start)
+    _say(run, _summary_line(run, cfg))
+    signals.step = start + 1
     summary = {"eval_before": _eval_before(run, cfg, log, start)}
     settings = UpdateSettings.from_config(cfg)
     for step in range(start + 1, cfg.trainer.max_steps + 1):
-        t0 = time.time()
+        t0, signals.step = time.time(), step
+        lr = run.scheduler.get_last_lr()[0]  # this step's (the update steps the scheduler on to the next one's)
         if state.buffer is None or (step - 1) % mu == 0:
             state.buffer = experience.collect(run, cfg)  # rollout -> rewards -> advantages -> old/ref log-probs
             _count_reward_failures(state, run, cfg)  # counted here, the stop is after this step is logged
@@ -51,7 +67,7 @@ def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
             state.bad_steps = state.bad_steps + 1 if stats["skipped"] else 0
         state.skipped_steps += int(stats["skipped"])
         metrics = {"step": step, **batch.stats, **stats, "skipped_steps": state.skipped_steps,
-                   "lr": run.scheduler.get_last_lr()[0], "step_time_s": time.time() - t0,
+                   "lr": lr, "step_time_s": time.time() - t0,
                    "time/experience_s": t1 - t0, "time/update_s": time.time() - t1}
         metrics.setdefault("kl", batch.stats.get("kl"))  # None with beta = 0: there is no reference
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.max_steps:
@@ -59,6 +75,7 @@ def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
         log.log(metrics, console=step % cfg.logging.log_every == 0)
         if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
             log.samples(step, experience.sample_rows(run, batch, cfg.logging.num_samples))
+            log.completions(step, experience.completion_rows(run, batch))  # wandb's completions table
         state.step, state.buffer = step, batch if step % mu else None
         state.stop_requested = run.runtime.any_rank(signals.requested)  # every rank stops after the same step
         _stop_on_failed_rewards(state, run, cfg, batch.stats)
@@ -70,6 +87,7 @@ def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
             save_checkpoint(run, state, cfg)
         if state.stop_requested:
             _say(run, f"stopped by signal at step {step}; checkpoint written, resume with trainer.resume=auto")
+            log.finish()
             return {"steps": step, "interrupted": True}
     return _finish(run, state, cfg, log, summary)
 
@@ -109,11 +127,30 @@ def _stop_on_failed_rewards(state: LoopState, run: Run, cfg: Config, stats: dict
                          f"{why or 'failed'}; fix it or remove it with ~reward.functions.{rf.name}")
 
 
+def _summary_line(run: Run, cfg: Config) -> str:
+    """The run at a glance, the first line of its log."""
+    t, r = cfg.trainer, cfg.rollout
+    return (f"{cfg.model.name_or_path}: {len(run.splits.train)} train / {len(run.splits.eval)} held-out prompts, "
+            f"{r.prompts_per_step} prompts x G={cfg.algorithm.group_size} per step, {t.max_steps} steps, "
+            f"lr {t.lr:g} ({t.lr_schedule}, warmup {t.warmup_steps}), beta {cfg.algorithm.beta:g}, "
+            f"rewards {', '.join(rf.name for rf in run.rewards)}; output {t.output_dir}")
+
+
 def _already_done(run: Run, cfg: Config, log: logger.MetricsLogger, start: int) -> dict:
-    """Resumed at or past trainer.max_steps: nothing to train; the final model is saved if it is missing."""
+    """Resumed at or past trainer.max_steps: nothing to train; the final model is saved if it is missing. Nothing
+    is deleted: a checkpoint older than the directory's newest leaves the later steps (and final/) as they are."""
+    later = checkpoint.later_than(cfg.trainer.output_dir, start)
+    if later:
+        _say(run, f"checkpoint step {start} is at trainer.max_steps={cfg.trainer.max_steps}: nothing to do. This "
+                  f"directory's run went on to step {checkpoint.step_of(later[-1])}; it is kept as it was. Raise "
+                  f"trainer.max_steps to train on from step {start} (that removes the later steps), or resume "
+                  "with trainer.resume=auto")
+        log.finish()
+        return {"steps": start, "resumed": True}
     if os.path.isdir(os.path.join(cfg.trainer.output_dir, "final")):
         _say(run, f"run already reached trainer.max_steps={cfg.trainer.max_steps} (checkpoint step {start}); "
                   "nothing to do")
+        log.finish()
         return {"steps": start, "resumed": True}
     _say(run, f"run reached trainer.max_steps={cfg.trainer.max_steps} but stopped before its final model was "
               "saved; saving it from the last checkpoint")

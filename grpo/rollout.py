@@ -176,8 +176,8 @@ def _shared_prompt(cache, valid, group: int) -> SharedPrefixKV:
         keys, values = list(cache.key_cache), list(cache.value_cache)
     valid = valid.bool()
     pad = ~valid[:, None, :, None]  # left padding: zero it, so that no stray non-finite value reaches a sum
-    for t in keys + values:
-        t.masked_fill_(pad, 0.0)
+    for t in keys + values:  # a sliding-window layer's cache may keep only the last slots
+        t.masked_fill_(pad[:, :, pad.shape[2] - t.shape[2]:], 0.0)
     return SharedPrefixKV(keys=keys, values=values, valid=valid, group=group)
 
 
@@ -201,7 +201,7 @@ def decode(model, last, attention, cache, pick, *, max_new_tokens: int, eos: lis
     ctx = contextlib.nullcontext()
     if shared is not None:
         inputs.update({DECODE_KWARG: shared, "attention_mask": placeholder_mask(device)})
-        ctx = switched_attention(model, DECODE_ATTN_NAME)
+        ctx = switched_attention(model, DECODE_ATTN_NAME, state=shared)
     with ctx:
         for t in range(max_new_tokens):
             if shared is None:

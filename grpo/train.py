@@ -42,10 +42,16 @@ def _hydra_main():
         saved = os.path.join(hc.runtime.output_dir, hc.output_subdir or "", "config.yaml")
         if hc.output_subdir and os.path.isdir(os.path.dirname(saved)):  # the config that runs, not Hydra's merge
             OmegaConf.save(OmegaConf.create(asdict(cfg)), saved)
-        try:
-            result = train(cfg)
-        except (GRPOError, FileNotFoundError) as e:
-            _fail(e, run_dir)
+        from grpo.logger import run_log
+        from grpo.signals import StopNow
+
+        with run_log(cfg.trainer.output_dir, enabled=int(os.environ.get("RANK") or 0) == 0):  # errors too
+            try:
+                result = train(cfg)
+            except (GRPOError, FileNotFoundError) as e:
+                _fail(e, run_dir)
+            except StopNow as e:  # a second Ctrl-C / SIGTERM: the one line it printed is all
+                sys.exit(e.exit_code)
         after = result.get("eval_after", {})
         return after.get("reward_mean")
 

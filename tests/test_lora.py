@@ -140,8 +140,8 @@ def test_lora_run_saves_the_adapter_only_and_it_loads_with_peft(cfg_factory, spy
     restored = {}
     restore = grpo.loop.restore
 
-    def spy_restore(run, cfg, log):
-        step = restore(run, cfg, log)
+    def spy_restore(run, cfg):
+        step = restore(run, cfg)
         restored.update({n: p.detach().clone() for n, p in run.policy.named_parameters() if _is_lora(n)})
         return step
 

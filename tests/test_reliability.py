@@ -179,8 +179,61 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     _, err = p.communicate(timeout=120)
     assert p.returncode == 0, err[-2000:]
     assert "stopped by signal" in err
+    assert err.count("[grpo] SIGTERM: stopping after step") == 1, err[-2000:]
     last = checkpoint.latest(out)
     assert last is not None and int(last.name.split("_")[1]) == max(steps(out))
+
+
+def test_ctrl_c_says_so_at_once_and_a_second_one_stops_cleanly(tmp_path):
+    """A step held for 4 s by a slow reward: the first Ctrl-C is answered before that step ends; the second stops
+    the process there (exit 130) with one line and no traceback, and step 1's checkpoint stays complete."""
+    import queue
+    import threading
+
+    (tmp_path / "slowrewards.py").write_text("import time\n\ndef slow(prompts, completions, **kw):\n"
+                                             "    time.sleep(4)\n    return [0.0] * len(completions)\n")
+    out = tmp_path / "run"
+    p = subprocess.Popen(_cmd(out, "trainer.max_steps=50", "data.num_eval=0",
+                              "+reward.functions.slow.fn=slowrewards:slow"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in p.stderr], daemon=True)
+    reader.start()
+    seen: list[str] = []
+
+    def until(found) -> list[str]:
+        start, deadline = len(seen), time.time() + 240
+        while time.time() < deadline and p.poll() is None:
+            try:
+                seen.append(lines.get(timeout=0.5))
+            except queue.Empty:
+                continue
+            if found(seen[-1]):
+                return seen[start:]
+        p.kill()
+        raise AssertionError("".join(seen)[-3000:])
+
+    try:
+        until(lambda line: line.startswith("step    1"))
+        while _newest(out) < 1 and p.poll() is None:  # step 1's checkpoint follows its line; step 2 then waits 4 s
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        before = until(lambda line: "[grpo] SIGINT: stopping after step" in line)
+        assert "stopping after step 2" in before[-1] and not any(line.startswith("step") for line in before)
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(timeout=60)
+    finally:
+        p.kill()
+    reader.join(timeout=10)
+    while not lines.empty():
+        seen.append(lines.get())
+    text = "".join(seen)
+    assert rc == 130, text[-3000:]
+    assert "Traceback" not in text and not any(line.startswith("step    2") for line in seen)
+    last = [line for line in seen if line.strip()][-1]
+    assert last.startswith("[grpo] second SIGINT: stopping now, without finishing step 2; the last complete "
+                           f"checkpoint, {out / 'checkpoints' / 'step_1'}, is intact"), text[-3000:]
+    assert checkpoint.latest(out).name == "step_1" and checkpoint.load_state(checkpoint.latest(out))["step"] == 1
 
 
 # ----------------------------------------------------------------------------------------- faults
@@ -309,13 +362,83 @@ def test_fresh_run_into_a_used_directory_is_refused(cfg_factory, tmp_path):
         train(cfg_factory({"trainer": {"max_steps": 2, "output_dir": str(tmp_path / "r")}}))
 
 
-def test_resuming_an_older_checkpoint_abandons_newer_ones(cfg_factory, tmp_path):
+def _weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def test_resuming_an_older_checkpoint_does_nothing_or_abandons_the_later_steps(cfg_factory, tmp_path, capsys):
+    """Nothing to do: nothing deleted (step_3, step_4, their metrics and final/ stay). Training on from step 2:
+    checkpoints, metrics lines and final/ of steps 3-4 go, and final/ is then the new step 3's model."""
     out = tmp_path / "r"
-    train(cfg_factory({"trainer": {"max_steps": 3, "save_every": 1, "keep_last": 3, "output_dir": str(out)}}))
-    train(cfg_factory({"trainer": {"max_steps": 2, "output_dir": str(out),
-                                   "resume": str(out / "checkpoints" / "step_1")}}))
-    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step_1", "step_2"]
-    assert sorted(steps(out)) == [1, 2]
+    base = {"save_every": 1, "keep_last": 4, "output_dir": str(out)}
+    train(cfg_factory({"trainer": {**base, "max_steps": 4}, "data": {"num_eval": 0}}))
+    old_final = _weights(out / "final" / "model.safetensors")
+    metrics = (out / "metrics.jsonl").read_text()
+    older = {**base, "resume": str(out / "checkpoints" / "step_2")}
+    assert train(cfg_factory({"trainer": {**older, "max_steps": 2}, "data": {"num_eval": 0}}))["steps"] == 2
+    assert "nothing to do" in capsys.readouterr().err
+    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step_1", "step_2", "step_3", "step_4"]
+    assert (out / "metrics.jsonl").read_text() == metrics
+    assert all(torch.equal(v, old_final[k]) for k, v in _weights(out / "final" / "model.safetensors").items())
+    train(cfg_factory({"trainer": {**older, "max_steps": 3}, "data": {"num_eval": 0}}))
+    err = capsys.readouterr().err
+    assert "removed step_3, step_4, 3 metrics lines, final/" in err, err  # steps 3 and 4, the held-out line at 4
+    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step_1", "step_2", "step_3"]
+    assert sorted(steps(out)) == [1, 2, 3]
+    final = _weights(out / "final" / "model.safetensors")
+    step_3 = _weights(out / "checkpoints" / "step_3" / "trainable.safetensors")
+    common = sorted(set(final) & set(step_3))
+    assert common and all(torch.equal(final[k], step_3[k]) for k in common)
+    assert not all(torch.equal(final[k], old_final[k]) for k in common)
+
+
+def test_resume_applies_a_changed_learning_rate(cfg_factory, tmp_path, capsys):
+    """trainer.lr lowered on resume: the resumed step trains at it (weights barely move) and says what changed."""
+    out = tmp_path / "r"
+    base = {"save_every": 1, "keep_last": 3, "output_dir": str(out), "lr": 1e-3}
+    train(cfg_factory({"trainer": {**base, "max_steps": 2}, "data": {"num_eval": 0}}))
+    capsys.readouterr()
+    train(cfg_factory({"trainer": {**base, "max_steps": 3, "resume": "auto", "lr": 1e-12, "weight_decay": 0.1},
+                       "data": {"num_eval": 0}}))
+    err = capsys.readouterr().err
+    notice = [line for line in err.splitlines() if "changed since the checkpoint" in line]
+    assert len(notice) == 1 and "trainer.lr 0.001 -> 1e-12" in notice[0] and "trainer.max_steps 2 -> 3" in notice[0]
+    assert "trainer.weight_decay 0.0 -> 0.1" in notice[0]
+    assert steps(out)[3]["lr"] == pytest.approx(1e-12)
+    w1, w2, w3 = (_weights(out / "checkpoints" / f"step_{s}" / "trainable.safetensors") for s in (1, 2, 3))
+    moved = lambda a, b: max(float((a[k] - b[k]).abs().max()) for k in a)  # noqa: E731
+    assert moved(w1, w2) > 1e-5 and moved(w2, w3) < 1e-8
+
+
+def test_wandb_resume_continues_the_run_and_logs_a_completions_table(cfg_factory, tmp_path, monkeypatch):
+    """WANDB_MODE=offline: the resume's wandb run has the id the first launch stored in the run directory, and
+    every sample_every step logs the `completions` table (prompt, completion, each reward, advantage)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "r"
+    train(cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(out)}, "data": {"num_eval": 0},
+                       "logging": {"sample_every": 1}}))
+    run_id = (out / "wandb_run_id").read_text().strip()
+    train(cfg_factory({"trainer": {"max_steps": 2, "output_dir": str(out), "resume": "auto"},
+                       "data": {"num_eval": 0}, "logging": {"sample_every": 1}}))
+    assert (out / "wandb_run_id").read_text().strip() == run_id
+    launches = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(launches) == 2 and all(p.name.endswith(f"-{run_id}") for p in launches), launches
+    for step, launch in zip((1, 2), launches):
+        [table] = launch.glob(f"files/media/table/completions_{step}_*.table.json")
+        logged = json.loads(table.read_text())
+        assert logged["columns"] == ["step", "prompt", "completion", "reward/accuracy", "reward/format", "reward",
+                                     "advantage"]
+        assert len(logged["data"]) == 8 and all(row[0] == step and "What is" in row[1] for row in logged["data"])
+
+
+def test_logged_lr_is_the_one_each_step_trained_with(cfg_factory, tmp_path):
+    """Warmup visible from step 1, the last step of a decaying schedule not 0."""
+    cfg = cfg_factory({"trainer": {"max_steps": 4, "lr": 1e-3, "warmup_steps": 2, "lr_schedule": "linear"},
+                       "data": {"num_eval": 0}})
+    train(cfg)
+    assert [r["lr"] for r in steps(Path(cfg.trainer.output_dir)).values()] == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])
 
 
 def test_train_restores_signal_handlers(cfg_factory):

@@ -313,6 +313,34 @@ def test_reward_model_scores_match_a_direct_forward(tiny_rm):
     assert other[0] != pytest.approx(out[0])
 
 
+def test_reward_model_scores_each_group_with_the_prompt_encoded_once(tiny_rm):
+    """share_prompt (the default) equals per-row scoring, with each prompt's tokens run through the model once:
+    groups of 1, 2 and 4 rows, interleaved, ragged, an empty completion and a completion of padding-free text."""
+    from grpo.rewards import reward_model as rm
+
+    prompts = ["what is two plus two the answer is "] * 4 + ["five "] + ["the "] * 2
+    completions = ["four", "five five", "", "two plus two is four", "four", "answer", "the the the"]
+    order = [0, 4, 1, 5, 2, 3, 6]  # rows of a prompt need not be adjacent
+    prompts, completions = [prompts[i] for i in order], [completions[i] for i in order]
+    model, tok, _ = rm.load(tiny_rm)
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(i[0].numel()))
+    try:
+        shared = rm.reward_model(prompts, completions, path=tiny_rm, batch_size=8)
+        shared_tokens, seen[:] = sum(seen), []
+        per_row = rm.reward_model(prompts, completions, path=tiny_rm, batch_size=8, share_prompt=False)
+    finally:
+        hook.remove()
+    assert shared == pytest.approx(per_row, abs=1e-5)
+    rows = [tok(p + c)["input_ids"] for p, c in zip(prompts, completions)]
+    prompt_tokens = {p: len(tok(p)["input_ids"]) for p in prompts}
+    # each distinct prompt once, then every row's own tokens
+    assert shared_tokens == sum(prompt_tokens.values()) + sum(len(r) - prompt_tokens[p] for r, p in zip(rows, prompts))
+    assert len(set(shared)) > 3
+    # groups packed into forwards of about batch_size rows: the same scores
+    assert rm.reward_model(prompts, completions, path=tiny_rm, batch_size=2) == pytest.approx(per_row, abs=1e-5)
+
+
 def test_reward_model_needs_path():
     with pytest.raises(ValueError):
         resolve("reward_model")(["p"], ["c"])

@@ -64,6 +64,19 @@ def test_everything_lands_in_the_output_dir_and_nothing_in_outputs(first_run):
         assert (out / name).exists(), name
 
 
+def test_train_log_holds_what_the_console_showed(first_run):
+    """train.log is the run's log: the summary line, every step line, the held-out evaluation, the final report
+    and the reward's error, as the console showed them."""
+    _, out, p = first_run
+    log = (out / "train.log").read_text()
+    missing = [line for line in p.stderr.splitlines() if line not in log]
+    assert not missing, missing
+    for shown in ("[grpo] tiny:llama: 64 train / 4 held-out prompts", "step    1  reward", "step    2  reward",
+                  "  sample  reward=", "(before, 4 prompts, greedy)", "held-out format", "final model: "):
+        assert shown in log, shown
+    assert log.count("step    2  reward") == 1  # each line once
+
+
 def test_a_reward_that_raises_shows_the_users_frames_once(first_run):
     _, out, p = first_run
     assert p.stderr.count("reward function 'boom' raised") == 1

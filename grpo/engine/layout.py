@@ -12,9 +12,14 @@ See docs/prefix-engine.md.
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass, field
 
 import torch
+
+# The layout (training) or shared prompt K/V (decoding) of the forward running now, for decoder layers that do not
+# pass their keyword arguments on to attention (StableLM): set by grpo.engine.patch.switched_attention.
+ACTIVE: contextvars.ContextVar = contextvars.ContextVar("grpo_engine_active", default=None)
 
 
 @dataclass

@@ -177,7 +177,7 @@ def _forward_shared_prefix(lm, decoder, head, prompts, comps, temperature, want_
     layout = build_layout(prompts, comps, device)
     if kernel == "flex":
         layout.block_mask = build_block_mask(layout)
-    with switched_attention(lm):
+    with switched_attention(lm, state=layout):
         out = decoder(
             input_ids=layout.input_ids,
             position_ids=layout.position_ids,

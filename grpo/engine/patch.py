@@ -1,8 +1,8 @@
 """Switching a model's attention to ours: the one place that does it, checks it may, and checks that it happened.
 
-* :func:`shared_prefix_unsupported`: why a model cannot be served exactly by the shared-prefix attention (a family
-  not in :data:`SUPPORTED_MODEL_TYPES`, an active sliding window, attention logit soft-capping, a gradient
-  checkpointing the engine cannot follow), or None.
+* :func:`shared_prefix_unsupported`: why a model cannot be served exactly by the shared-prefix attention (a feature
+  the engine does not implement, detected on the model by grpo/engine/features.py, or a gradient checkpointing
+  the engine cannot follow), or None.
 * :func:`switched_attention`: for the duration of a call, every config of the model names our attention function
   (``grpo_prefix`` for training forwards, ``grpo_prefix_decode`` for the rollout), gradient-checkpointing
   recomputes switch too, and everything is restored on exit, also on exception. The model code is not modified.
@@ -20,13 +20,10 @@ import contextlib
 import torch
 
 from grpo.engine.decode_attention import DECODE_ATTN_NAME, prefix_decode_attention_forward
+from grpo.engine.features import model_features
+from grpo.engine.layout import ACTIVE
 from grpo.engine.prefix_attention import ATTN_NAME, prefix_attention_forward
 from grpo.engine.unwrap import unwrap_model
-
-# Model families whose decoder routes every attention layer through transformers' AttentionInterface, takes
-# explicit position_ids, and was checked token-for-token against the per-sequence forward in the tests.
-# Others get the standard layout (with a warning): never a silently wrong answer.
-SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 
 # what to do when some layer did not come through our attention, per attention function
 _TURN_OFF = {
@@ -40,20 +37,9 @@ def shared_prefix_unsupported(model, max_seq_len: int) -> str | None:
     """Why the shared-prefix attention cannot serve ``model`` (plain, peft or engine-wrapped) exactly for sequences
     of up to ``max_seq_len`` tokens, or None."""
     lm = unwrap_model(model)
-    cfg = lm.config
-    if getattr(cfg, "is_encoder_decoder", False):
-        return "encoder-decoder model"
-    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model type {cfg.model_type!r} is not in grpo.engine.patch.SUPPORTED_MODEL_TYPES"
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        return "attention logit soft-capping (attn_logit_softcapping) is not implemented by the shared layout"
-    window = getattr(cfg, "sliding_window", None)
-    layer_types = getattr(cfg, "layer_types", None)
-    uses_window = window is not None and (layer_types is None or "sliding_attention" in layer_types)
-    if cfg.model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
-        uses_window = False
-    if uses_window and window < max_seq_len:
-        return f"sliding window ({window} tokens) is shorter than the longest prompt+completion ({max_seq_len})"
+    _, missing = model_features(lm)
+    if missing is not None:
+        return f"{missing} is not implemented by the shared layout"
     if not _checkpointing_is_wrappable(lm):
         return "gradient checkpointing is applied by a mechanism the engine cannot follow"
     return None
@@ -106,30 +92,34 @@ def _set_impl(configs, values) -> None:
             cfg._attn_implementation = val
 
 
-def _with_impl(fn, configs, name):
-    """Run ``fn`` with attention ``name`` active: used for the recompute of gradient checkpointing, which happens
-    in backward, after ``switched_attention`` has restored the configs."""
+def _with_impl(fn, configs, name, state):
+    """Run ``fn`` with attention ``name`` (and its ``state``) active: used for the recompute of gradient
+    checkpointing, which happens in backward, after ``switched_attention`` has restored the configs."""
 
     def run(*args, **kwargs):
         saved = [c._attn_implementation for c in configs]
         _set_impl(configs, [name] * len(configs))
+        token = ACTIVE.set(state)
         try:
             return fn(*args, **kwargs)
         finally:
+            ACTIVE.reset(token)
             _set_impl(configs, saved)
 
     return run
 
 
 @contextlib.contextmanager
-def switched_attention(model, name: str = ATTN_NAME):
+def switched_attention(model, name: str = ATTN_NAME, state=None):
     """Switch every config of ``model`` to attention ``name`` (``grpo_prefix``, or ``grpo_prefix_decode`` for the
-    rollout) for the duration, and make gradient-checkpointing recomputes switch too. Everything is restored on
-    exit, also on exception."""
+    rollout) for the duration, and make gradient-checkpointing recomputes switch too. ``state`` (the layout, or
+    the shared prompt K/V) is what our attention reads where a decoder layer does not pass its keyword arguments
+    on. Everything is restored on exit, also on exception."""
     register()
     configs = _configs(model)
     saved = [c._attn_implementation for c in configs]
     wrapped = []
+    token = ACTIVE.set(state)
     try:
         for m in model.modules():
             func = getattr(m, "_gradient_checkpointing_func", None)
@@ -137,11 +127,12 @@ def switched_attention(model, name: str = ATTN_NAME):
                 had_own = "_gradient_checkpointing_func" in vars(m)
                 wrapped.append((m, func, had_own))
                 m._gradient_checkpointing_func = (
-                    lambda fn, *a, _f=func, **kw: _f(_with_impl(fn, configs, name), *a, **kw)
+                    lambda fn, *a, _f=func, **kw: _f(_with_impl(fn, configs, name, state), *a, **kw)
                 )
         _set_impl(configs, [name] * len(configs))
         yield
     finally:
+        ACTIVE.reset(token)
         _set_impl(configs, saved)
         for m, func, had_own in wrapped:
             if had_own:

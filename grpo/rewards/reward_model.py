@@ -68,7 +68,7 @@ def _texts(tok, prompts: list[str], completions: list[str], chat_template: bool)
 def reward_model(prompts: list[str], completions: list[str], path: str | None = None,
                  batch_size: int = 8, max_length: int = 2048, label_index: int = 0,
                  chat_template: bool = False, device: str | None = None, dtype: str | None = None,
-                 **_) -> list[float]:
+                 share_prompt: bool = True, **_) -> list[float]:
     """The logit of label ``label_index`` that the classifier at ``path`` gives prompt + completion.
 
     Scored in batches of ``batch_size``, truncated from the left to ``max_length`` tokens, on
@@ -77,6 +77,10 @@ def reward_model(prompts: list[str], completions: list[str], path: str | None = 
     as a user/assistant conversation with the reward model's own chat template instead of
     concatenating the strings (most chat reward models expect that; the prompts must then be
     raw user messages, not already templated).
+
+    ``share_prompt`` (default): the rows of one prompt are scored as one group through the shared-prefix engine
+    (grpo/engine/hidden_states.py), their common leading tokens encoded once, exactly the per-row scores; models the
+    engine does not serve are scored row by row.
     """
     if not path:
         raise ValueError("reward_model needs path= (a hub id or a local directory)")
@@ -88,8 +92,12 @@ def reward_model(prompts: list[str], completions: list[str], path: str | None = 
     import torch
 
     model, tok, dev = load(path, device, dtype)
-    texts = _texts(tok, [p if isinstance(p, str) else "" for p in prompts],
-                   [c if isinstance(c, str) else "" for c in completions], chat_template)
+    prompts = [p if isinstance(p, str) else "" for p in prompts]
+    texts = _texts(tok, prompts, [c if isinstance(c, str) else "" for c in completions], chat_template)
+    if share_prompt and _engine_serves(model):
+        rows = [tok(t, truncation=True, max_length=int(max_length), add_special_tokens=not chat_template)["input_ids"]
+                for t in texts]
+        return _shared_scores(model, rows, prompts, max(1, int(batch_size)), int(label_index))
     scores: list[float] = []
     for i in range(0, len(texts), max(1, int(batch_size))):
         enc = tok(texts[i:i + int(batch_size)], return_tensors="pt", padding=True, truncation=True,
@@ -98,4 +106,58 @@ def reward_model(prompts: list[str], completions: list[str], path: str | None = 
             logits = model(input_ids=enc["input_ids"].to(dev),
                            attention_mask=enc["attention_mask"].to(dev)).logits
         scores.extend(logits[:, int(label_index)].float().cpu().tolist())
+    return scores
+
+
+def _engine_serves(model) -> bool:
+    from grpo.engine.patch import shared_prefix_unsupported
+
+    return callable(getattr(model, "score", None)) and shared_prefix_unsupported(model, 0) is None
+
+
+def _pooled_position(row: list[int], pad: int | None) -> int:
+    """Where a sequence-classification model pools a row: its rightmost token that is not padding (HF's rule)."""
+    if pad is None:
+        return len(row) - 1
+    return max((i for i, t in enumerate(row) if t != pad), default=0)
+
+
+def _common_prefix(rows: list[list[int]]) -> int:
+    n = min(map(len, rows))
+    for i in range(n):
+        if any(r[i] != rows[0][i] for r in rows):
+            return i
+    return n
+
+
+def _shared_scores(model, rows: list[list[int]], prompts: list[str], batch_size: int, label: int) -> list[float]:
+    """Per-row scores, each prompt's rows as one group with their common leading tokens encoded once; groups are
+    packed into forwards of about ``batch_size`` rows."""
+    import torch
+
+    from grpo.engine.hidden_states import shared_prefix_hidden
+
+    groups: dict[str, list[int]] = {}
+    for n, p in enumerate(prompts):
+        groups.setdefault(p, []).append(n)
+    units = []  # (row indices, common prefix length) per group; rows without a common first token go alone
+    for members in groups.values():
+        k = _common_prefix([rows[n] for n in members])
+        units.extend([(members, k)] if k else [([n], len(rows[n])) for n in members])
+    pad, scores = model.config.pad_token_id, [0.0] * len(rows)
+    start = 0
+    while start < len(units):
+        end, size = start + 1, len(units[start][0])
+        while end < len(units) and size + len(units[end][0]) <= batch_size:
+            size += len(units[end][0])
+            end += 1
+        part = units[start:end]
+        prefixes, suffixes = [rows[m[0]][:k] for m, k in part], [[rows[n][k:] for n in m] for m, k in part]
+        with torch.inference_mode():
+            h = shared_prefix_hidden(model, prefixes, suffixes,
+                                     [[_pooled_position(rows[n], pad) for n in m] for m, _ in part])
+            logits = model.score(h)[:, label].float().cpu().tolist()
+        for n, v in zip([n for m, _ in part for n in m], logits):
+            scores[n] = v
+        start = end
     return scores

@@ -1,0 +1,114 @@
+"""Which families the shared layout serves: features detected on the model, not a list of names.
+
+A decoder is served when every feature found on its config and modules is one the engine implements
+(:data:`SERVED`), and refused, naming the feature, when one is not (:data:`REFUSED`). The served ones need:
+
+* nothing in attention (per-token work, which the packed row runs once per prompt token): mixture-of-experts
+  blocks (the router sees every token, as in the per-sequence forward), QK-norm, partial rotary, NoPE layers,
+  multi-head latent attention (MLA: a value head size unlike the key's; grpo/engine/completion_attention.py),
+  grouped-query attention;
+* the score-level path (grpo/engine/score_attention.py): sliding-window layers (each layer's own window, honoured
+  inside the shared layout), attention logit soft-capping, attention sinks.
+
+Refused (the standard layout serves them): what would make the packed row attend differently from the
+per-sequence forward, or bypass our attention function. See docs/prefix-engine.md for the family table.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+_ATTENTION_ENTRY = "ALL_ATTENTION_FUNCTIONS"  # what a layer calls when it goes through transformers' interface
+_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def attention_modules(model) -> list:
+    """The model's self-attention layers: modules of a class named ``*Attention`` that carry a ``layer_idx``."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+@functools.lru_cache(maxsize=None)
+def _uses_interface(cls) -> bool:
+    try:
+        return _ATTENTION_ENTRY in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def _moe(cfg, attn) -> bool:
+    return any((getattr(cfg, k, 0) or 0) > 1 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def _window(cfg, attn) -> bool:
+    if not getattr(cfg, "sliding_window", None):
+        return False
+    types = getattr(cfg, "layer_types", None)
+    return types is None or "sliding_attention" in types
+
+
+def _partial_rotary(cfg, attn) -> bool:
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    factor = getattr(cfg, "partial_rotary_factor", None) or (rope.get("partial_rotary_factor") if isinstance(rope, dict)
+                                                             else None)
+    return factor is not None and factor < 1
+
+
+def _nope(cfg, attn) -> bool:
+    no_rope = getattr(cfg, "no_rope_layers", None)  # SmolLM3: 0 marks a layer without rotary
+    return bool(no_rope) and 0 in no_rope
+
+
+# served: the feature's name -> whether the model has it
+SERVED = {
+    "mixture of experts": _moe,
+    "sliding-window layers": _window,
+    "attention logit soft-capping": lambda cfg, attn: getattr(cfg, "attn_logit_softcapping", None) is not None,
+    "attention sinks": lambda cfg, attn: any(hasattr(m, "sinks") for m in attn),
+    "QK-norm": lambda cfg, attn: any(hasattr(m, n) for m in attn for n in ("q_norm", "q_layernorm", "query_norm")),
+    "partial rotary": _partial_rotary,
+    "NoPE layers": _nope,
+    "multi-head latent attention": lambda cfg, attn: getattr(cfg, "kv_lora_rank", None) is not None,
+    "grouped-query attention": lambda cfg, attn: 1 < cfg.num_attention_heads // (
+        getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
+}
+
+
+def _other_layer_types(cfg, attn) -> str | None:
+    types = set(getattr(cfg, "layer_types", None) or ()) - _LAYER_TYPES
+    return f"layers of type {', '.join(sorted(types))}" if types else None
+
+
+def _bypass(cfg, attn) -> str | None:
+    n = getattr(cfg, "num_hidden_layers", 0)
+    through = [m for m in attn if _uses_interface(type(m)) and getattr(m, "is_causal", True)]
+    if not attn or len(through) < len(attn) or len(attn) < n:
+        return (f"attention that does not go through transformers' AttentionInterface in every layer ({len(through)} "
+                f"of {n} layers do)")
+    return None
+
+
+def _flag(key: str, what: str):
+    return lambda cfg, attn: what if getattr(cfg, key, None) else None
+
+
+# refused: a check that names the feature, or None
+REFUSED = (
+    _flag("is_encoder_decoder", "an encoder-decoder"),
+    _other_layer_types,
+    _bypass,
+    _flag("attention_chunk_size", "chunked attention (attention_chunk_size)"),
+    _flag("use_bidirectional_attention", "bidirectional attention"),
+    _flag("alibi", "ALiBi position biases"),
+    _flag("attn_temperature_tuning", "position-dependent attention temperature (attn_temperature_tuning)"),
+)
+
+
+def model_features(lm) -> tuple[list[str], str | None]:
+    """(the served features ``lm`` has, the first feature the shared layout does not implement or None)."""
+    cfg, attn = lm.config, attention_modules(lm)
+    for check in REFUSED:
+        reason = check(cfg, attn)
+        if reason:
+            return [], reason
+    return [name for name, has in SERVED.items() if has(cfg, attn)], None
