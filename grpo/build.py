@@ -25,8 +25,9 @@ from grpo.rewards.score import build as build_rewards
 from grpo.rollout_backends import check_vllm_cpu, close_backend, resolve_backend
 from grpo.run import Run
 from grpo.runtime.base import Runtime
+from grpo.tools import formats
 from grpo.tools.runs import environment_reward
-from grpo.tools.spec import build_toolset, check_template
+from grpo.tools.spec import build_toolset, choose_format
 from grpo.tools.worker import ToolWorker
 
 
@@ -93,12 +94,17 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
     set_seed(cfg.trainer.seed + runtime.rank)
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     toolset = build_toolset(cfg.rollout.tools, cfg.rollout.environment)
+    fmt = None
     if toolset is not None:
-        check_template(toolset, tokenizer, cfg.data.chat_template)
+        toolset, note = choose_format(toolset, cfg.rollout.tool_format, tokenizer, cfg.data.chat_template)
+        if note and runtime.is_main:
+            print(f"[grpo] {note}", file=sys.stderr, flush=True)
+        fmt = formats.of(toolset) if toolset.protocol == "tools" else None
         if toolset.env_reward:
             rewards.append(environment_reward(toolset))
-    splits = data.build(cfg.data, tokenizer, tools=list(toolset.schemas) if toolset else None,
-                        keep_turns=toolset is not None)
+    splits = data.build(cfg.data, tokenizer, tools=fmt.template_tools(list(toolset.schemas)) if fmt else None,
+                        keep_turns=toolset is not None,
+                        system_text=fmt.system_text(list(toolset.schemas)) if fmt else None)
     if splits.dropped and runtime.is_main:
         print(f"[grpo] dropped {splits.dropped} prompts longer than data.max_prompt_tokens="
               f"{cfg.data.max_prompt_tokens}; {len(splits.train)} train / {len(splits.eval)} held-out remain",

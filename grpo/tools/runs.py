@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable
 from grpo import data
 from grpo.engine.memory import parse_budget
 from grpo.rewards.score import RewardFunction
+from grpo.tools import formats
 from grpo.tools.episodes import Episodes, EpisodeSettings, TurnLoop
 from grpo.tools.spec import Toolset
 
@@ -22,7 +23,8 @@ def uses_chat(cfg: Config, tokenizer) -> bool:
 def turn_loop(run: Run, cfg: Config, generate: Callable, seed_for: Callable | None = None) -> TurnLoop:
     """The turn loop of ``run`` over ``generate`` (a backend's ``generate``)."""
     r, tok = cfg.rollout, run.tokenizer
-    schemas = list(run.toolset.schemas) or None
+    ts = run.toolset
+    schemas = formats.of(ts).template_tools(list(ts.schemas)) if ts.protocol == "tools" else None
 
     def prompt_for(row: dict, text: str):
         prompt = data.render_turns(data.with_extra_text(row["prompt_turns"], text), cfg.data, tok, schemas)
