@@ -156,16 +156,25 @@ def with_extra_text(turns: list[dict], extra: str) -> list[dict]:
     return [dict(m, content=m["content"] + "\n\n" + extra) if i == last else m for i, m in enumerate(turns)]
 
 
+def with_system_text(turns: list[dict], text: str) -> list[dict]:
+    """The turns with ``text`` (a tool format's description of the tools) after the system turn's content, or as a
+    new system turn first."""
+    if turns and turns[0]["role"] == "system":
+        return [dict(turns[0], content=turns[0]["content"] + "\n\n" + text), *turns[1:]]
+    return [{"role": "system", "content": text}, *turns]
+
+
 def prepare(rows: list[dict], dcfg, tokenizer, tools: list[dict] | None = None,
-            keep_turns: bool = False) -> tuple[list[dict], int]:
+            keep_turns: bool = False, system_text: str | None = None) -> tuple[list[dict], int]:
     """Template and tokenize rows; returns (kept rows, number dropped for length). A conversational row
     keeps its messages under ``prompt_messages`` (what conversational rewards receive as the prompt); with
-    ``keep_turns`` (multi-turn episodes) every row keeps its turns under ``prompt_turns``."""
-    out, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns)
+    ``keep_turns`` (multi-turn episodes) every row keeps its turns under ``prompt_turns``. ``system_text``: added
+    to every prompt's system turn (`with_system_text`)."""
+    out, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text)
     return out, len(dropped)
 
 
-def _prepare(rows, dcfg, tokenizer, tools, keep_turns) -> tuple[list[dict], list[int]]:
+def _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text=None) -> tuple[list[dict], list[int]]:
     """`prepare`, with the token length of every dropped prompt."""
     out, dropped = [], []
     for i, row in enumerate(rows):
@@ -173,6 +182,8 @@ def _prepare(rows, dcfg, tokenizer, tools, keep_turns) -> tuple[list[dict], list
             raise DataError(f"data row {i} has no '{dcfg.prompt_column}' value (data.prompt_column); "
                             f"its columns are: {', '.join(map(str, row))}")
         turns, messages = prompt_turns(row, dcfg, where=f"data row {i}")
+        if system_text:
+            turns = with_system_text(turns, system_text)
         text = render_turns(turns, dcfg, tokenizer, tools)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > dcfg.max_prompt_tokens:
@@ -197,13 +208,14 @@ class Splits:
     note: str = ""  # one line for the console: fewer held-out prompts than data.num_eval asked for, and why
 
 
-def build(dcfg, tokenizer, tools: list[dict] | None = None, keep_turns: bool = False) -> Splits:
-    """Train and held-out rows. Built-in tasks draw disjoint prompts; files hold out their tail. ``tools`` and
-    ``keep_turns``: see `prepare`."""
+def build(dcfg, tokenizer, tools: list[dict] | None = None, keep_turns: bool = False,
+          system_text: str | None = None) -> Splits:
+    """Train and held-out rows. Built-in tasks draw disjoint prompts; files hold out their tail. ``tools``,
+    ``keep_turns`` and ``system_text``: see `prepare`."""
     rows = load_rows(dcfg)
     if not rows:
         raise DataError(f"data.source={dcfg.source!r} has no rows")
-    rows, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns)
+    rows, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text)
     if not rows:
         raise DataError(f"every prompt is longer than data.max_prompt_tokens={dcfg.max_prompt_tokens}: the shortest "
                         f"is {min(dropped)} tokens (as the model sees it, template included); raise "

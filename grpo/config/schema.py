@@ -90,9 +90,9 @@ class RolloutConfig:
     # auto = vllm on CUDA when it is installed, else hf
     backend: str = "auto"
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # vLLM engine settings (rollout.vllm.*)
-    # multi-turn episodes (docs/tools-and-environments.md): Python functions the model may call, each
-    # 'package.module:function' with type hints and a docstring, shown through the chat template's tool format
+    # multi-turn episodes (docs/tools-and-environments.md): functions the model may call, 'package.module:function'
     tools: list = field(default_factory=list)
+    tool_format: str = "auto"        # template | hermes (tools in the system prompt) | auto: template if it shows tools
     # 'package.module:Class', one instance per sample: reset(row), public methods = tools, optional reward();
     # or the plain-text protocol: step(completion_text) -> observation text, or None when the episode is done
     environment: Optional[str] = None
@@ -163,8 +163,7 @@ class LoggingConfig:
     sample_every: int = 10           # print/log sample completions every N steps (0 = never)
     num_samples: int = 2             # sample completions shown each time
     plot: bool = True                # write reward_curve.png at the end
-    # Weights & Biases: mode (disabled | offline | online), project, run name
-    # wandb run: mode online | offline | disabled (the WANDB_MODE environment variable overrides it)
+    # Weights & Biases: mode online | offline | disabled (the WANDB_MODE variable overrides it), project, name
     wandb: dict = field(default_factory=lambda: {"mode": "offline", "project": "grpo", "name": None})
 
 
@@ -205,6 +204,7 @@ _CHOICES = {
     "algorithm.importance_sampling": ("token", "sequence"),
     "algorithm.rollout_is": ROLLOUT_IS_MODES,
     "rollout.backend": ("auto", "hf", "vllm"),
+    "rollout.tool_format": ("auto", "template", "hermes"),  # grpo.rollout.episodes.formats.FORMATS
     "trainer.lr_schedule": ("constant", "cosine", "linear"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "distributed.backend": ("none", "deepspeed"),

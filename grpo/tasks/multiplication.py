@@ -10,11 +10,18 @@ CALCULATOR_PROMPT = ("Compute {a} * {b}. You have a calculator: write <calc>expr
                      "<calc>12 * 34</calc>, and its result is sent back to you. "
                      "Then give the final answer as a number.")
 
+# rollout.tools=[grpo.rollout.episodes.calculator:calculate] (recipes/calculator-tools.yaml): the call is shown
+# with the problem's
+# own expression, so what is learnt is to call rather than guess, and to answer with the result
+TOOL_PROMPT = ('Compute {a} * {b}. Call the calculator: <tool_call>{{"name": "calculate", "arguments": '
+               '{{"expression": "{a} * {b}"}}}}</tool_call> Then give its result as the final answer.')
+
 
 @register_task("multiplication")
-def multiplication(n: int, seed: int, digits: int = 3, template: str = CALCULATOR_PROMPT) -> list[dict]:
+def multiplication(n: int, seed: int, digits: int = 3, template: str | None = None, tools: bool = False) -> list[dict]:
     """``n`` distinct problems ``a * b`` with two ``digits``-digit numbers, deterministic in ``seed``. ``template``
-    gets ``{a}`` and ``{b}``."""
+    gets ``{a}`` and ``{b}``; by default the plain-text calculator's prompt, or with ``tools`` the tool call's."""
+    template = template or (TOOL_PROMPT if tools else CALCULATOR_PROMPT)
     if not 1 <= digits <= 9:
         raise ValueError(f"digits must be 1-9, got {digits}")
     rng = random.Random(seed)

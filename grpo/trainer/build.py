@@ -23,8 +23,9 @@ from grpo.models import check_name, load_model, load_reference, load_tokenizer
 from grpo.rewards.score import RewardFunction, in_worker
 from grpo.rewards.score import build as build_rewards
 from grpo.rollout.backends import HFBackend, SyncedBackend, check_vllm_cpu, resolve_backend
+from grpo.rollout.episodes import formats
 from grpo.rollout.episodes.runs import environment_reward, turn_loop_maker, uses_chat
-from grpo.rollout.episodes.spec import build_toolset, check_template
+from grpo.rollout.episodes.spec import build_toolset, choose_format
 from grpo.rollout.episodes.worker import ToolWorker
 from grpo.runtime.base import Runtime
 from grpo.trainer.checkpoint import resolve_resume
@@ -100,12 +101,17 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
     set_seed(cfg.trainer.seed + runtime.rank)
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     toolset = build_toolset(cfg.rollout.tools, cfg.rollout.environment)
+    fmt = None
     if toolset is not None:
-        check_template(toolset, tokenizer, cfg.data.chat_template)
+        toolset, note = choose_format(toolset, cfg.rollout.tool_format, tokenizer, cfg.data.chat_template)
+        if note and runtime.is_main:
+            print(f"[grpo] {note}", file=sys.stderr, flush=True)
+        fmt = formats.of(toolset) if toolset.protocol == "tools" else None
         if toolset.env_reward:
             rewards.append(environment_reward(toolset))
-    splits = data.build(cfg.data, tokenizer, tools=list(toolset.schemas) if toolset else None,
-                        keep_turns=toolset is not None)
+    splits = data.build(cfg.data, tokenizer, tools=fmt.template_tools(list(toolset.schemas)) if fmt else None,
+                        keep_turns=toolset is not None,
+                        system_text=fmt.system_text(list(toolset.schemas)) if fmt else None)
     if splits.dropped and runtime.is_main:
         print(f"[grpo] dropped {splits.dropped} prompts longer than data.max_prompt_tokens="
               f"{cfg.data.max_prompt_tokens}; {len(splits.train)} train / {len(splits.eval)} held-out remain",

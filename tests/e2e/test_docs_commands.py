@@ -162,6 +162,18 @@ def check_episodes(rewards: set):
     return check
 
 
+def check_tool_format(name: str, rewards: set):
+    """A run with tools: the format chosen said once, the tools in the prompt, episode metrics logged."""
+    def check(ctx, p):
+        assert p.stderr.count(f"[grpo] rollout.tool_format={name} (") == 1, p.stderr[-2000:]
+        check_episodes(rewards)(ctx, p)
+        sample = json.loads((new_run(ctx) / "samples.jsonl").read_text().splitlines()[0])
+        assert "</tool_response> tags." in sample["prompt"]  # samples keep the prompt's end
+        cfg = saved_config(new_run(ctx))
+        assert all(f"reward/{k}" in m for k in cfg["reward"]["functions"] for m in steps(new_run(ctx)))
+    return check
+
+
 QS = {"accuracy": "arithmetic", "format": "number_only"}
 MINE = {"mine": "myrewards:short_and_right", "format": "number_only"}
 # command as documented -> (extra arguments for the scaled run, check)
@@ -212,7 +224,11 @@ CASES = {
     "grpo-train recipe=quickstart reward=math": ([], check_rewards({"accuracy": "math_accuracy", "format": "format"})),
     "grpo-train recipe=smoke rollout.environment=myenv:Guess rollout.max_turns=3 rollout.max_tool_tokens=16":
         ([], check_episodes({"accuracy", "format", "Guess"})),
-    "grpo-train recipe=calculator-tools": ([], check_episodes({"accuracy"})),
+    "grpo-train recipe=smoke 'rollout.tools=[mytools:add]' rollout.max_turns=2":
+        ([], check_tool_format("hermes", {"accuracy", "format"})),
+    # the tiny model's character tokenizer: the hermes tool prompt is ~650 tokens
+    "grpo-train recipe=calculator-tools": (["data.max_prompt_tokens=1024", "logging.sample_every=1"],
+                                           check_tool_format("hermes", {"accuracy"})),  # and reward/tool_call
 }
 
 
@@ -232,6 +248,7 @@ def ctx(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("user")
     (cwd / "myrewards.py").write_text(block_starting_with("README.md", "# myrewards.py"))
     (cwd / "myenv.py").write_text(block_starting_with("docs/tools-and-environments.md", "# myenv.py"))
+    (cwd / "mytools.py").write_text(block_starting_with("docs/tools-and-environments.md", "# mytools.py"))
     (cwd / "data").mkdir()
     (cwd / "data" / "qa.jsonl").write_text(block_starting_with("docs/data.md", '{"prompt"'))
     _verl_parquet(cwd)

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.helpers import ROOT
+
 ENV = '''
 class Steps:
     """Answers each turn with an observation; the third turn ends the episode. reward(): 1 after three turns."""
@@ -63,6 +65,95 @@ def test_a_bad_tool_fails_before_anything_loads(tmp_path):
     assert p.returncode == 2 and not out.exists()
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("error: rollout.tools[0]='no_such_pkg.tools:calc': cannot import module"), p.stderr[-500:]
+
+
+# ------------------------------------------------------------------------------- tools with the shipped models
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_tools_with_the_tiny_model_from_the_cli(tmp_path):
+    """The tiny model's tokenizer has no chat template: rollout.tool_format=auto describes the tools in the hermes
+    format and the run completes with the episode metrics."""
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "grpo.train", "recipe=smoke", "rollout.tools=[tests.tool_fixtures:add]",
+                        "rollout.max_turns=2", f"trainer.output_dir={out}", "trainer.max_steps=1", "data.num_eval=2"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stderr.count("rollout.tool_format=hermes (the prompts use no chat template)") == 1
+    (step,) = [r for r in _metrics(out) if "loss" in r]
+    assert {"episode/turns_mean", "episode/tool_use_rate", "episode/tool_failures"} <= set(step)
+    sample = json.loads((out / "samples.jsonl").read_text().splitlines()[0])
+    assert "<tool_response></tool_response> tags.\n\nWhat is" in sample["prompt"]  # samples show the prompt's end
+
+
+def test_tools_that_raise_or_hang_do_not_stop_training(tmp_path, monkeypatch):
+    """Two training steps in which every first turn calls a tool that raises or one that hangs (the tiny model's
+    first turns are replaced by those calls; its later turns are its own): the run finishes, the failures and the
+    timeouts are counted, and the model read the errors."""
+    from omegaconf import OmegaConf
+
+    from grpo import experience
+    from grpo.config.schema import load
+    from grpo.trainer.loop import train
+    from tests.helpers import smoke_raw
+
+    real = experience.generate
+    calls = ['<tool_call>{"name":"broken","arguments":{"x":7}}</tool_call>',
+             '<tool_call>{"name":"slow","arguments":{"seconds":30}}</tool_call>']
+
+    def first_turn_calls(model, tok, prompt_ids, *, group_size, suffixes=None, **kw):
+        ids, cut = real(model, tok, prompt_ids, group_size=group_size, suffixes=suffixes, **kw)
+        if suffixes is None and not kw.get("greedy"):
+            ids = [[tok(calls[j % 2], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for j in
+                    range(len(g))] for g in ids]
+            cut = [[False] * len(g) for g in ids]
+        return ids, cut
+
+    monkeypatch.setattr(experience, "generate", first_turn_calls)
+    out = tmp_path / "run"
+    # two tools' schemas in characters: room for a longer prompt
+    raw = OmegaConf.merge(smoke_raw(), {"trainer": {"output_dir": str(out)}, "data": {"num_eval": 0,
+                                                                                      "max_prompt_tokens": 1536},
+                                        "model": {"tiny": {"max_position_embeddings": 2048}},
+                                        "engine": {"max_tokens_per_micro_batch": 2048},
+                                        "rollout": {"tools": ["tests.tool_fixtures:broken", "tests.tool_fixtures:slow"],
+                                                    "max_turns": 2, "max_new_tokens": 64, "tool_timeout_s": 1.0,
+                                                    "max_tool_tokens": 64}})
+    train(load(OmegaConf.to_container(raw, resolve=True)))
+    steps = [r for r in _metrics(out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:  # 2 prompts x G=4: half call the raising tool, half the hanging one
+        assert r["episode/tool_calls_mean"] == 1.0 and r["episode/tool_failures"] == 8
+        assert r["episode/tool_timeouts"] == 4 and r["episode/turns_mean"] == 2.0
+    errors = ("<tool_response>\nError: ValueError: cannot handle 7\n</tool_response>",
+              "<tool_response>\nError: tool slow timed out after 1 s\n</tool_response>")
+    for line in (out / "samples.jsonl").read_text().splitlines():  # the model's second turn read the error
+        turns = json.loads(line)["episode"]["turns"]
+        assert [t["role"] for t in turns] == ["assistant", "tool", "assistant"] and turns[1]["text"].strip() in errors
+
+
+@pytest.mark.slow
+def test_tools_with_smollm2_from_the_cli(tmp_path):
+    """The quickstart recipe (SmolLM2-135M-Instruct, whose chat template shows no tools) with a tool: hermes, results
+    as the template's generic tool turn."""
+    from pathlib import Path
+
+    if not (Path.home() / ".cache" / "grpo" / "SmolLM2-135M-Instruct" / "config.json").exists():
+        pytest.skip("embedded SmolLM2 not prepared (make model)")
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "grpo.train", "recipe=quickstart",
+                        "rollout.tools=[tests.tool_fixtures:add]", "rollout.max_turns=2", f"trainer.output_dir={out}",
+                        "trainer.max_steps=1", "data.num_eval=0", "rollout.prompts_per_step=2",
+                        "algorithm.group_size=2", "rollout.max_new_tokens=8", "logging.sample_every=1"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "rollout.tool_format=hermes (the chat template of" in p.stderr and "results as tool turns" in p.stderr
+    (step,) = [r for r in _metrics(out) if "loss" in r]
+    assert "episode/tool_use_rate" in step and step["grad_norm"] >= 0
+    prompt = json.loads((out / "samples.jsonl").read_text().splitlines()[0])["prompt"]
+    assert "<tool_response></tool_response> tags.<|im_end|>\n<|im_start|>user\n" in prompt
 
 
 SEEN = '''

@@ -33,6 +33,11 @@ def parse_tool_calls(text: str, tokenizer=None) -> list[ToolCall]:
     blocks = [m.group(1) for m in _TAGGED.finditer(text)]
     if not blocks and text.lstrip().startswith("[TOOL_CALLS]"):
         blocks = [text.lstrip()[len("[TOOL_CALLS]"):]]
+    return calls_from_blocks(blocks)
+
+
+def calls_from_blocks(blocks: list[str]) -> list[ToolCall]:
+    """The calls in JSON blocks (each one call or a list of calls); a block that does not parse is an error call."""
     calls = []
     for block in blocks:
         try:

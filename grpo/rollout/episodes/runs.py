@@ -6,6 +6,7 @@ from typing import Callable
 
 from grpo import data
 from grpo.rewards.score import RewardFunction
+from grpo.rollout.episodes import formats
 from grpo.rollout.episodes.spec import Toolset
 from grpo.rollout.episodes.turns import Episodes, EpisodeSettings, TurnLoop
 from grpo.rollout.episodes.worker import ToolWorker
@@ -20,7 +21,7 @@ def turn_loop_maker(settings: EpisodeSettings, tokenizer, toolset: Toolset, work
                     runtime) -> Callable[..., TurnLoop]:
     """``make(generate, seed_for=None) -> TurnLoop``: the run's turn loop over ``generate`` (a backend's
     ``generate``). ``dcfg``: the run's `DataConfig` section (how a prompt's turns are rendered)."""
-    schemas = list(toolset.schemas) or None
+    schemas = formats.of(toolset).template_tools(list(toolset.schemas)) if toolset.protocol == "tools" else None
 
     def prompt_for(row: dict, text: str):
         prompt = data.render_turns(data.with_extra_text(row["prompt_turns"], text), dcfg, tokenizer, schemas)

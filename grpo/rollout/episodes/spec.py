@@ -9,7 +9,7 @@ turn, until it returns None).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from grpo.config.objects import load_object
 from grpo.errors import ConfigError
@@ -28,6 +28,8 @@ class Toolset:
     environment: str | None = None                       # 'module:Class'
     env_name: str | None = None                          # the class name (reward/<ClassName>)
     env_reward: bool = False                             # the environment defines reward()
+    tool_format: str = "template"                        # `episodes.formats`: chosen once the tokenizer is known
+    result_role: str | None = "tool"                     # the role tool results are written as (None: plain text)
 
 
 def tool_schema(fn, key: str) -> dict:
@@ -94,23 +96,16 @@ def build_toolset(tools: list[str], environment: str | None) -> Toolset | None:
     return Toolset("tools", functions, tuple(methods), tuple(schemas), environment, cls.__name__, reward)
 
 
-def check_template(toolset: Toolset, tokenizer, use_chat_template: bool) -> None:
-    """A tool protocol needs a chat template that shows tools: rendering with and without them must differ."""
+def choose_format(toolset: Toolset, requested: str, tokenizer, use_chat_template: bool) -> tuple[Toolset, str | None]:
+    """``toolset`` with its tool format chosen (``rollout.tool_format``, `episodes.formats.choose`) and the line
+    that says which; the plain-text protocol needs none (the toolset as it is, None)."""
     if toolset.protocol != "tools":
-        return
-    template = getattr(tokenizer, "chat_template", None) if use_chat_template else None
-    if not template:
-        raise ConfigError("rollout.tools/rollout.environment tools need the model's chat template (data.chat_template="
-                          "true and a tokenizer with one); without it use an environment with step(text) (the "
-                          "plain-text protocol)")
-    turns = [{"role": "user", "content": "hi"}]
-    plain = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    shown = tokenizer.apply_chat_template(turns, tools=list(toolset.schemas), tokenize=False,
-                                          add_generation_prompt=True)
-    if plain == shown:
-        name = getattr(tokenizer, "name_or_path", "") or "the model"
-        raise ConfigError(f"the chat template of {name} has no tool support (tools do not appear in the prompt); "
-                          "use rollout.environment with a step(text) method (the plain-text protocol) instead")
+        return toolset, None
+    from grpo.rollout.episodes.formats import choose
+
+    chat = bool(use_chat_template and getattr(tokenizer, "chat_template", None))
+    fmt, note = choose(requested, list(toolset.schemas), tokenizer, chat)
+    return replace(toolset, tool_format=fmt.name, result_role=fmt.role), note
 
 
 def multi_turn(rollout) -> bool:

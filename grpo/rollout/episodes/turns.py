@@ -19,7 +19,8 @@ import torch
 
 from grpo.errors import SetupError
 from grpo.rollout.base import Sampling
-from grpo.rollout.episodes.chat import after_turn, clip_tokens, parse_tool_calls
+from grpo.rollout.episodes import formats
+from grpo.rollout.episodes.chat import after_turn, clip_tokens
 from grpo.rollout.episodes.spec import Toolset
 from grpo.rollout.episodes.worker import CallResult, ToolWorker
 
@@ -212,7 +213,8 @@ class TurnLoop:
             self._count(e, [res])
             messages = [{"role": "user", "content": clip_tokens(tok, res.text, self.settings.max_tool_tokens)}]
         else:
-            calls = parse_tool_calls(tok.decode(body, skip_special_tokens=False), tok)
+            fmt = formats.of(ts)
+            calls = fmt.parse(tok.decode(body, skip_special_tokens=False), tok)
             if not calls or cut:
                 e.done = True
                 return
@@ -220,12 +222,12 @@ class TurnLoop:
                 results = [self._call(key, c) for c in calls]
                 self._count(e, results)
                 limit = self.settings.max_tool_tokens
-                messages = [{"role": "tool", "name": c.name, "content": clip_tokens(tok, r.text, limit)}
-                            for c, r in zip(calls, results)]
+                messages = fmt.results(calls, [clip_tokens(tok, r.text, limit) for r in results])
         if last:
             e.done, e.hit_max_turns = True, True
             return
-        text = after_turn(tok, messages, chat=self.settings.chat, tools=list(ts.schemas) or None,
+        shown = formats.of(ts).template_tools(list(ts.schemas)) if ts.protocol == "tools" else None
+        text = after_turn(tok, messages, chat=self.settings.chat, tools=shown,
                           ended_with=None if cut else tok.decode(ids[-1:], skip_special_tokens=False))
         written = tok(text, add_special_tokens=False)["input_ids"]
         st = self.settings
@@ -236,7 +238,8 @@ class TurnLoop:
             e.done, e.over_length = True, True
             return
         e.add(written, False, None)
-        e.segments += [{"role": m["role"], "text": m["content"], **({"name": m["name"]} if "name" in m else {})}
+        role = "tool" if ts.protocol == "tools" else "user"  # hermes may render results as user turns: still tool text
+        e.segments += [{"role": role, "text": m["content"], **({"name": m["name"]} if "name" in m else {})}
                        for m in messages]
 
     def _call(self, key, call) -> CallResult:

@@ -7,7 +7,7 @@ import pytest
 from grpo.errors import ConfigError
 from grpo.rewards.registry import resolve
 from grpo.rollout.episodes.calculator import Calculator, calculate, evaluate
-from grpo.rollout.episodes.spec import build_toolset, check_template
+from grpo.rollout.episodes.spec import build_toolset, choose_format
 from grpo.tasks import get_task
 
 
@@ -18,6 +18,11 @@ def test_multiplication_task():
         a, b = (int(x) for x in r["prompt"].split("Compute ")[1].split(".")[0].split(" * "))
         assert 100 <= a <= 999 and 100 <= b <= 999 and r["answer"] == a * b and "<calc>" in r["prompt"]
     assert get_task("multiplication")(2, 0, digits=1, template="{a}x{b}")[0]["prompt"].count("x") == 1
+    tool = get_task("multiplication")(3, 3, tools=True)  # the same problems, the tool call's prompt
+    a, b = (int(x) for x in tool[0]["prompt"].split("Compute ")[1].split(".")[0].split(" * "))
+    assert [r["answer"] for r in tool] == [r["answer"] for r in rows[:3]] and "<calc>" not in tool[0]["prompt"]
+    assert f'<tool_call>{{"name": "calculate", "arguments": {{"expression": "{a} * {b}"}}}}</tool_call>' \
+        in tool[0]["prompt"]
     with pytest.raises(ValueError):
         get_task("multiplication")(1, 0, digits=0)
 
@@ -48,12 +53,15 @@ def test_both_ways_pass_the_start_up_checks():
 
 
 def test_smollm2s_template_has_no_tool_support():
-    """Why recipes/calculator-tools.yaml uses the plain-text protocol."""
+    """Why SmolLM2 gets its tools in the hermes format (rollout.tool_format=auto chooses it)."""
     from grpo.models import load_tokenizer
 
     tok = load_tokenizer("embedded:smollm2-135m-instruct")
+    ts = build_toolset(["grpo.rollout.episodes.calculator:calculate"], None)
     with pytest.raises(ConfigError, match="has no tool support"):
-        check_template(build_toolset(["grpo.rollout.episodes.calculator:calculate"], None), tok, True)
+        choose_format(ts, "template", tok, True)
+    chosen, note = choose_format(ts, "auto", tok, True)
+    assert chosen.tool_format == "hermes" and "shows no tools" in note
 
 
 def test_final_answer_reads_the_last_model_turn():
@@ -66,3 +74,9 @@ def test_final_answer_reads_the_last_model_turn():
     episode[-1]["text"] = "It is 408."
     assert fn(["p"], [whole + " It is 408."], answer=[408], episode=[episode]) == [1.0]
     assert fn(["p"], ["so 408"], answer=[408]) == [1.0]  # single-turn: the whole completion
+
+
+def test_tool_call_rewards_a_call_that_ran():
+    fn = resolve("tool_call")
+    assert fn(["p"] * 4, ["c"] * 4, tool_calls=[1, 0, 2, 1], tool_failures=[0, 0, 1, 1]) == [1.0, 0.0, 0.0, 0.0]
+    assert fn(["p"], ["c"]) == [0.0]  # no episode: no call

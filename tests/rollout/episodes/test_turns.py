@@ -9,7 +9,7 @@ from grpo.errors import ConfigError, SetupError
 from grpo.models import char_tokenizer
 from grpo.rollout.base import Completions, Sampling
 from grpo.rollout.episodes.chat import after_turn, parse_tool_calls
-from grpo.rollout.episodes.spec import build_toolset, check_template
+from grpo.rollout.episodes.spec import build_toolset, choose_format
 from grpo.rollout.episodes.turns import EpisodeSettings, TurnLoop, episode_metrics
 from grpo.rollout.episodes.worker import ToolWorker
 from grpo.rollout.hf import flatten, regroup
@@ -45,16 +45,17 @@ def test_bad_tools_fail_at_start_with_one_line(tools, env, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_a_template_without_tool_support_is_refused(tok):
+def test_a_template_without_tool_support_is_refused_for_the_template_format(tok):
     ts = build_toolset([f"{F}:add"], None)
-    check_template(ts, tok, True)  # the test template shows tools
+    assert choose_format(ts, "template", tok, True)[0].tool_format == "template"  # the test template shows tools
     plain = char_tokenizer()
     plain.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
-    with pytest.raises(ConfigError, match="has no tool support.*plain-text protocol"):
-        check_template(ts, plain, True)
-    with pytest.raises(ConfigError, match="need the model's chat template"):
-        check_template(ts, char_tokenizer(), True)
-    check_template(build_toolset([], f"{F}:Echo"), char_tokenizer(), False)  # text protocol: no template needed
+    with pytest.raises(ConfigError, match="has no tool support.*rollout.tool_format=hermes"):
+        choose_format(ts, "template", plain, True)
+    with pytest.raises(ConfigError, match="needs the model's chat template"):
+        choose_format(ts, "template", char_tokenizer(), True)
+    echo = build_toolset([], f"{F}:Echo")
+    assert choose_format(echo, "template", char_tokenizer(), False) == (echo, None)  # text protocol: no format
 
 
 def test_environment_methods_are_its_tools():
@@ -131,8 +132,8 @@ class Scripted:
         return Completions(ids, cut)
 
 
-def _loop(tok, script, tools, env=None, max_turns=3, timeout=5.0, chat=True, settings=None):
-    ts = build_toolset(tools, env)
+def _loop(tok, script, tools, env=None, max_turns=3, timeout=5.0, chat=True, settings=None, toolset=None):
+    ts = toolset or build_toolset(tools, env)
     worker = ToolWorker(ts.environment, timeout)
     backend = Scripted(tok, script)
 
