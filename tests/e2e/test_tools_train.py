@@ -94,12 +94,13 @@ def test_tools_that_raise_or_hang_do_not_stop_training(tmp_path, monkeypatch):
     timeouts are counted, and the model read the errors."""
     from omegaconf import OmegaConf
 
-    from grpo import experience
+    import grpo.trainer.loop
     from grpo.config.schema import load
+    from grpo.rollout.backends import HFBackend
+    from grpo.rollout.hf import generate as real
     from grpo.trainer.loop import train
     from tests.helpers import smoke_raw
 
-    real = experience.generate
     calls = ['<tool_call>{"name":"broken","arguments":{"x":7}}</tool_call>',
              '<tool_call>{"name":"slow","arguments":{"seconds":30}}</tool_call>']
 
@@ -111,7 +112,15 @@ def test_tools_that_raise_or_hang_do_not_stop_training(tmp_path, monkeypatch):
             cut = [[False] * len(g) for g in ids]
         return ids, cut
 
-    monkeypatch.setattr(experience, "generate", first_turn_calls)
+    build = grpo.trainer.loop.build_run
+
+    def build_run(cfg):  # the run's rollout backend: our decode loop, its first turns replaced by those calls
+        run = build(cfg)
+        run.rollout.backend = HFBackend(lambda: run.runtime.model, run.tokenizer, batch_size=cfg.rollout.batch_size,
+                                        context=run.runtime.generation_context, generate_fn=first_turn_calls)
+        return run
+
+    monkeypatch.setattr(grpo.trainer.loop, "build_run", build_run)
     out = tmp_path / "run"
     # two tools' schemas in characters: room for a longer prompt
     raw = OmegaConf.merge(smoke_raw(), {"trainer": {"output_dir": str(out)}, "data": {"num_eval": 0,
