@@ -310,13 +310,13 @@ def test_hanging_reward_is_killed_after_timeout(cfg_factory, fault_module, caplo
 def test_non_finite_steps_are_skipped_then_stop(cfg_factory, monkeypatch):
     import grpo.update as update
 
-    real = update.grpo_loss
+    real = update.objective
 
     def poisoned(*a, **k):
         loss, stats = real(*a, **k)
         return loss * float("nan"), stats
 
-    monkeypatch.setattr(update, "grpo_loss", poisoned)
+    monkeypatch.setattr(update, "objective", poisoned)
     cfg = cfg_factory({"trainer": {"max_steps": 10, "max_bad_steps": 2}, "data": {"num_eval": 0}})
     with pytest.raises(SetupError, match="2 steps in a row had a non-finite loss or gradient"):
         train(cfg)
