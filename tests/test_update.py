@@ -203,8 +203,10 @@ class _BehindRuntime(CaptureRuntime):
 def test_a_rank_with_fewer_micro_batches_runs_idle_ones_through_the_same_path(setup, monkeypatch):
     """ZeRO-2/3 needs every rank in every forward/backward: the rank behind runs one-token idle micro-batches with
     the real ones' engine settings, and they change neither its log-probs, its loss nor its gradient."""
+    import grpo.engine.batch_logprobs
     import grpo.update
-    from grpo.update import UpdateSettings, nested_logprobs, policy_update
+    from grpo.engine.batch_logprobs import nested_logprobs
+    from grpo.update import UpdateSettings, policy_update
 
     policy, batch, old, ref = setup
     b = dataclasses.replace(batch, old_logps=nest_like(batch, old), ref_logps=nest_like(batch, ref))
@@ -216,6 +218,7 @@ def test_a_rank_with_fewer_micro_batches_runs_idle_ones_through_the_same_path(se
         return real(model, prompts, comps, **kw)
 
     monkeypatch.setattr(grpo.update, "token_logprobs", spy)
+    monkeypatch.setattr(grpo.engine.batch_logprobs, "token_logprobs", spy)  # the old/reference passes' forwards
     alone = nested_logprobs(CaptureRuntime(policy), policy, b, engine, TEMP)
     n = len(calls)
     behind = nested_logprobs(_BehindRuntime(policy, 2), policy, b, engine, TEMP)
@@ -240,6 +243,6 @@ def test_a_rank_with_fewer_micro_batches_runs_idle_ones_through_the_same_path(se
 
 
 def _plan_of(batch, engine):
-    from grpo.update import _plan
+    from grpo.engine.batch_logprobs import plan as _plan
 
     return _plan(batch, engine)

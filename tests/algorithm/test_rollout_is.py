@@ -132,8 +132,8 @@ def test_importance_weights_use_the_old_policy_not_the_current_one():
     the measured mismatch is |log pi_old - log pi_sampler|, whatever the current policy is. Runs without vLLM: the
     update only sees the sampler's log-probs in the batch."""
     from grpo.batch import Batch
+    from grpo.engine.batch_logprobs import nested_logprobs
     from grpo.models import tiny_model
-    from grpo.update import nested_logprobs
     from tests.test_update import CaptureRuntime
 
     policy = tiny_model("llama", 50, seed=0)
