@@ -37,7 +37,7 @@ test: setup
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM_TESTS ?= tests/test_vllm_rollout.py tests/test_vllm_distributed.py tests/test_rollout_is.py tests/test_rollout_backends.py
+VLLM_TESTS ?= tests/rollout/test_vllm.py tests/e2e/test_vllm_distributed.py tests/algorithm/test_rollout_is.py tests/rollout/test_backends.py
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/pip || python3 -m venv --clear $(VLLM_VENV)
@@ -62,7 +62,7 @@ lint: setup
 # the tests of that section's test files that reached the mutated function, and writes mutants/report.md: the score
 # and every survivor's diff. Fails when the score is below MUTATE_MIN_SCORE or a survivor is neither killed nor listed
 # in docs/mutation-equivalents.txt. From scratch each time (MUTATE_FRESH=0 keeps mutmut's earlier results);
-# MUTATE_ARGS="grpo.advantages.*" runs some mutants only (the stats run still runs every selected test once).
+# MUTATE_ARGS="grpo.algorithm.advantages.*" runs some mutants only (the stats run still runs every selected test once).
 MUTATE_JOBS ?= 2
 MUTATE_ARGS ?=
 MUTATE_FRESH ?= 1
@@ -88,7 +88,7 @@ SWEEP_ARGS ?= recipe=quickstart algorithm.group_size=2,4 trainer.max_steps=4 dat
 sweep: model
 	rm -rf $(SWEEP_DIR)
 	$(PY) -m grpo.train -m $(SWEEP_ARGS) hydra.sweep.dir=$(SWEEP_DIR)
-	$(PY) -m grpo.report $(SWEEP_DIR)
+	$(PY) -m grpo.trainer.report $(SWEEP_DIR)
 
 # docs/benchmarks.md's engine tables (several hours on 2 busy CPU cores): speed vs the FLOP ceiling, then how time
 # and memory grow with P and G (docs/prefix-scaling.md and .png)

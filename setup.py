@@ -1,5 +1,5 @@
 """The package carries its configs: a built wheel gets the checkout's configs/ (recipes included, through the
-configs/recipe -> ../recipes link) as grpo/_data/configs, where grpo/compose.py looks first. An editable install
+configs/recipe -> ../recipes link) as grpo/_data/configs, where grpo/config/compose.py looks first. An editable install
 reads configs/ and recipes/ in place (no copy: one source of truth). Everything else is in pyproject.toml."""
 import shutil
 from pathlib import Path

@@ -6,8 +6,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # imported on first use: a worker process that only needs grpo.tools or grpo.rewards (spawned for tool and
-    # reward calls) then starts without importing torch
+    # imported on first use: a worker process that only needs grpo.rollout.episodes or grpo.rewards
+    # (spawned for tool and reward calls) then starts without importing torch
     if name in __all__:
         from grpo import engine
 

@@ -2,55 +2,70 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
-from grpo.advantages import compute_advantages, zero_std_groups
+from grpo.algorithm.advantages import compute_advantages, zero_std_groups
+from grpo.algorithm.kl import kl_estimate
 from grpo.batch import Batch
-from grpo.config import Config
-from grpo.loss import kl_estimate
+from grpo.config.schema import AlgorithmConfig, EngineConfig
+from grpo.engine.batch_logprobs import nested_logprobs
 from grpo.rewards.score import reward_inputs, score
-from grpo.rollout import generate
-from grpo.rollout_backends import Sampling, backend_for, step_seed
+from grpo.rollout.backends import Sampling, step_seed
+from grpo.rollout.episodes.runs import episode_columns, episode_records, seen_rows
+from grpo.rollout.episodes.turns import episode_metrics
 from grpo.runtime.base import Runtime
-from grpo.tools.episodes import episode_metrics
-from grpo.tools.runs import episode_columns, episode_records, seen_rows, turn_loop
-from grpo.update import nested_logprobs
 
-if TYPE_CHECKING:
-    from grpo.run import Run
+# ``run`` below is a built `grpo.trainer.run.Run` (not imported: the trainer is the stage after this one)
+Run = object
 
 
-def collect(run: Run, cfg: Config) -> Batch:
-    """One step's experience, in order: rollout, rewards, zero-std filtering (and resampling), the
-    reference and old-policy log-probs of the groups kept, KL (metric, or penalty in the reward), advantages.
+@dataclass(frozen=True)
+class CollectSettings:
+    """What `collect` needs, derived once per run (`grpo.trainer.settings.derive`)."""
+    prompts_per_step: int      # over every rank; each samples its share
+    group_size: int            # G completions per prompt
+    sampling: Sampling         # rollout.max_new_tokens, temperature, top_p, top_k
+    seed: int                  # trainer.seed: a backend with its own generator (vLLM) is seeded per step from it
+    algorithm: AlgorithmConfig  # zero-std filtering and resampling, beta and the KL, the advantages' scaling
+    engine: EngineConfig       # the old/reference log-prob passes (its micro-batch budget an int in a built run)
 
-    With ``algorithm.filter_zero_std_groups`` groups whose task rewards are all equal are dropped; with
-    ``algorithm.resample_zero_std=N`` up to N more rollout rounds refill the batch with groups that have
-    signal (DAPO dynamic sampling). Every rank runs the same number of rounds (ZeRO-3 generates in lockstep,
-    and the prompt sampler must stay in step). The batch may end up empty; `policy_update` then skips.
+
+def collect(run: Run) -> Batch:
+    """One step's experience (``run.settings.collect``), in order:
+
+    1. rollout: G completions per prompt from the run's backend, scored by every reward function;
+    2. zero-std filtering: with ``algorithm.filter_zero_std_groups`` groups whose task rewards are all equal are
+       dropped, and with ``algorithm.resample_zero_std=N`` up to N more rollout rounds refill the batch with groups
+       that have signal (DAPO dynamic sampling, arXiv:2503.14476 section 3.2). Every rank runs the same number of
+       rounds (ZeRO-3 generates in lockstep, and the prompt sampler must stay in step). The batch may end up
+       empty; `policy_update` then skips;
+    3. the reference's and the old policy's log-probs of the groups kept;
+    4. the KL to the reference (a metric, or with ``kl_in_reward`` a penalty in the reward);
+    5. advantages (group-normalised, `grpo.algorithm.advantages`).
     """
-    rt, a, r = run.runtime, cfg.algorithm, cfg.rollout
-    batch = _rollout(run, cfg)
+    s = run.settings.collect
+    rt, a, T = run.runtime, s.algorithm, s.sampling.temperature
+    batch = _rollout(run)                                                               # 1.
     stats = batch.stats
-    zero = zero_std_groups(batch.rewards, batch.group_sizes)
+    zero = zero_std_groups(batch.rewards, batch.group_sizes)                            # 2.
     z = rt.all_reduce({"zero_std": float(sum(zero)), "groups": float(len(zero))})
     stats["zero_std_frac"] = z["zero_std"] / max(z["groups"], 1)
     if a.filter_zero_std_groups:  # before any log-prob forward: dropped groups cost nothing more
-        batch = _filter_and_refill(run, cfg, batch, zero)
-    if a.beta > 0:
+        batch = _filter_and_refill(run, batch, zero)
+    if a.beta > 0:                                                                      # 3.
         with run.reference_context():
-            batch.ref_logps = nested_logprobs(rt, run.reference_model(), batch, cfg.engine, r.temperature)
+            batch.ref_logps = nested_logprobs(rt, run.reference_model(), batch, s.engine, T)
     if a.num_iterations > 1 or (a.beta > 0 and a.kl_in_reward):
-        batch.old_logps = nested_logprobs(rt, rt.model, batch, cfg.engine, r.temperature)
-    # KL of the batch to the reference. With the KL in the loss and mu = 1 the update measures it itself
+        batch.old_logps = nested_logprobs(rt, rt.model, batch, s.engine, T)
+    # 4. KL of the batch to the reference. With the KL in the loss and mu = 1 the update measures it itself
     # (no extra forward here); with mu > 1 or the KL in the reward the old log-probs are at hand.
     if batch.ref_logps is not None and batch.old_logps is not None:
         # only tokens the policy sampled: tool/environment tokens carry no KL
         seq_kl = torch.tensor([float((kl_estimate(lp, ref, a.kl_estimator) * batch.token_mask(g, j)).sum())
                                for g, (gl, gr) in enumerate(zip(batch.old_logps, batch.ref_logps))
-                               for j, (lp, ref) in enumerate(zip(gl, gr))])
+                               for j, (lp, ref) in enumerate(zip(gl, gr))])            # [N]
         tokens = sum(batch.sampled_count(g, j) for g, c in enumerate(batch.completion_ids) for j in range(len(c)))
         kl = rt.all_reduce({"kl": float(seq_kl.sum()), "tokens": float(tokens)})
         stats["kl"] = kl["kl"] / max(kl["tokens"], 1)
@@ -58,43 +73,44 @@ def collect(run: Run, cfg: Config) -> Batch:
             batch.rewards = batch.rewards - a.beta * seq_kl
     if a.num_iterations == 1:
         batch.old_logps = None  # ratio is 1 with one pass: old = logp.detach()
-    batch_std = _batch_std(rt, batch.rewards) if a.scale_rewards == "batch" else None
+    batch_std = _batch_std(rt, batch.rewards) if a.scale_rewards == "batch" else None  # 5.
     batch.advantages = compute_advantages(batch.rewards, batch.group_sizes, a.scale_rewards, a.adv_eps,
                                           batch_std=batch_std)
     return batch
 
 
-def _rollout(run: Run, cfg: Config) -> Batch:
+def _rollout(run: Run) -> Batch:
     """Sample the next prompts (the same on every rank; each takes its share), generate G completions
     each, and score them. Advantages are left at zero."""
-    rt, r, G = run.runtime, cfg.rollout, cfg.algorithm.group_size
-    indices = run.sampler.next(r.prompts_per_step)                    # same order on every rank
-    per_rank = r.prompts_per_step // rt.world_size
+    s, rt = run.settings.collect, run.runtime
+    # 1. the prompts: the same order on every rank, each takes its share
+    indices = run.sampler.next(s.prompts_per_step)
+    per_rank = s.prompts_per_step // rt.world_size
     rows = [run.splits.train[i] for i in indices[rt.rank * per_rank:(rt.rank + 1) * per_rank]]
     prompt_ids = [row["prompt_ids"] for row in rows]
     t0 = time.time()
-    # hf: our decode loop (this module's `generate`, looked up at each call); vllm: the engine, synced if the policy
-    # changed since its last rollout
-    backend = backend_for(run, cfg, hf_generate=lambda *a, **k: generate(*a, **k))
+    # 2. the backend, with the policy's current weights (vLLM: synced if the optimizer stepped since its last sync)
+    backend = run.rollout.ready()
     seed_for = (lambda turn: None) if backend.name == "hf" else \
-        (lambda turn: step_seed(cfg.trainer.seed, rt.rank, run.sampler.epoch, run.sampler.position,
+        (lambda turn: step_seed(s.seed, rt.rank, run.sampler.epoch, run.sampler.position,
                                 *((turn,) if turn > 1 else ())))
-    sampling = Sampling(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
+    # 3. G completions per prompt: one call, or one per turn for multi-turn episodes (grpo.rollout.episodes)
     masks = episodes = extra = None
-    if run.toolset is None:
-        out = backend.generate(prompt_ids, G, sampling, seed=seed_for(1))
+    if run.turn_loop is None:
+        out = backend.generate(prompt_ids, s.group_size, s.sampling, seed=seed_for(1))
         completion_ids, truncated, sampling_logps = out.ids, out.truncated, out.logprobs
-    else:  # multi-turn: one backend call per turn (grpo.tools.episodes)
-        eps = turn_loop(run, cfg, backend.generate, seed_for).run(rows, prompt_ids, G, sampling)
+    else:
+        eps = run.turn_loop(backend.generate, seed_for).run(rows, prompt_ids, s.group_size, s.sampling)
         rows = seen_rows(rows, eps)  # with the text reset(row) added: what rewards and samples.jsonl show
         prompt_ids, completion_ids, truncated = eps.prompt_ids, eps.completion_ids, eps.truncated
         sampling_logps, masks, episodes = eps.sampling_logps, eps.masks, episode_records(eps)
         extra = episode_columns(eps)
     backend.sleep()  # vLLM on CUDA with rollout.vllm.sleep: its memory is the update's until the next rollout
     t1 = time.time()
+    # 4. every reward function on every completion
     scores: list[dict] = []
     rewards, stats = score_groups(run, rows, completion_ids, truncated, extra, scores_out=scores)
-    if run.toolset is not None:
+    if run.turn_loop is not None:
         stats.update(episode_metrics(rt.all_reduce(eps.sums())))
     stats["time/rollout_s"], stats["time/reward_s"] = t1 - t0, time.time() - t1
     return Batch(rows, prompt_ids, completion_ids, truncated, rewards, torch.zeros_like(rewards), stats=stats,
@@ -107,20 +123,20 @@ def _nest(flat: list, like: list[list]) -> list[list]:
     return [[next(it) for _ in g] for g in like]
 
 
-def _filter_and_refill(run: Run, cfg: Config, batch: Batch, zero: list[bool]) -> Batch:
+def _filter_and_refill(run: Run, batch: Batch, zero: list[bool]) -> Batch:
     """Drop zero-std groups; then at most ``resample_zero_std`` extra rounds while any rank is short of
     its groups. Surplus groups of the last round are discarded. The reward metrics stay those of the
     first round (the policy's on-policy sample); extra rounds do not count towards reward.max_failed_steps."""
-    rt, a = run.runtime, cfg.algorithm
+    rt, a = run.runtime, run.settings.collect.algorithm
     target = len(batch.completion_ids)
-    kept = _select_groups(batch, [not z for z in zero])
+    kept = batch.select([not z for z in zero])
     dropped, rounds = sum(zero), 0
     while rounds < a.resample_zero_std and rt.any_rank(len(kept.completion_ids) < target):
         rounds += 1
-        extra = _rollout(run, cfg)
+        extra = _rollout(run)
         z = zero_std_groups(extra.rewards, extra.group_sizes)
         dropped += sum(z)
-        kept = _concat(kept, _select_groups(extra, [not x for x in z]), target)
+        kept = _concat(kept, extra.select([not x for x in z]), target)
         for k in ("time/rollout_s", "time/reward_s"):
             batch.stats[k] += extra.stats[k]
     n = rt.all_reduce({"dropped": float(dropped), "groups": float(len(kept.completion_ids))})
@@ -182,35 +198,10 @@ def _std(s: float, s2: float, n: float) -> float:
     return max((s2 - s * s / n) / (n - 1), 0.0) ** 0.5
 
 
-def _select_groups(batch: Batch, keep: list[bool]) -> Batch:
-    sizes = batch.group_sizes
-    flat_keep = [k for k, g in zip(keep, sizes) for _ in range(g)]
-    pick = lambda xs: [x for x, k in zip(xs, keep) if k]  # noqa: E731
-    idx = torch.tensor([i for i, k in enumerate(flat_keep) if k], dtype=torch.long)
-    return Batch(pick(batch.rows), pick(batch.prompt_ids), pick(batch.completion_ids), pick(batch.truncated),
-                 batch.rewards[idx], batch.advantages[idx],
-                 pick(batch.old_logps) if batch.old_logps is not None else None,
-                 pick(batch.ref_logps) if batch.ref_logps is not None else None, dict(batch.stats),
-                 sampling_logps=pick(batch.sampling_logps) if batch.sampling_logps is not None else None,
-                 completion_masks=pick(batch.completion_masks) if batch.completion_masks is not None else None,
-                 episodes=pick(batch.episodes) if batch.episodes is not None else None,
-                 scores=pick(batch.scores) if batch.scores is not None else None)
-
-
 def _concat(a: Batch, b: Batch, limit: int) -> Batch:
     """``a`` followed by as many groups of ``b`` as fit in ``limit`` groups (before any log-probs)."""
     room = max(limit - len(a.completion_ids), 0)
-    b = _select_groups(b, [i < room for i in range(len(b.completion_ids))])
-    return Batch(a.rows + b.rows, a.prompt_ids + b.prompt_ids, a.completion_ids + b.completion_ids,
-                 a.truncated + b.truncated, torch.cat([a.rewards, b.rewards]), torch.cat([a.advantages, b.advantages]),
-                 stats=a.stats, sampling_logps=None if a.sampling_logps is None or b.sampling_logps is None
-                 else a.sampling_logps + b.sampling_logps,
-                 completion_masks=_join(a.completion_masks, b.completion_masks), episodes=_join(a.episodes, b.episodes),
-                 scores=_join(a.scores, b.scores))
-
-
-def _join(a: list | None, b: list | None) -> list | None:
-    return None if a is None or b is None else a + b
+    return a.concat(b.select([i < room for i in range(len(b.completion_ids))]))
 
 
 def sample_rows(run: Run, batch: Batch, n: int) -> list[dict]:

@@ -1,7 +1,7 @@
 """Entry point: ``grpo-train recipe=NAME key=value ...`` or ``python -m grpo.train ...``.
 
-The command line is composed and its schema checked (grpo/cli.py, grpo/config.py) before the training loop
-(grpo/loop.py), and with it torch, is imported: a mistake there costs one line, not torch's start-up.
+The command line is composed and its schema checked (grpo/config/cli.py, grpo/config/schema.py) before the training loop
+(grpo/trainer/loop.py), and with it torch, is imported: a mistake there costs one line, not torch's start-up.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import sys
 from dataclasses import asdict
 
-from grpo.config import Config, load
+from grpo.config.schema import Config, load
 from grpo.errors import GRPOError
 
 
@@ -17,7 +17,7 @@ def _hydra_main():
     import hydra
     from omegaconf import DictConfig
 
-    from grpo.compose import CONFIG_DIR
+    from grpo.config.compose import CONFIG_DIR
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)
     def _run(raw: DictConfig) -> float | None:
@@ -25,9 +25,9 @@ def _hydra_main():
         from hydra.core.hydra_config import HydraConfig
         from omegaconf import OmegaConf
 
-        from grpo.cli import expand_paths
-        from grpo.compose import apply_precedence
-        from grpo.loop import train  # torch and the models: only for a config that composed and passed its checks
+        from grpo.config.cli import expand_paths
+        from grpo.config.compose import apply_precedence
+        from grpo.trainer.loop import train  # torch and the models: only for a config that passed its checks
 
         hc = HydraConfig.get()
         run_dir = hc.runtime.output_dir
@@ -36,14 +36,14 @@ def _hydra_main():
                                    lambda ov: hydra_compose(config_name="config", overrides=ov))
         except GRPOError as e:
             _fail(e, run_dir)
-        if not expand_paths(raw.trainer):  # a sweep's job: its own directory (grpo/cli.py `_sweep_dir`)
+        if not expand_paths(raw.trainer):  # a sweep's job: its own directory (grpo/config/cli.py `_sweep_dir`)
             raw.trainer.output_dir = run_dir
         cfg = _load_or_exit(OmegaConf.to_container(raw, resolve=True), run_dir)
         saved = os.path.join(hc.runtime.output_dir, hc.output_subdir or "", "config.yaml")
         if hc.output_subdir and os.path.isdir(os.path.dirname(saved)):  # the config that runs, not Hydra's merge
             OmegaConf.save(OmegaConf.create(asdict(cfg)), saved)
-        from grpo.logger import run_log
-        from grpo.signals import StopNow
+        from grpo.trainer.logger import run_log
+        from grpo.trainer.signals import StopNow
 
         with run_log(cfg.trainer.output_dir, enabled=int(os.environ.get("RANK") or 0) == 0):  # errors too
             try:
@@ -97,7 +97,7 @@ def _drop_empty_run_dir(run_dir: str | None) -> None:
 
 
 def main() -> None:
-    from grpo.cli import prepare_argv
+    from grpo.config.cli import prepare_argv
 
     try:
         sys.argv = prepare_argv(sys.argv)

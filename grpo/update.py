@@ -9,72 +9,27 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo.algorithm.aggregation import BatchCounts, token_weights
+from grpo.algorithm.loss import objective, pad
+from grpo.algorithm.rollout_is import MismatchMeter
 from grpo.batch import Batch
-from grpo.config import AlgorithmConfig, Config, EngineConfig
-from grpo.engine import plan_micro_batches, token_logprobs
-from grpo.engine.memory import budget_for
-from grpo.loss import BatchCounts, grpo_loss, pad, token_weights
-from grpo.rollout_is import MismatchMeter
+from grpo.config.schema import AlgorithmConfig, EngineConfig
+from grpo.engine import token_logprobs
+from grpo.engine.batch_logprobs import most_micro_batches, plan
 from grpo.runtime.base import Runtime
-from grpo.tools.spec import max_sampled_tokens
 
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    """What `policy_update` needs from the config (built once per run with `from_config`)."""
+    """What `policy_update` needs, derived once per run (`grpo.trainer.settings.derive`)."""
     algorithm: AlgorithmConfig
-    engine: EngineConfig
+    engine: EngineConfig       # its max_tokens_per_micro_batch an int in a built run (sized when it was built)
     temperature: float         # rollout.temperature: log-probs of softmax(logits / T), as sampled
     max_len: int               # dr_grpo's constant normaliser: the most tokens the policy samples per completion
     mask_truncated: bool       # truncated completions contribute no loss
     max_grad_norm: float       # clip to this norm (0 = no clipping)
     rollout_is: str = "token_truncate"  # algorithm.rollout_is: the correction for a sampler's own log-probs (vLLM)
     rollout_is_cap: float = 2.0         # algorithm.rollout_is_cap
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> UpdateSettings:
-        a = cfg.algorithm
-        return cls(a, cfg.engine, cfg.rollout.temperature, max_sampled_tokens(cfg.rollout), a.mask_truncated,
-                   cfg.trainer.max_grad_norm, a.rollout_is, a.rollout_is_cap)
-
-
-def nested_logprobs(runtime: Runtime, model, batch: Batch, ecfg: EngineConfig, temperature: float) -> list:
-    """Log-probs of every completion token under ``model`` (no grad), micro-batched like training."""
-    out = [[None] * len(g) for g in batch.completion_ids]
-    with torch.no_grad():
-        plan = _plan(batch, ecfg, model)
-        for _ in range(_most_micro_batches(runtime, len(plan)) - len(plan)):
-            _idle_forward(model, ecfg, temperature)
-        for mb in plan:
-            lps = token_logprobs(model, [batch.prompt_ids[g] for g, _ in mb],
-                                 [batch.completion_ids[g][s] for g, s in mb],
-                                 shared_prefix=ecfg.shared_prefix, temperature=temperature,
-                                 attention_kernel=ecfg.attention_kernel)
-            for (g, s), group_lps in zip(mb, lps):
-                for j, lp in zip(range(*s.indices(len(batch.completion_ids[g]))), group_lps):
-                    out[g][j] = lp.detach()
-    return out
-
-
-def _most_micro_batches(runtime: Runtime, n: int) -> int:
-    """The most micro-batches any process has (``n`` with one process). Under DeepSpeed ZeRO-2/3 every backward
-    (ZeRO-3: every forward too) talks to the other ranks, so a rank with fewer runs idle ones to match."""
-    return max(runtime.gather(n))
-
-
-def _idle_forward(model, ecfg: EngineConfig, temperature: float) -> None:
-    """A one-token forward through the same path as a real micro-batch, for a rank with fewer of them."""
-    token_logprobs(model, [[0]], [[[0]]], shared_prefix=ecfg.shared_prefix, temperature=temperature,
-                   attention_kernel=ecfg.attention_kernel)
-
-
-def _plan(batch: Batch, ecfg: EngineConfig, model=None):
-    """Micro-batches of at most engine.max_tokens_per_micro_batch tokens (resolved by grpo.budget.plan when the run
-    was built; ``auto`` outside a built run is sized for ``model`` here)."""
-    return plan_micro_batches([len(p) for p in batch.prompt_ids],
-                              [[len(c) for c in g] for g in batch.completion_ids],
-                              budget_for(model, ecfg.max_tokens_per_micro_batch, ecfg),
-                              shared_prefix=ecfg.shared_prefix)
 
 
 def loss_mask(batch: Batch, mask_truncated: bool) -> list[bool]:
@@ -107,22 +62,22 @@ def policy_update(runtime: Runtime, batch: Batch, settings: UpdateSettings) -> d
     if counts.num_seqs == 0:  # nothing to learn from on any rank (all filtered or masked): no forward, no step
         return dict(EMPTY)
     totals: dict[str, float] = {"loss": 0.0, "entropy": 0.0}
-    plan = _plan(batch, settings.engine, runtime.model)
-    n_micro = _most_micro_batches(runtime, len(plan))
-    # a sampler with its own log-probs (vLLM): each token re-weighted by pi_old / pi_sampler (grpo.rollout_is)
+    mbs = plan(batch, settings.engine, runtime.model)
+    n_micro = most_micro_batches(runtime, len(mbs))
+    # a sampler with its own log-probs (vLLM): each token re-weighted by pi_old / pi_sampler (grpo.algorithm.rollout_is)
     meter = MismatchMeter(settings.rollout_is, settings.rollout_is_cap) if batch.sampling_logps is not None else None
     runtime.expect_backwards(n_micro)  # DeepSpeed: the last backward closes the accumulation
-    for mb in plan + [None] * (n_micro - len(plan)):  # None: idle, another rank has more micro-batches
+    for mb in mbs + [None] * (n_micro - len(mbs)):  # None: idle, another rank has more micro-batches
         for k, v in _micro_batch(runtime, batch, mb, keep, counts, settings, meter).items():
             totals[k] = totals.get(k, 0.0) + v
     grad_norm, stepped = runtime.step(settings.max_grad_norm)
     totals = runtime.all_reduce({**totals, **(meter.sums if meter is not None else {})})
     tokens = max(totals.get("tokens", 0.0), 1.0)
+    mean = lambda *keys: sum(totals[k] for k in keys) / tokens if all(k in totals for k in keys) else None  # noqa
     out = {"loss": totals["loss"], "grad_norm": grad_norm, "skipped": not stepped, "empty_batch": False,
-           "entropy": totals["entropy"] / tokens, "clip_ratio_low": totals["clip_low"] / tokens,
-           "clip_ratio_high": totals["clip_high"] / tokens,
-           "clip_ratio": (totals["clip_low"] + totals["clip_high"]) / tokens,
-           "ratio_mean": totals["ratio"] / tokens}
+           "entropy": totals["entropy"] / tokens, "clip_ratio_low": mean("clip_low"),
+           "clip_ratio_high": mean("clip_high"), "clip_ratio": mean("clip_low", "clip_high"),
+           "ratio_mean": mean("ratio")}  # None: a policy loss that does not clip or report its ratio
     if "kl" in totals:
         out["kl"] = totals["kl"] / tokens
     if meter is not None:
@@ -155,11 +110,8 @@ def _micro_batch(runtime: Runtime, batch: Batch, mb, keep: list[bool], counts: B
     adv = batch.advantages[flat].to(lp.device) if mb else torch.zeros(1, device=lp.device)
     is_w = meter.weights(old if old is not None else lp, _gather(batch.sampling_logps, flat, lp), mask) \
         if meter is not None and mb else None
-    loss, stats = grpo_loss(lp, old, ref, adv, mask, token_weights(mask, acfg.loss_agg, counts),
-                            beta=0.0 if acfg.kl_in_reward else acfg.beta, epsilon=acfg.epsilon,
-                            epsilon_high=acfg.epsilon_high, delta=acfg.delta,
-                            kl_estimator=acfg.kl_estimator, importance_sampling=acfg.importance_sampling,
-                            rollout_weights=is_w)
+    loss, stats = objective(lp, old, ref, adv, mask, token_weights(mask, acfg.loss_agg, counts), acfg,
+                            rollout_weights=is_w, kl_coef=0.0 if acfg.kl_in_reward else acfg.beta)
     runtime.backward(loss)
     ent, _ = pad([t.detach() for group in ents for t in group])
     return {"loss": float(loss.detach()), "entropy": float((ent * mask).sum()),

@@ -2,9 +2,10 @@
 """Where the time of a multi-turn rollout with the hf backend goes, and the later turns' two paths (CPU seconds).
 
     python scripts/bench_multiturn.py                      # SmolLM2-135M, 4 multiplication prompts x G=8, 3 turns
-    python scripts/bench_multiturn.py --paths shared,whole,shared,whole --env grpo.tools.calculator:Calculator
+    python scripts/bench_multiturn.py --paths shared,whole,shared,whole \
+        --env grpo.rollout.episodes.calculator:Calculator
 
-Runs the trainer's turn loop (`grpo.tools.episodes`) on the hf backend with an environment (default
+Runs the trainer's turn loop (`grpo.rollout.episodes.turns`) on the hf backend with an environment (default
 ``tests.tool_fixtures:Echo``: every episode gets an observation back and runs all 3 turns). ``--paths``, alternated in
 one process: ``shared`` is the trainer's path (later turns pass each prompt with its live episodes as suffixes: the
 prompt prefilled once per turn, each episode only its own tokens); ``whole`` the former one (every live episode's
@@ -25,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def load(name: str):
-    from grpo.config import ModelConfig
+    from grpo.config.schema import ModelConfig
     from grpo.models import char_tokenizer, load_model, load_tokenizer, tiny_model
 
     if name == "tiny":
@@ -50,13 +51,13 @@ def main(argv=None) -> int:
 
     import torch
 
-    import grpo.rollout as rollout
-    from grpo.rollout_backends import HFBackend
-    from grpo.sampling import Completions, Sampling
+    import grpo.rollout.hf as rollout
+    from grpo.rollout.backends import HFBackend
+    from grpo.rollout.base import Completions, Sampling
+    from grpo.rollout.episodes.spec import build_toolset
+    from grpo.rollout.episodes.turns import EpisodeSettings, TurnLoop
+    from grpo.rollout.episodes.worker import ToolWorker
     from grpo.tasks.multiplication import multiplication
-    from grpo.tools.episodes import EpisodeSettings, TurnLoop
-    from grpo.tools.spec import build_toolset
-    from grpo.tools.worker import ToolWorker
 
     torch.set_num_threads(args.threads)
     model, tok = load(args.model)

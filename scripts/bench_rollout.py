@@ -63,7 +63,7 @@ def load(name: str, device: str, dtype: str):
         model = transformers.AutoModelForCausalLM.from_config(conf, dtype=torch.float32)
         tok = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
     else:
-        from grpo.config import ModelConfig
+        from grpo.config.schema import ModelConfig
         from grpo.models import load_model, load_tokenizer
 
         tok = load_tokenizer(name)
@@ -101,8 +101,8 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from grpo.rollout import generate
-    from grpo.rollout_backends import Sampling
+    from grpo.rollout.backends import Sampling
+    from grpo.rollout.hf import generate
 
     model, tok = load(args.model, args.device, args.dtype)
     prompts = prompts_for(tok, model.config.vocab_size, args.prompts, args.prompt_len)
@@ -131,8 +131,8 @@ def main(argv=None) -> int:
                                     batch_size=args.prompts, progress=False)[0]
         else:
             os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-            from grpo.rollout import _eos_ids
-            from grpo.vllm_rollout import VLLMBackend
+            from grpo.rollout.hf import _eos_ids
+            from grpo.rollout.vllm import VLLMBackend
 
             t0 = time.perf_counter()
             backend = VLLMBackend(model, eos_ids=_eos_ids(model, tok), kv_cache_gib=args.kv_cache_gib,

@@ -131,10 +131,10 @@ def worker_ours(spec: dict) -> dict:
     import torch
 
     from grpo import experience
-    from grpo.build import build_run
-    from grpo.config import load
+    from grpo.config.schema import load
     from grpo.data import PromptSampler
-    from grpo.update import UpdateSettings, policy_update
+    from grpo.trainer.build import build_run
+    from grpo.update import policy_update
 
     P, S, G, n = spec["P"], spec["S"], spec["G"], spec["prompts_per_step"]
     shared = spec["system"] in ("ours", "ours-vllm")
@@ -160,18 +160,22 @@ def worker_ours(spec: dict) -> dict:
     run.sampler = PromptSampler(len(run.splits.train), seed=0)
     import functools
 
-    import grpo.rollout
+    import grpo.rollout.hf
+    from grpo.rollout.backends import HFBackend
 
     # exactly S new tokens, as in the TRL run (generation_kwargs min_new_tokens)
-    experience.generate = functools.partial(grpo.rollout.generate, min_new_tokens=S)
     if backend == "vllm":
         _vllm_exact_length(S)
-    settings = dataclasses.replace(UpdateSettings.from_config(cfg), mask_truncated=False)
+    else:  # the run's hf backend, its decode loop told to sample exactly S tokens
+        exact = functools.partial(grpo.rollout.hf.generate, min_new_tokens=S)
+        run.rollout.backend = HFBackend(lambda: run.runtime.model, run.tokenizer, batch_size=n, share_prompt=shared,
+                                        context=run.runtime.generation_context, generate_fn=exact)
+    settings = dataclasses.replace(run.settings.update, mask_truncated=False)
     times, cpu, upd, lens, roll = [], [], [], [], []
     for step in range(spec["steps"] + 1):
         _sync(spec["device"])
         t0, c0 = time.perf_counter(), time.process_time()
-        batch = experience.collect(run, cfg)
+        batch = experience.collect(run)
         _sync(spec["device"])
         t1 = time.perf_counter()
         policy_update(run.runtime, batch, settings)
@@ -186,7 +190,7 @@ def worker_ours(spec: dict) -> dict:
         if lens[-1] != n * G * S:
             raise RuntimeError(f"completions are not all exactly S={S} tokens ({lens[-1]} != {n * G * S})")
     if spec.get("profile"):
-        _profile(lambda: policy_update(run.runtime, experience.collect(run, cfg),
+        _profile(lambda: policy_update(run.runtime, experience.collect(run),
                                        dataclasses.replace(settings, temperature=1.0, max_len=S, max_grad_norm=1.0)),
                  spec["profile"])
     return {"step_s": times[1:], "cpu_step_s": cpu[1:], "update_s": upd[1:], "rollout_s": roll[1:],
@@ -198,7 +202,7 @@ def _vllm_exact_length(S: int) -> None:
     """The vLLM backend's sampling parameters with min_tokens = S (as min_new_tokens for our decode loop)."""
     from vllm import SamplingParams
 
-    from grpo.vllm_rollout import VLLMBackend
+    from grpo.rollout.vllm import VLLMBackend
 
     original = VLLMBackend.sampling_params
 

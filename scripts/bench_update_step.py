@@ -39,7 +39,7 @@ def _setup(model_name: str, P: int, S: int, G: int):
 
     torch.manual_seed(0)
     if model_name == "smollm2":
-        from grpo.config import ModelConfig
+        from grpo.config.schema import ModelConfig
         from grpo.models import load_model
 
         model = load_model(ModelConfig(), 49152, seed=0)

@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _observe(record: dict):
-    """Wraps grpo.loop.save_final so that it notes what the live run is made of."""
-    import grpo.loop
+    """Wraps grpo.trainer.loop.save_final so that it notes what the live run is made of."""
+    import grpo.trainer.loop
 
-    original = grpo.loop.save_final
+    original = grpo.trainer.loop.save_final
 
     def save_final(run, cfg):
         rt = run.runtime
@@ -43,7 +43,7 @@ def _observe(record: dict):
             output_dir=cfg.trainer.output_dir, max_steps=cfg.trainer.max_steps)
         return original(run, cfg)
 
-    grpo.loop.save_final = save_final
+    grpo.trainer.loop.save_final = save_final
 
 
 def check(record: dict, expect_backend: str, expect_dtype: str) -> list[str]:

@@ -1,5 +1,5 @@
 """How long a run takes to come back after a rank dies: the `torchrun --max-restarts` scenario of
-tests/test_rank_failure.py, timed.
+tests/e2e/test_rank_failure.py, timed.
 
     PYTHONPATH=. python scripts/measure_restart.py [--zero 2|3] [--nproc 2] [--die-at 3] [--steps 3]
 

@@ -25,9 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from grpo.checkpoint import complete_checkpoints  # noqa: E402
-from grpo.compose import CONFIG_DIR, RECIPE_DIR  # noqa: E402
-from grpo.config import load  # noqa: E402
+from grpo.config.compose import CONFIG_DIR, RECIPE_DIR  # noqa: E402
+from grpo.config.schema import load  # noqa: E402
+from grpo.trainer.checkpoint import complete_checkpoints  # noqa: E402
 
 
 def compose(recipe: str, overrides: list[str]) -> dict:

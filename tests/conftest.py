@@ -16,12 +16,12 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # scheduled on its own. (pytest-xdist's xdist_group mark does not group under pytest 9.2, whose node ids it can no
 # longer rewrite, so the scheduler is given the grouping here.)
 TOGETHER = {
-    "recipes_dir": ("tests/test_composition.py::test_a_recipe_written_from_the_docs_snippets",
-                    "tests/test_config.py::test_recipes_compose_and_validate",
-                    "tests/test_config_reference.py::",
-                    "tests/test_docs_commands.py::"),
-    "report_sweep": ("tests/test_report.py::",),           # `sweep`: a two-run smoke sweep
-    "run_output_first_run": ("tests/test_run_output.py::",),  # `first_run`: a smoke run
+    "recipes_dir": ("tests/config/test_compose.py::test_a_recipe_written_from_the_docs_snippets",
+                    "tests/config/test_schema.py::test_recipes_compose_and_validate",
+                    "tests/e2e/test_config_reference.py::",
+                    "tests/e2e/test_docs_commands.py::"),
+    "report_sweep": ("tests/trainer/test_report.py::",),           # `sweep`: a two-run smoke sweep
+    "run_output_first_run": ("tests/e2e/test_run_output.py::",),  # `first_run`: a smoke run
 }
 
 
@@ -54,7 +54,7 @@ def cfg_factory(tmp_path):
     """A validated smoke Config with overrides given as a nested dict."""
     from omegaconf import OmegaConf
 
-    from grpo.config import load
+    from grpo.config.schema import load
     from tests.helpers import smoke_raw
 
     def make(overrides: dict | None = None):

@@ -3,9 +3,19 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from grpo.compose import compose
+from grpo.config.compose import compose
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (scripts/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def compose_recipe(recipe: str, overrides: list[str] | None = None):

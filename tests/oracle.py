@@ -1,6 +1,6 @@
 """An independent GRPO loss, written from the formulas in docs/algorithms.md, for checking `policy_update`.
 
-Nothing here calls grpo.loss, grpo.engine or grpo.update: every completion goes through a plain
+Nothing here calls grpo.algorithm.loss, grpo.engine or grpo.update: every completion goes through a plain
 Hugging Face forward of its own ``prompt + completion`` row (``model(input_ids).logits``), then
 ``log_softmax(logits / T)`` and a gather; the ratio, clip, KL estimators and the four aggregations are
 spelled out per completion in Python loops.

@@ -1,5 +1,6 @@
 """The codebase's shape (docs/architecture.md, "Rules the tests hold the code to"): no import circle, modules
-that import alone, small files and functions, and the runtime as the only door to torch.distributed."""
+that import alone, the stages in order (no stage imports a later one), the root config only in config/ and
+trainer/, small files and functions, and the runtime as the only door to torch.distributed."""
 import ast
 import subprocess
 import sys
@@ -56,6 +57,62 @@ def test_no_import_circle():
     assert not circles, "import circles:\n" + "\n".join(circles)
 
 
+# The stages in the order a step flows through them (docs/architecture.md): a module may import modules of its own
+# stage and of earlier ones, never of a later one. A module belongs to the longest prefix listed.
+STAGES = [
+    ("shared", ["grpo.errors", "grpo.batch", "grpo.config", "grpo.models", "grpo.data", "grpo.tasks",
+                "grpo.worker_process"]),
+    ("engine, runtime, algorithm", ["grpo.engine", "grpo.runtime", "grpo.algorithm"]),
+    ("rollout, rewards", ["grpo.rollout", "grpo.rewards"]),
+    ("experience, update", ["grpo.experience", "grpo.update"]),
+    ("trainer", ["grpo.trainer", "grpo.config.cli", "grpo.train"]),
+]
+
+
+def stage_of(module: str) -> int | None:
+    """The index in STAGES of ``module`` (None: the ``grpo`` package itself, which only re-exports the engine)."""
+    best, rank = "", None
+    for i, (_, prefixes) in enumerate(STAGES):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > len(best):
+                best, rank = p, i
+    return rank
+
+
+def test_every_module_has_a_stage():
+    assert [m for m in _modules() if m != "grpo" and stage_of(m) is None] == []
+
+
+def test_no_stage_imports_a_later_one():
+    modules = _modules()
+    backwards = []
+    for name, tree in modules.items():
+        mine = stage_of(name)
+        for dep in _imports(name, tree, set(modules)):
+            theirs = stage_of(dep)
+            if mine is not None and theirs is not None and theirs > mine:
+                backwards.append(f"{name} ({STAGES[mine][0]}) imports {dep} ({STAGES[theirs][0]})")
+    assert not backwards, "imports against the stage order:\n" + "\n".join(sorted(backwards))
+
+
+def test_the_root_config_stops_at_the_trainer():
+    """Below the trainer code takes settings or its own config section: no module outside config/, trainer/ and
+    the entry point imports the root `Config` or annotates a parameter with it."""
+    offenders = []
+    for name, tree in _modules().items():
+        if stage_of(name) == len(STAGES) - 1 or name.startswith("grpo.config"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "grpo.config.schema" and \
+                    any(a.name == "Config" for a in node.names):
+                offenders.append(f"{name}:{node.lineno} imports the root Config")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for a in node.args.args + node.args.kwonlyargs:
+                    if a.annotation is not None and ast.unparse(a.annotation).strip("'\"") == "Config":
+                        offenders.append(f"{name}:{node.lineno} {node.name}({a.arg}: Config)")
+    assert not offenders, "\n".join(offenders)
+
+
 def test_every_module_imports_alone():
     """Each module imported first, in a fresh interpreter state for grpo (torch and friends stay loaded)."""
     names = [n for n in _modules() if n != "grpo.__main__"]
@@ -107,3 +164,12 @@ def test_the_runtime_is_the_only_door_to_torch_distributed():
                     "runtime" in ast.unparse(node.args[0]):
                 offenders.append(f"{rel}:{node.lineno} {ast.unparse(node)}: declare it on the runtime interface")
     assert not offenders, "\n".join(offenders)
+
+
+def test_most_modules_have_a_test_at_the_mirrored_path():
+    """``grpo/<package>/<module>.py`` -> ``tests/<package>/test_<module>.py`` (docs/architecture.md, "Tests")."""
+    modules = [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "__init__.py"]
+    missing = [str(p.relative_to(PACKAGE)) for p in modules
+               if not (ROOT / "tests" / p.relative_to(PACKAGE).parent / f"test_{p.stem}.py").exists()]
+    covered = 1 - len(missing) / len(modules)
+    assert covered >= 0.8, f"{covered:.0%} of modules have a mirrored test file; without one: {', '.join(missing)}"

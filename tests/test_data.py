@@ -3,7 +3,7 @@ import json
 import pandas as pd
 import pytest
 
-from grpo.config import DataConfig
+from grpo.config.schema import DataConfig
 from grpo.data import DataError, PromptSampler, build, format_prompt, load_rows
 from grpo.models import char_tokenizer
 

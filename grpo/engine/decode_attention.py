@@ -1,6 +1,6 @@
 """The attention function ``grpo_prefix_decode``: G sampled rows decode against one shared copy of their prompt's K/V.
 
-Registered and switched on (grpo/engine/patch.py) around the rollout's decode loop (grpo/rollout.py): cascade
+Registered and switched on (grpo/engine/patch.py) around the rollout's decode loop (grpo/rollout/hf.py): cascade
 attention. Each row attends to its prompt's K/V, held once per prompt, and to its own tokens (the
 last prompt token and what it generated), held in the ordinary per-row cache, with one joint softmax: the same
 keys and the same softmax as decoding from G copies of the prompt, with the layer's sliding window, attention

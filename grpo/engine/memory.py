@@ -4,8 +4,8 @@
 and the memory that is free (CPU: the machine's available memory, or the cgroup's limit if lower; GPU: the
 device's free memory), with a safety margin. An explicit number wins. Either way the run refuses at start, in
 one line, when the longest prompt plus ``rollout.max_new_tokens`` cannot be trained on at all, instead of dying
-mid-step (grpo/budget.py resolves the budget for a run at start). The estimate (docs/recipes.md#memory) is
-checked against measured saved activations in tests/test_memory.py.
+mid-step (grpo/trainer/budget.py resolves the budget for a run at start). The estimate (docs/recipes.md#memory) is
+checked against measured saved activations in tests/engine/test_memory.py.
 """
 from __future__ import annotations
 

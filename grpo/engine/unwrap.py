@@ -1,6 +1,6 @@
 """The one way to find the model inside its wrappers (DDP, DataParallel, a DeepSpeed engine, a peft model).
 
-Used by the engine (log-probs, the attention switch, memory sizing) and by the rollout (grpo/rollout.py).
+Used by the engine (log-probs, the attention switch, memory sizing) and by the rollout (grpo/rollout/hf.py).
 """
 
 from __future__ import annotations

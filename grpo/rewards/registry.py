@@ -11,12 +11,10 @@ sample" and is excluded from that function's statistics and from the weighted su
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
-import os
-import sys
 from typing import Callable
 
+from grpo.config.objects import import_attr
 from grpo.errors import RewardSpecError
 from grpo.rewards.adapters import as_text, from_verl
 
@@ -78,13 +76,10 @@ def resolve(spec: str) -> RewardFn:
             f"unknown reward {spec!r}; built-ins are {', '.join(available())}, "
             "or give an importable 'package.module:function'"
         )
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())  # like `python -m`: modules beside where the user runs the trainer
     try:
-        module = importlib.import_module(module_name)
+        fn = import_attr(module_name, attr)
     except Exception as e:  # ImportError, or the module itself failing on import
         raise RewardSpecError(f"cannot import module {module_name!r} for reward {spec!r}: {e}") from None
-    fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
         raise RewardSpecError(f"module {module_name!r} has no function {attr!r} (reward {spec!r})")
     return adapt(fn, spec)

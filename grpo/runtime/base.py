@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,11 +22,20 @@ import torch
 from grpo.errors import SetupError
 
 
-def check_world_size(cfg, world_size: int) -> None:
+@dataclass(frozen=True)
+class RunShape:
+    """What a multi-process runtime needs of the run beyond its own section (`DistributedConfig`)."""
+    prompts_per_step: int      # rollout.prompts_per_step, over every rank
+    group_size: int            # algorithm.group_size
+    max_grad_norm: float       # trainer.max_grad_norm (DeepSpeed clips)
+    dtype: str                 # model.dtype (bfloat16: DeepSpeed's bf16 mode)
+
+
+def check_world_size(prompts_per_step: int, world_size: int) -> None:
     """Settings that need a particular number of processes. A multi-process runtime calls it before its first
     collective, so that every rank raises the same one-line SetupError and none is left waiting."""
-    if cfg.rollout.prompts_per_step % world_size:
-        raise SetupError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
+    if prompts_per_step % world_size:
+        raise SetupError(f"rollout.prompts_per_step={prompts_per_step} must be divisible by the "
                          f"number of processes ({world_size}) so that every group stays on one rank")
 
 
@@ -78,7 +88,7 @@ class Runtime:
 
     @contextlib.contextmanager
     def generation_context(self):
-        """Around a rollout: prepares the model and yields options for `grpo.rollout.generate` (``synced_gpus``:
+        """Around a rollout: prepares the model and yields options for `grpo.rollout.hf.generate` (``synced_gpus``:
         a callable ``any_rank``, when every rank must run every decoding step until all are done)."""
         yield {}
 

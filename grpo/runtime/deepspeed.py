@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from grpo.errors import GRPOError, PeerLostError, SetupError
-from grpo.runtime.base import Runtime
+from grpo.runtime.base import RunShape, Runtime
 from grpo.runtime.deepspeed_config import TAG, WORLD_FILE, check, ds_config, launcher_env, uses_bf16
 
 # what gloo / NCCL say when a collective timed out or a peer went away
@@ -51,11 +51,13 @@ PEER_LOST = ("timed out waiting", "connection closed by peer", "connection reset
 class DeepSpeedRuntime(Runtime):
     process_group = True  # deepspeed.init_distributed's, kept until the process exits
 
-    def __init__(self, cfg):
-        self.cfg = cfg
+    def __init__(self, d, shape: RunShape, device: str = "auto"):
+        """``d``: the run's `DistributedConfig`; ``shape``: what else of the run DeepSpeed's config needs;
+        ``device``: trainer.device (cpu: gloo on CPU even where CUDA is available)."""
+        self.d, self.shape = d, shape
         self.rank, self.world_size, self.local_rank = launcher_env()
-        check(cfg, self.world_size)
-        use_cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
+        check(d, shape, self.world_size)
+        use_cuda = device != "cpu" and torch.cuda.is_available()
         if not use_cuda:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         logging.getLogger("compilers").setLevel(logging.WARNING)  # DeepSpeed's op checks compile test programs
@@ -76,10 +78,10 @@ class DeepSpeedRuntime(Runtime):
         else:
             self.device = torch.device("cpu")
         self.backend = "nccl" if use_cuda else "gloo"
-        self.stage = cfg.distributed.zero_stage
-        self.bf16 = uses_bf16(cfg)
+        self.stage = d.zero_stage
+        self.bf16 = uses_bf16(d, shape)
         # every collective (ours and DeepSpeed's) waits at most distributed.timeout_s for the other ranks
-        self.timeout = datetime.timedelta(seconds=float(cfg.distributed.timeout_s))
+        self.timeout = datetime.timedelta(seconds=float(d.timeout_s))
         if not torch.distributed.is_initialized():
             kwargs = {"device_id": self.device} if use_cuda else {}
             torch.distributed.init_process_group(self.backend, store=_attempt_store(self.rank, self.world_size,
@@ -97,18 +99,15 @@ class DeepSpeedRuntime(Runtime):
 
     # ---------------------------------------------------------------------------- building
     def setup(self, model, optimizer, scheduler):
-        cfg = self.cfg
-        if cfg.distributed.offload_optimizer:
+        if self.d.offload_optimizer:
             optimizer, scheduler = self._cpu_adam(optimizer, scheduler)
-        config = ds_config(cfg, self.world_size)
+        config = ds_config(self.d, self.shape, self.world_size)
         if self.node_local:
             config["checkpoint"] = {**config.get("checkpoint", {}), "use_node_local_storage": True}
-        if cfg.distributed.offload_optimizer and type(optimizer).__name__ != "DeepSpeedCPUAdam":
+        if self.d.offload_optimizer and type(optimizer).__name__ != "DeepSpeedCPUAdam":
             config["zero_force_ds_cpu_optimizer"] = False
         self.engine, _, _, _ = self._ds.initialize(model=model, optimizer=optimizer, config=config,
                                                    dist_init_required=False)
-        # rollout.generate and evaluate find this hook on the model they are given
-        self.engine.grpo_generation_context = self.generation_context
         self.model, self.optimizer, self.scheduler = self.engine, optimizer, scheduler
         return self.model
 
@@ -133,8 +132,8 @@ class DeepSpeedRuntime(Runtime):
         if self.stage < 3:
             reference = reference.to(self.device)
             return reference.to(torch.bfloat16) if self.bf16 else reference
-        engine, _, _, _ = self._ds.initialize(model=reference, config=ds_config(self.cfg, self.world_size, train=False),
-                                              dist_init_required=False)
+        config = ds_config(self.d, self.shape, self.world_size, train=False)
+        engine, _, _, _ = self._ds.initialize(model=reference, config=config, dist_init_required=False)
         engine.eval()
         self.reference_engine = engine
         return engine
@@ -237,7 +236,7 @@ class DeepSpeedRuntime(Runtime):
         if offload is None:
             yield {}
             return
-        if not self.cfg.distributed.gather_for_generation:
+        if not self.d.gather_for_generation:
             yield {"synced_gpus": self.any_rank}
             return
         params = list(self.engine.module.parameters())

@@ -8,7 +8,7 @@ import os
 import torch
 
 from grpo.errors import SetupError
-from grpo.runtime.base import check_world_size
+from grpo.runtime.base import RunShape, check_world_size
 
 LAUNCH_HINT = ("torchrun --nproc_per_node N -m grpo.train ... or deepspeed --num_gpus N --module grpo.train ... "
                "(see docs/distributed.md)")
@@ -38,11 +38,11 @@ def launcher_env() -> tuple[int, int, int]:
     return rank, world, local
 
 
-def check(cfg, world_size: int) -> None:
-    """Settings that cannot work with ``world_size`` processes; identical on every rank, so every rank
-    raises the same one-line SetupError before any collective call (no rank is left waiting)."""
-    d = cfg.distributed
-    check_world_size(cfg, world_size)
+def check(d, shape: RunShape, world_size: int) -> None:
+    """Settings that cannot work with ``world_size`` processes (``d``: the run's `DistributedConfig`); identical on
+    every rank, so every rank raises the same one-line SetupError before any collective call (none is left
+    waiting)."""
+    check_world_size(shape.prompts_per_step, world_size)
     for key in _flat_keys(d.ds_config):
         if key in OWNED_KEYS or any(key.startswith(k + ".") for k in OWNED_KEYS):
             raise SetupError(f"distributed.ds_config.{key} is derived from the recipe and cannot be overridden "
@@ -66,11 +66,11 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def ds_config(cfg, world_size: int, *, train: bool = True) -> dict:
-    """The DeepSpeed config for ``cfg``. The batch-size fields only feed DeepSpeed's counters: the loop
-    decides the micro-batches (engine.max_tokens_per_micro_batch) and marks the step boundary itself."""
-    d = cfg.distributed
-    per_rank = cfg.rollout.prompts_per_step // world_size * cfg.algorithm.group_size
+def ds_config(d, shape: RunShape, world_size: int, *, train: bool = True) -> dict:
+    """The DeepSpeed config for the run's `DistributedConfig` ``d``. The batch-size fields only feed DeepSpeed's
+    counters: the loop decides the micro-batches (engine.max_tokens_per_micro_batch) and marks the step boundary
+    itself."""
+    per_rank = shape.prompts_per_step // world_size * shape.group_size
     zero: dict = {"stage": d.zero_stage if train else (3 if d.zero_stage == 3 else 0)}
     if train and d.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
@@ -83,15 +83,15 @@ def ds_config(cfg, world_size: int, *, train: bool = True) -> dict:
         "gradient_accumulation_steps": 1,
         "train_batch_size": max(per_rank, 1) * world_size,
         "zero_optimization": zero,
-        "bf16": {"enabled": uses_bf16(cfg)},
+        "bf16": {"enabled": uses_bf16(d, shape)},
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
     if train:
-        out["gradient_clipping"] = float(cfg.trainer.max_grad_norm)
+        out["gradient_clipping"] = float(shape.max_grad_norm)
         out["zero_allow_untested_optimizer"] = True   # the loop's own torch AdamW
     return _merge(out, d.ds_config)
 
 
-def uses_bf16(cfg) -> bool:
-    return bool(cfg.distributed.bf16 or cfg.model.dtype == "bfloat16")
+def uses_bf16(d, shape: RunShape) -> bool:
+    return bool(d.bf16 or shape.dtype == "bfloat16")

@@ -1,5 +1,5 @@
 """Multi-digit multiplication, ``Compute 347 * 589.``: hard to do in the head for a small model, one call for a
-calculator (the calculator-tools recipe: `grpo.tools.calculator`)."""
+calculator (the calculator-tools recipe: `grpo.rollout.episodes.calculator`)."""
 from __future__ import annotations
 
 import random
@@ -10,7 +10,8 @@ CALCULATOR_PROMPT = ("Compute {a} * {b}. You have a calculator: write <calc>expr
                      "<calc>12 * 34</calc>, and its result is sent back to you. "
                      "Then give the final answer as a number.")
 
-# rollout.tools=[grpo.tools.calculator:calculate] (recipes/calculator-tools.yaml): the call is shown with the problem's
+# rollout.tools=[grpo.rollout.episodes.calculator:calculate] (recipes/calculator-tools.yaml): the call is shown
+# with the problem's
 # own expression, so what is learnt is to call rather than guess, and to answer with the result
 TOOL_PROMPT = ('Compute {a} * {b}. Call the calculator: <tool_call>{{"name": "calculate", "arguments": '
                '{{"expression": "{a} * {b}"}}}}</tool_call> Then give its result as the final answer.')

@@ -1,0 +1,296 @@
+"""The vLLM rollout backend: an engine in this process, colocated with training (TRL's colocate mode).
+
+- Created once per process from the policy's config only (``load_format="dummy"``, no tokenizer: prompts go in
+  as token ids), then the policy's weights are copied in from memory; no checkpoint goes to disk.
+- ``sync_weights(model)`` before every rollout after an optimizer step: the trainer's parameters, under their
+  Hugging Face names, through the model runner's in-place ``reload_weights`` (vLLM maps q/k/v and gate/up onto
+  its fused layers and re-packs the CPU kernels' weights). A name vLLM does not know is an error (ValueError
+  from vLLM); a vLLM parameter that received nothing is an error too (`WeightSyncError`). LoRA: the merged
+  weights W + scale * B A are computed per layer and sent; the trainer's own weights are never merged in place.
+- ``generate``: ``n = G`` samples per prompt with prefix caching (the prompt's KV blocks prefilled once), the
+  temperature / top-p / top-k of the rollout config, EOS as stop tokens, a per-call seed, and vLLM's own
+  log-prob of every sampled token (``logprobs_mode="processed_logprobs"``: after the temperature, as the
+  trainer's log-probs).
+
+vLLM must run in-process for the weight copy: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set here before the engine
+starts. On CPU the KV cache size is ``VLLM_CPU_KVCACHE_SPACE`` GiB (``rollout.vllm.kv_cache_gib``).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import shutil
+import tempfile
+
+import torch
+
+from grpo.engine.unwrap import unwrap_model
+from grpo.errors import SetupError
+from grpo.rollout.base import Completions, Sampling
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # the model_types tested against our decode loop
+
+
+class WeightSyncError(RuntimeError):
+    """The trainer's weights could not be copied into the vLLM engine exactly."""
+
+
+class VLLMBackend:
+    name = "vllm"
+
+    def __init__(self, model, *, eos_ids: list[int], max_model_len: int, seed: int = 0, device: str = "cpu",
+                 gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 1.0, enforce_eager: bool = True,
+                 enable_prefix_caching: bool = True, sleep: bool = False, full_weights=None,
+                 process_group: tuple[int, int] | None = None):
+        """``full_weights(params)``: the runtime's context manager in which ``params`` hold their full values
+        (`grpo.runtime.base.Runtime.full_weights`; ZeRO-3 gathers them). ``process_group``: (rank, local_rank) when
+        this process is one of several training processes (DeepSpeed): vLLM then joins the runtime's process group
+        as an external launcher (one engine per rank, tensor-parallel 1, each sampling its own prompts) and
+        leaves that group alone when it closes."""
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model must live in this process for the sync
+        if device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
+        self.full_weights = full_weights or _as_they_are
+        self.shares_process_group = process_group is not None
+        from vllm import LLM
+
+        base = unwrap_model(model)
+        family = getattr(base.config, "model_type", None)
+        if family not in FAMILIES:
+            raise ValueError(f"rollout.backend=vllm supports the model families {', '.join(FAMILIES)} "
+                             f"(this model is {family!r}); use rollout.backend=hf")
+        self.eos_ids = list(eos_ids)
+        self.sleep_enabled = bool(sleep) and device == "cuda"
+        self._dir = tempfile.mkdtemp(prefix="grpo-vllm-")
+        config = copy.deepcopy(base.config)  # config only: the weights are copied from memory below
+        # the class vLLM must build; a model made from a config (not a checkpoint) has none recorded, and vLLM
+        # would then guess (a tiny qwen3 became a pooling model)
+        config.architectures = [type(base).__name__]
+        config.save_pretrained(self._dir)
+        dtype = str(next(base.parameters()).dtype).replace("torch.", "")
+        kwargs = dict(model=self._dir, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
+                      max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
+                      enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs",
+                      generation_config="vllm", tensor_parallel_size=1)
+        if device == "cuda":
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
+        if process_group is not None:  # vLLM reads the rank and the device index (LOCAL_RANK) from the environment
+            os.environ["RANK"], os.environ["LOCAL_RANK"] = (str(r) for r in process_group)
+            kwargs.update(distributed_executor_backend="external_launcher")
+        with _keep_global_rng():  # vLLM seeds python/numpy/torch at start; the trainer's checkpointed streams stay
+            self.llm = LLM(**kwargs)
+        self.asleep = False
+        self.sync_weights(model)
+
+    @classmethod
+    def for_runtime(cls, runtime, tokenizer, v, max_model_len: int, seed: int) -> "VLLMBackend":
+        """One engine for this run's ``runtime``. ``v``: the run's `VLLMConfig` section (rollout.vllm);
+        ``max_model_len``: the longest prompt of the data + rollout.max_new_tokens unless rollout.vllm says."""
+        from grpo.rollout.hf import _eos_ids
+
+        rt = runtime
+        device = torch.device(rt.device).type
+        try:
+            return cls(rt.model, eos_ids=_eos_ids(unwrap_model(rt.model), tokenizer), max_model_len=max_model_len,
+                       seed=seed, device=device, gpu_memory_utilization=v.gpu_memory_utilization,
+                       kv_cache_gib=v.kv_cache_gib, enforce_eager=v.enforce_eager,
+                       enable_prefix_caching=v.enable_prefix_caching, sleep=v.sleep, full_weights=rt.full_weights,
+                       process_group=(rt.rank, rt.local_rank) if rt.process_group else None)
+        except ValueError as e:
+            raise SetupError(str(e).splitlines()[0]) from None
+
+    # ------------------------------------------------------------------------------------ weights
+    def _runner(self):
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+    @torch.no_grad()
+    def sync_weights(self, model) -> None:
+        """Copy the trainer's current weights into the engine (in memory), then drop the prefix cache."""
+        self.wake()
+        seen: list[str] = []
+
+        def items():
+            for name, t in hf_weights(model, self.full_weights):
+                seen.append(name)
+                yield name, t
+
+        weights = items()
+        try:
+            with _CaptureNotLoaded() as missing:
+                self._runner().reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        finally:  # a sync vLLM stopped (a name it refused) releases a gathered weight now, not when collected
+            weights.close()
+        if missing.messages:
+            raise WeightSyncError("vLLM parameters that the trainer's weights did not fill: "
+                                  + missing.messages[0][:300])
+        if not seen:
+            raise WeightSyncError("the trainer's model has no weights to copy into vLLM")
+        self.llm.reset_prefix_cache()  # cached prompt K/V belong to the old weights
+
+    # ------------------------------------------------------------------------------------ sampling
+    def sampling_params(self, sampling: Sampling, group_size: int, seed: int | None):
+        from vllm import SamplingParams
+
+        greedy = sampling.greedy
+        if not greedy and sampling.temperature > 2.0:
+            raise ValueError(f"rollout.temperature={sampling.temperature}: vLLM accepts temperatures in [0, 2]; "
+                             "use rollout.backend=hf for a higher one")
+        return SamplingParams(n=1 if greedy else group_size, temperature=0.0 if greedy else sampling.temperature,
+                              top_p=1.0 if greedy else sampling.top_p,
+                              top_k=-1 if greedy or sampling.top_k <= 0 else sampling.top_k,
+                              max_tokens=sampling.max_new_tokens, stop_token_ids=self.eos_ids, ignore_eos=False,
+                              logprobs=0, seed=seed, detokenize=False, skip_special_tokens=False)
+
+    def generate(self, prompt_ids, group_size, sampling: Sampling, seed=None, suffixes=None) -> Completions:
+        from vllm.inputs import TokensPrompt
+
+        from grpo.rollout.hf import _cut_at_eos, flatten, regroup
+
+        if suffixes is not None:  # each prompt + suffix is a one-sample request; prefix caching shares the prompt
+            out = self.generate(flatten(prompt_ids, suffixes), 1, sampling, seed)
+            flat = [[g[0] for g in x] for x in (out.ids, out.truncated, out.logprobs)]
+            return Completions(*(regroup(x, suffixes) for x in flat))
+        self.wake()
+        # one SamplingParams per prompt: vLLM seeds a prompt's G samples seed, seed + 1, ..., so one seed for the
+        # whole call would give every prompt's j-th sample the same random stream
+        params = [self.sampling_params(sampling, group_size, None if seed is None else seed + i * group_size)
+                  for i in range(len(prompt_ids))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
+                                 use_tqdm=False)
+        ids, truncated, logps = [], [], []
+        for out in outs:
+            gi, gt, gl = [], [], []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                toks, cut = _cut_at_eos(list(c.token_ids), self.eos_ids, sampling.max_new_tokens)
+                lp = [next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob
+                      for d, t in zip(c.logprobs or [], toks)]
+                gi.append(toks)
+                gt.append(cut)
+                gl.append(torch.tensor(lp, dtype=torch.float32))
+            ids.append(gi)
+            truncated.append(gt)
+            logps.append(gl)
+        return Completions(ids, truncated, logps)
+
+    # ------------------------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        """CUDA with rollout.vllm.sleep: free the KV cache and offload the weights while the policy updates."""
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        self.llm = None
+        if llm is not None:
+            try:
+                _shutdown(llm, keep_process_group=self.shares_process_group)
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+            del llm
+        shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)
+
+
+def _shutdown(llm, keep_process_group: bool) -> None:
+    """Stop the in-process engine. Its own shutdown (also run when the engine is garbage-collected) destroys
+    torch's default process group; with a training runtime's group that would end the run's collectives, so then
+    the engine's finaliser is detached and only the engine and vLLM's own groups are torn down."""
+    client = llm.llm_engine.engine_core  # vLLM's in-process client (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    if not keep_process_group:
+        client.shutdown()
+        return
+    client._finalizer.detach()
+    core = client.engine_core
+    core.model_executor.shutdown()
+    core.scheduler.shutdown()
+    from vllm.distributed import destroy_model_parallel
+
+    destroy_model_parallel()  # vLLM's tensor/pipeline groups; its world group stays for a later engine
+
+
+@contextlib.contextmanager
+def _keep_global_rng():
+    import random
+
+    import numpy as np
+
+    state = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.set_rng_state(state[2])
+        if state[3] is not None:
+            torch.cuda.set_rng_state_all(state[3])
+
+
+@contextlib.contextmanager
+def _as_they_are(params):
+    yield False
+
+
+def hf_weights(model, full_weights=_as_they_are):
+    """(name, tensor) of every weight of the policy under the plain Hugging Face checkpoint names, one at a time.
+
+    ``full_weights(params)`` (`grpo.runtime.base.Runtime.full_weights`): the parameters of one weight (a LoRA layer:
+    its base weight and adapters) are made whole for the time it is read (ZeRO-3 gathers them, then gives them
+    back: a copy is yielded, never the whole model at once). PEFT LoRA: each adapted layer's merged weight
+    W + scale * B A (computed, the trainer's W left untouched); the adapter's own tensors are not sent."""
+    model = unwrap_model(model, peft=False)  # under DeepSpeed's engine; PEFT's wrapper kept
+    peft = hasattr(model, "get_base_model")
+    base = model.get_base_model() if peft else model
+    lora = {f"{name}.weight": m for name, m in base.named_modules()
+            if peft and hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
+    for name, t in base.state_dict(keep_vars=True).items():
+        if ".lora_" in name or "lora_embedding" in name:
+            continue
+        plain = name.replace(".base_layer.", ".")
+        layer = lora.get(plain)
+        params = list(layer.parameters()) if layer is not None else \
+            [t] if isinstance(t, torch.nn.Parameter) else []
+        # no grad-mode context across the yield: a generator left suspended would restore it whenever collected
+        with full_weights(params) as temporary:
+            w = _merged(layer) if layer is not None else t.detach()
+            yield plain, w.clone() if temporary and layer is None else w
+
+
+def _merged(layer) -> torch.Tensor:
+    """A PEFT LoRA layer's effective weight: its base weight plus each active adapter's scaled B A (a new tensor)."""
+    active = [a for a in getattr(layer, "active_adapters", []) if a in getattr(layer, "lora_A", {})]
+    with torch.no_grad():
+        w = layer.base_layer.weight.detach()
+        for a in active:
+            w = w + layer.get_delta_weight(a).detach().to(w.dtype)
+        return w if active else w.clone()
+
+
+class _CaptureNotLoaded(logging.Handler):
+    """Collects vLLM's "weights were not loaded" warning during a reload (vLLM only logs it)."""
+
+    LOGGER = "vllm.model_executor.model_loader.reload.inplace"
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if "not loaded" in msg:
+            self.messages.append(msg)
+
+    def __enter__(self):
+        logging.getLogger(self.LOGGER).addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger(self.LOGGER).removeHandler(self)
+        return False

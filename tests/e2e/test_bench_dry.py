@@ -1,0 +1,208 @@
+"""scripts/bench_trl.py (make bench) without TRL: the plan, and one quick run of this framework's whole step;
+scripts/bench_gpu.sh's plans (dry runs)."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+SCRIPT = ROOT / "scripts" / "bench_trl.py"
+PLAN_LINE = re.compile(r"^  (\S+)\s+P=(\d+)\s+S=(\d+)\s+G=(\d+)\s+repeat (\d+)\s+(\S+)$")
+
+
+def _plan(stdout: str) -> tuple[str, list[tuple]]:
+    """(header line, [(model, P, S, G, repeat, system)]) of a bench_trl.py --dry-run."""
+    header = next(ln for ln in stdout.splitlines() if ln.startswith("# plan:"))
+    rows = [PLAN_LINE.match(ln) for ln in stdout.splitlines() if ln.startswith("  ")]
+    assert all(rows), stdout
+    return header, [(m[1], int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6]) for m in rows]
+
+
+def test_bench_dry_run_plans_interleaved_runs():
+    p = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--repeats", "2"], capture_output=True, text=True,
+                       check=True)
+    header, rows = _plan(p.stdout)
+    assert header.startswith("# plan: 24 worker runs, 3 measured steps each (+1 warm-up), 2 prompts/step, device cpu")
+    assert len(rows) == 2 * 2 * 2 * 3  # models x shapes x repeats x systems
+    assert [r[-1] for r in rows[:6]] == ["ours", "ours-noshare", "trl"] * 2  # interleaved A B C A B C
+    assert [r[4] for r in rows[:6]] == [0, 0, 0, 1, 1, 1]
+    assert {r[1:4] for r in rows} == {(64, 64, 8), (1024, 32, 8)} and {r[0] for r in rows} == {"tiny", "smollm2"}
+
+
+def _gpu_dry(*args, **env):
+    return subprocess.run(["bash", str(ROOT / "scripts" / "bench_gpu.sh"), "--dry-run", *args], capture_output=True,
+                          text=True, check=True, env={"PATH": "/usr/bin:/bin", "BENCH_PY": sys.executable, **env})
+
+
+def test_bench_gpu_script_dry_run():
+    header, rows = _plan(_gpu_dry().stdout)
+    assert header.startswith("# plan: 12 worker runs, 2 measured steps each (+1 warm-up), 8 prompts/step, "
+                             "device cuda, bfloat16")
+    assert {r[0] for r in rows} == {"smollm2", "qwen05"} and {r[1:4] for r in rows} == {(64, 64, 8), (1024, 32, 8)}
+    assert [r[-1] for r in rows] == ["ours", "ours-noshare", "trl"] * 4 and {r[4] for r in rows} == {0}
+    # the environment knobs reach the plan
+    header, rows = _plan(_gpu_dry(STEPS="3", PROMPTS="4", MODELS="smollm2-shape").stdout)
+    assert header.startswith("# plan: 6 worker runs, 3 measured steps each (+1 warm-up), 4 prompts/step")
+    assert {r[0] for r in rows} == {"smollm2-shape"}
+
+
+def test_bench_gpu_prefix_dry_run_runs_valid_bench_prefix_commands():
+    lines = _gpu_dry("prefix", "--no-smollm2").stdout.splitlines()
+    assert len(lines) == 2
+    helptext = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_prefix.py"), "--help"],
+                              capture_output=True, text=True, check=True).stdout
+    kernels = []
+    for ln in lines:
+        words = ln.split()
+        assert words[:3] == ["timeout", "110", sys.executable] and words[3] == "scripts/bench_prefix.py"
+        assert words[-1] == "--no-smollm2"  # extra arguments pass through
+        opts = dict(zip(words[4:-1:2], words[5:-1:2]))
+        assert all(o in helptext for o in opts)  # options bench_prefix.py knows
+        assert opts["--device"] == "cuda" and opts["--dtype"] == "bfloat16" and opts["--repeats"] == "5"
+        kernels.append(opts["--kernel"])
+    assert kernels == ["flex", "grouped"]
+
+
+@pytest.mark.slow
+def test_bench_quick_ours_whole_step(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_trl import QUICK_LLAMA, train_flops
+
+    out = tmp_path / "bench.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--systems", "ours,ours-noshare", "--python",
+                        sys.executable, "--peak-tflops", "1", "--json", str(out)], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(out.read_text())["results"]["quick/16x8x4"]
+    flops = train_flops(QUICK_LLAMA, 16, 8, 4, 2)
+    for system in ("ours", "ours-noshare"):
+        (run,) = res["runs"][system]
+        assert run["completion_tokens"] == [2 * 4 * 8]  # 2 prompts x G=4, exactly S=8 tokens each
+        assert len(run["step_s"]) == len(run["update_s"]) == 1 and 0 < run["update_s"][0] < run["step_s"][0]
+        assert len(run["cpu_step_s"]) == 1 and run["cpu_step_s"][0] > 0  # one thread: about the wall time
+        assert res["summary"][system]["cpu_step_s"] == run["cpu_step_s"][0]
+        summary = res["summary"][system]
+        assert summary["tok_s"] == pytest.approx(64 / run["step_s"][0])
+        assert summary["mfu"] == pytest.approx(flops / (run["update_s"][0] * 1e12))  # --peak-tflops 1
+        assert run["peak_rss_mib"] > 100  # a worker that imported torch and built a model
+    assert "| quick | 16 | 8 | 4 | ours |" in p.stdout
+    assert "[worker]" not in p.stdout and "(CPU [" in p.stdout  # the per-round line carries CPU seconds
+
+
+def test_bench_gpu_rollout_dry_run_plans_both_parts():
+    """scripts/bench_gpu.sh rollout: bench_rollout.py (hf vs vLLM tokens/s at the Qwen2.5-0.5B shape, G=16, P=512,
+    S=512) and bench_trl.py's whole step with rollout.backend=hf and vllm, both under their timeouts (< 8 min)."""
+    out = _gpu_dry("rollout").stdout
+    first = out.splitlines()[0].split()
+    assert first[:4] == ["timeout", "230", sys.executable, "scripts/bench_rollout.py"]
+    words = first[4:]
+    opts = {w: (words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else True)
+            for i, w in enumerate(words) if w.startswith("--")}
+    assert {k: opts[k] for k in ("--device", "--dtype", "--model", "--prompt-len", "--group", "--new", "--backends")} \
+        == {"--device": "cuda", "--dtype": "bfloat16", "--model": "qwen05-shape", "--prompt-len": "512",
+            "--group": "16", "--new": "512", "--backends": "hf,vllm"}
+    helptext = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_rollout.py"), "--help"],
+                              capture_output=True, text=True, check=True).stdout
+    assert all(o in helptext for o in opts) and opts["--vllm-graphs"] is True
+    header, rows = _plan(out)
+    assert header.startswith("# plan: 2 worker runs, 1 measured steps each (+1 warm-up), 8 prompts/step, device cuda")
+    assert rows == [("qwen05", 512, 512, 16, 0, "ours"), ("qwen05", 512, 512, 16, 0, "ours-vllm")]
+
+
+def test_bench_rollout_measures_our_decode_loop(tmp_path):
+    """bench_rollout.py on a small random Llama (``--model quick-shape``; the benchmarks use ``smollm2-shape`` and
+    ``qwen05-shape``, the same code path), a few tokens: the hf record (exactly the tokens asked),
+    and a vLLM record that says why it was skipped where vLLM does not import."""
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_rollout.py"), "--model", "quick-shape",
+                        "--prompt-len", "8", "--prompts", "2", "--group", "2", "--new", "3", "--repeats", "1",
+                        "--threads", "1", "--backends", "hf" if _vllm_imports() else "hf,vllm", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    records = json.loads(out.read_text())
+    hf = records[0]
+    assert hf["backend"] == "hf" and hf["tokens"] == 2 * 2 * 3 and hf["prompt_len"] == 8
+    assert hf["tokens_per_s"] == pytest.approx(hf["tokens"] / hf["median_s"], rel=0.05)
+    if not _vllm_imports():
+        assert records[1]["backend"] == "vllm" and records[1]["skipped"].startswith("vllm does not import")
+
+
+def _vllm_imports() -> bool:
+    from tests.helpers import vllm_problem
+
+    return vllm_problem() is None
+def _dist_command(stdout: str) -> tuple[list[str], dict, list[str]]:
+    """(launcher words, dist_smoke.py options, grpo.train overrides) of `bench_gpu.sh --dry-run dist`."""
+    (line,) = stdout.splitlines()
+    words = line.split()
+    at = words.index("scripts/dist_smoke.py")
+    rest = words[at + 1:]
+    opts = dict(zip(rest[0:6:2], rest[1:6:2]))
+    return words[:at], opts, rest[6:]
+
+
+def test_bench_gpu_dist_dry_run_is_a_valid_one_gpu_zero3_bf16_run():
+    from omegaconf import OmegaConf
+
+    from grpo.config.schema import load
+    from tests.helpers import compose_recipe
+
+    launcher, opts, overrides = _dist_command(_gpu_dry("dist", "trainer.seed=7").stdout)
+    assert launcher == ["timeout", "230", sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node", "1"]                      # one process: world size 1
+    assert opts == {"--expect-backend": "nccl", "--expect-dtype": "bfloat16", "--json": "bench_dist.json"}
+    assert overrides[-1] == "trainer.seed=7"                          # extra overrides pass through
+    helptext = subprocess.run([sys.executable, str(ROOT / "scripts" / "dist_smoke.py"), "--help"],
+                              capture_output=True, text=True, check=True).stdout
+    assert all(o in helptext for o in opts)
+    # the overrides compose into a valid config: ZeRO-3, bf16, on the GPU, 2 steps with checkpoints
+    recipe = next(o.split("=", 1)[1] for o in overrides if o.startswith("recipe="))
+    cfg = load(OmegaConf.to_container(compose_recipe(recipe, [o for o in overrides if not o.startswith("recipe=")]),
+                                      resolve=True))
+    assert (cfg.distributed.backend, cfg.distributed.zero_stage, cfg.distributed.bf16) == ("deepspeed", 3, True)
+    assert (cfg.trainer.device, cfg.trainer.max_steps, cfg.trainer.save_every) == ("cuda", 2, 1)
+    # DEVICE=cpu: the same run on the CPU, checked against gloo
+    launcher, opts, overrides = _dist_command(_gpu_dry("dist", DEVICE="cpu").stdout)
+    assert opts["--expect-backend"] == "gloo" and "trainer.device=cpu" in overrides
+
+
+@pytest.mark.slow
+def test_bench_gpu_dist_smoke_runs_on_cpu(tmp_path):
+    """The dist smoke for real with DEVICE=cpu (gloo instead of NCCL): ZeRO-3 with bf16, 2 steps, every check of
+    scripts/dist_smoke.py passes; a check that fails makes the script fail."""
+    out = tmp_path / "dist.json"
+    env = {"PATH": "/usr/bin:/bin", "BENCH_PY": sys.executable, "DEVICE": "cpu", "DIST_DIR": str(tmp_path / "run"),
+           "OUT": str(out), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)}
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "bench_gpu.sh"), "dist"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["ok"] and res["problems"] == []
+    assert (res["backend"], res["dtype"], res["zero_stage"], res["world_size"]) == ("gloo", "bfloat16", 3, 1)
+    assert res["partitioned"] and len(res["update_s"]) == 2
+    # the checks are real: the same finished run, held to a dtype it does not have, fails them
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from dist_smoke import check
+
+    assert check(res, "gloo", "float32") == ["dtype is 'bfloat16', expected 'float32'",
+                                             "final/ holds torch.bfloat16 weights, expected float32"]
+
+
+def test_bench_multiturn_prefills_each_prompt_once_per_later_turn():
+    """bench_multiturn.py on the tiny model (docs/benchmarks.md runs it on SmolLM2-135M): with the Echo environment
+    every episode runs 3 turns; the trainer's path (shared) prefills (P - 1) * (G - 1) fewer prompt tokens per group
+    in each later turn than prefilling every episode's whole context (whole)."""
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_multiturn.py"), "--model", "tiny", "--prompts",
+                        "2", "--group", "3", "--new", "4", "--paths", "shared,whole"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    shared, whole = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert (shared["path"], whole["path"]) == ("shared", "whole")
+    assert shared["turns_mean"] == whole["turns_mean"] == 3.0
+    assert shared["prefill_turn1_tokens"] == whole["prefill_turn1_tokens"]
+    P = shared["prompt_len_mean"]  # the multiplication prompts all have the same length
+    assert whole["prefill_later_tokens"] - shared["prefill_later_tokens"] == 2 * 2 * (P - 1) * (3 - 1)
+    assert shared["decode_later_s"] > 0 and shared["cpu_s"] > 0

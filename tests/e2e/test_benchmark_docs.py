@@ -1,0 +1,60 @@
+"""Every `scripts/*.py` command that docs/ and the README show names a script that exists and only options that
+script's own parser offers (read from its `--help`), so a renamed or removed option cannot leave a benchmark
+recipe in the docs that fails on its first flag. The benchmarks themselves are run scaled down by
+tests/test_bench_*.py and tests/engine/test_logprobs.py."""
+from __future__ import annotations
+
+import functools
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+
+
+def doc_commands() -> list[tuple[str, str, list[str]]]:
+    """(doc, script, options) for every line of a fenced block that runs a Python script from scripts/."""
+    found = []
+    for doc in DOCS:
+        for block in re.findall(r"```[a-z]*\n(.*?)```", doc.read_text(), re.S):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                m = re.search(r"python (scripts/\w+\.py)(.*)", line.split("#")[0])
+                if m:
+                    found.append((doc.name, m.group(1), re.findall(r"(?<!\S)(--[\w-]+)", m.group(2))))
+    return found
+
+
+@functools.cache
+def help_text(script: str) -> str:
+    p = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout
+
+
+def test_the_docs_show_benchmark_commands():
+    scripts = {s for _, s, _ in doc_commands()}
+    assert {"scripts/bench_prefix.py", "scripts/bench_prefix_scaling.py", "scripts/bench_trl.py"} <= scripts
+
+
+@pytest.mark.parametrize("doc,script,options", doc_commands(), ids=lambda v: v if isinstance(v, str) else None)
+def test_each_documented_script_command_uses_options_its_parser_has(doc, script, options):
+    assert (ROOT / script).is_file(), f"{doc} runs {script}, which does not exist"
+    offered = set(re.findall(r"(?<![\w-])(--[\w-]+)", help_text(script)))
+    unknown = [o for o in options if o not in offered]
+    assert not unknown, f"{doc}: {script} has no option {unknown}"
+
+
+def test_make_bench_runs_the_commands_benchmarks_md_shows():
+    """`make bench` (printed by `make -n`) runs exactly the bench_trl.py commands docs/benchmarks.md says it runs."""
+    p = subprocess.run(["make", "-n", "bench"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    make = [line.split("scripts/bench_trl.py", 1)[1].split() for line in p.stdout.splitlines()
+            if "scripts/bench_trl.py" in line]
+    text = re.sub(r"\\\n\s*", " ", (ROOT / "docs" / "benchmarks.md").read_text())
+    shown = [m.split() for m in re.findall(r"python scripts/bench_trl\.py([^#\n]*)", text)]
+    assert len(make) == 4 and all(cmd in shown for cmd in make), (make, shown)

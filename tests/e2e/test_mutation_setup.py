@@ -1,0 +1,103 @@
+"""`make mutate` (docs/testing.md) without running it (an hour of CPU): the module list and the test selection in
+pyproject.toml's [tool.mutmut] name files and tests that exist, every listed equivalent mutant has a reason and
+belongs to a mutated module, and scripts/mutate_report.py scores mutmut's results as documented."""
+from __future__ import annotations
+
+import ast
+import json
+import re
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+CFG = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+sys.path.insert(0, str(ROOT / "scripts"))
+import mutate_report  # noqa: E402
+
+
+def test_mutated_modules_and_selected_tests_exist():
+    assert CFG["source_paths"] == ["grpo"]
+    for path in CFG["only_mutate"]:
+        assert (ROOT / path).is_file(), f"[tool.mutmut] only_mutate names {path}, which does not exist"
+    selection = [s for s in CFG["pytest_add_cli_args_test_selection"] if s.startswith("tests/")]
+    assert selection
+    for item in selection:
+        file, _, test = item.partition("::")
+        assert (ROOT / file).is_file(), item
+        if test:
+            names = {n.name for n in ast.parse((ROOT / file).read_text()).body if isinstance(n, ast.FunctionDef)}
+            assert test in names, f"{item}: no such test"
+    for pattern in CFG["do_not_mutate_patterns"]:
+        re.compile(pattern)
+    makefile = (ROOT / "Makefile").read_text()
+    assert "\nmutate: setup\n" in makefile and "scripts/mutate_report.py" in makefile
+    assert "mutmut" in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][
+        "mutate"][0]
+
+
+def test_every_listed_equivalent_has_a_reason_and_a_mutated_module():
+    listed = mutate_report.equivalents()
+    assert listed
+    for key, reason in listed.items():
+        module = key.split(": ", 1)[0]
+        assert module in CFG["only_mutate"], key
+        assert len(reason) > 10 and reason.split(":")[0] in ("equivalent", "device"), (key, reason)
+
+
+def _meta(tmp_path, codes: dict):
+    d = tmp_path / "mutants" / "grpo" / "algorithm"
+    d.mkdir(parents=True)
+    (d / "advantages.py.meta").write_text(json.dumps({"exit_code_by_key": codes}))
+    return tmp_path / "mutants"
+
+
+def test_report_scores_and_fails_on_an_untriaged_survivor(tmp_path, monkeypatch):
+    listed = next(iter(k for k in mutate_report.equivalents() if k.startswith("grpo/algorithm/advantages.py: ")))
+    line = listed.split(": ", 1)[1]
+    diffs = {"m_equiv": f"--- grpo/algorithm/advantages.py\n+++ grpo/algorithm/advantages.py\n-    old\n+{line}",
+             "m_new": "--- grpo/algorithm/advantages.py\n+++ grpo/algorithm/advantages.py\n-    x = 1\n+    x = 2"}
+    monkeypatch.setattr(mutate_report, "diff_of", lambda name, module, mutants: diffs[name])
+    codes = {"m_k1": 1, "m_k2": 1, "m_k3": 3, "m_timeout": 36, "m_equiv": 0, "m_new": 0, "m_skip": None}
+    text, ok = mutate_report.report(_meta(tmp_path, codes), min_score=50)
+    # 4 caught (3 killed + 1 timeout) of 5 counted: the equivalent and the one not run are left out
+    assert "Score: **80.0%** of 5 non-equivalent mutants killed" in text
+    assert "1 equivalent, 1 not run" in text and "| grpo/algorithm/advantages.py | 4 | 1 | 0 | 1 |" in text
+    assert "### m_new: survived" in text and "key: `grpo/algorithm/advantages.py: x = 2`" in text
+    assert not ok and "1 survivor(s) neither killed nor listed" in text
+    codes["m_new"] = 1
+    (tmp_path / "mutants").rename(tmp_path / "old")
+    text, ok = mutate_report.report(_meta(tmp_path, codes), min_score=95)
+    assert "Score: **100.0%** of 5" in text and ok
+    text, ok = mutate_report.report(tmp_path / "mutants", min_score=100.1)
+    assert not ok  # below the minimum score
+
+
+@pytest.mark.parametrize("code,status", [(1, "killed"), (3, "killed"), (0, "survived"), (33, "no tests"),
+                                         (5, "no tests"), (36, "timeout"), (-24, "timeout"), (None, "not run"),
+                                         (34, "not run"), (-11, "suspicious")])
+def test_exit_codes(code, status):
+    assert mutate_report.status(code) == status
+
+
+def test_the_documented_make_mutate_commands_run_mutmut_then_the_report():
+    """Each `make mutate ...` line of docs/testing.md, dry-run (`make -n`): mutmut on 2 workers with the given
+    arguments, then the report with the documented minimum score."""
+    import shlex
+    import subprocess
+
+    text = (ROOT / "docs" / "testing.md").read_text()
+    lines = [line.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for line in block.splitlines() if line.startswith("make mutate")]
+    assert len(lines) == 2
+    for line in lines:
+        words = shlex.split(line)
+        p = subprocess.run(["make", "-n", *words[1:]], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        args = [w.split("=", 1)[1] for w in words if w.startswith("MUTATE_ARGS=")]
+        want = " ".join(["mutmut run --max-children 2", *args])
+        assert want in p.stdout and "rm -rf mutants" in p.stdout, p.stdout
+        assert "scripts/mutate_report.py --min-score 95" in p.stdout

@@ -1,0 +1,170 @@
+"""What a user sees and finds after a run: the run directory, the console, reward failures, resume, the
+report. One short smoke run (module fixture) serves most checks."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BAD_REWARDS = '''
+import os
+
+def boom(prompts, completions, **kw):
+    return _helper_that_fails(completions)
+
+def _helper_that_fails(c):
+    raise KeyError("no such column")
+
+def one_score(prompts, completions, **kw):
+    return [1.0]
+
+def slow(prompts, completions, **kw):
+    with open(os.environ["CALLS_FILE"], "a") as f:
+        f.write(f"{len(completions)}\\n")
+    import time
+    time.sleep(30)
+    return [0.0] * len(completions)
+'''
+
+
+def grpo(cwd, *args, timeout=300, env=None):
+    return subprocess.run([sys.executable, "-m", "grpo.train", "recipe=smoke", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=timeout, env=env)
+
+
+def read(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("cwd")
+    (cwd / "badrewards.py").write_text(BAD_REWARDS)
+    out = cwd / "runs" / "a"
+    p = grpo(cwd, f"trainer.output_dir={out}", "trainer.max_steps=2", "trainer.save_every=1", "algorithm.beta=0",
+             "~reward.functions.accuracy", "+reward.functions.boom.fn=badrewards:boom")
+    assert p.returncode == 0, p.stderr[-3000:]
+    return cwd, out, p
+
+
+def test_a_removed_reward_is_not_scored_and_the_saved_config_says_so(first_run):
+    cwd, out, _ = first_run
+    rows = [r for r in read(out / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 2
+    assert all("reward/accuracy" not in r and "reward/format" in r for r in rows)
+    saved = (out / ".hydra" / "config.yaml").read_text()
+    assert "boom:" in saved and "accuracy:" not in saved
+
+
+def test_everything_lands_in_the_output_dir_and_nothing_in_outputs(first_run):
+    cwd, out, _ = first_run
+    assert not (cwd / "outputs").exists()
+    for name in (".hydra/config.yaml", ".hydra/overrides.yaml", "train.log", "metrics.jsonl", "final"):
+        assert (out / name).exists(), name
+
+
+def test_train_log_holds_what_the_console_showed(first_run):
+    """train.log is the run's log: the summary line, every step line, the held-out evaluation, the final report
+    and the reward's error, as the console showed them."""
+    _, out, p = first_run
+    log = (out / "train.log").read_text()
+    missing = [line for line in p.stderr.splitlines() if line not in log]
+    assert not missing, missing
+    for shown in ("[grpo] tiny:llama: 64 train / 4 held-out prompts", "step    1  reward", "step    2  reward",
+                  "  sample  reward=", "(before, 4 prompts, greedy)", "held-out format", "final model: "):
+        assert shown in log, shown
+    assert log.count("step    2  reward") == 1  # each line once
+
+
+def test_a_reward_that_raises_shows_the_users_frames_once(first_run):
+    _, out, p = first_run
+    assert p.stderr.count("reward function 'boom' raised") == 1
+    assert "in _helper_that_fails" in p.stderr and "KeyError: 'no such column'" in p.stderr
+    assert "grpo/rewards/score.py" not in p.stderr  # the scoring machinery's frames are not the user's
+    assert all(r["reward/boom_errors"] == 8 for r in read(out / "metrics.jsonl") if "loss" in r)
+    assert "in _helper_that_fails" in (out / "train.log").read_text()
+
+
+def test_a_quiet_console_when_output_is_not_a_terminal(first_run):
+    _, _, p = first_run
+    assert "Setting accelerator" not in p.stdout + p.stderr  # deepspeed is not used, and says nothing
+    assert "seq/s" not in p.stderr and "Loading weights" not in p.stderr  # no progress-bar redraws in a log
+    assert p.stdout == ""  # everything the trainer says goes to stderr
+
+
+def test_beta_zero_logs_no_kl_and_the_report_says_n_a(first_run):
+    cwd, out, _ = first_run
+    assert all(r["kl"] is None for r in read(out / "metrics.jsonl") if "loss" in r)
+    from grpo.trainer.report import report
+
+    md = report([out], cwd / "report").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| `"))
+    assert row.split(" | ")[6] == "n/a"  # final kl
+    assert "## Completion length" in md and "KL and completion length" not in md
+
+
+def test_resume_keeps_the_step_zero_evaluation_and_refuses_a_changed_prompt(first_run):
+    cwd, out, _ = first_run
+    common = [f"trainer.output_dir={out}", "trainer.save_every=1", "algorithm.beta=0", "~reward.functions.accuracy",
+              "+reward.functions.boom.fn=badrewards:boom", "trainer.resume=auto", "reward.max_failed_steps=5"]
+    changed = grpo(cwd, *common, "trainer.max_steps=3", "data.prompt_template='Q: {prompt}'")
+    assert changed.returncode == 2
+    assert "cannot resume" in changed.stderr and "data.prompt_template changed" in changed.stderr
+    p = grpo(cwd, *common, "trainer.max_steps=3")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "[grpo] resumed from" in p.stderr and p.stdout == ""
+    before = [line for line in p.stderr.splitlines() if line.startswith("held-out format")]
+    assert before and "before     n/a" not in before[0], p.stderr[-2000:]
+
+
+def test_a_reward_returning_the_wrong_number_of_scores_stops_at_the_first_step(tmp_path):
+    (tmp_path / "badrewards.py").write_text(BAD_REWARDS)
+    out = tmp_path / "run"
+    p = grpo(tmp_path, f"trainer.output_dir={out}", "trainer.max_steps=3", "data.num_eval=0",
+             "+reward.functions.short.fn=badrewards:one_score")
+    assert p.returncode == 2
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: reward.functions.short (badrewards:one_score) returned 1 scores for 8 completions; "
+                      "return one score (or None) per completion"]
+    assert "Traceback" not in p.stderr
+    assert not [r for r in read(out / "metrics.jsonl") if "loss" in r]
+
+
+def test_a_hanging_reward_is_timed_out_once_per_batch(tmp_path):
+    """reward.timeout_s: the batch call is killed after the timeout and not retried sample by sample."""
+    import os
+
+    (tmp_path / "badrewards.py").write_text(BAD_REWARDS)
+    calls = tmp_path / "calls.txt"
+    out = tmp_path / "run"
+    p = grpo(tmp_path, f"trainer.output_dir={out}", "trainer.max_steps=1", "data.num_eval=0", "reward.timeout_s=2",
+             "+reward.functions.slow.fn=badrewards:slow", env={**os.environ, "CALLS_FILE": str(calls)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert calls.read_text().split() == ["8"]  # one call with the whole batch, no per-sample retries
+    rows = [r for r in read(out / "metrics.jsonl") if "loss" in r]
+    assert rows[0]["reward/slow_errors"] == 8 and rows[0]["reward/slow"] is None
+
+
+def test_samples_come_from_every_group_first_then_fill_from_within_groups():
+    """A rank holding one group still shows num_samples completions (it showed one)."""
+    import torch
+
+    from grpo.batch import Batch
+    from grpo.experience import sample_rows
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(str, ids))
+
+    class Run:
+        tokenizer = Tok()
+
+    one_group = Batch([{"prompt": "p", "answer": 1}], [[9]], [[[1], [2], [3], [4]]], [[False] * 4],
+                      torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.zeros(4))
+    assert [r["completion"] for r in sample_rows(Run(), one_group, 2)] == ["1", "2"]
+    two_groups = Batch([{"prompt": "p", "answer": 1}, {"prompt": "q", "answer": 2}], [[9], [8]],
+                       [[[1], [2]], [[5], [6]]], [[False] * 2] * 2, torch.tensor([0.1, 0.2, 0.5, 0.6]), torch.zeros(4))
+    rows = sample_rows(Run(), two_groups, 3)
+    assert [r["completion"] for r in rows] == ["1", "5", "2"] and [r["reward"] for r in rows] == \
+        pytest.approx([0.1, 0.5, 0.2])

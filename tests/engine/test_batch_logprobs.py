@@ -1,0 +1,24 @@
+"""grpo/engine/batch_logprobs.py: a Batch's log-probs without grad, micro-batched, equal to one whole forward."""
+import torch
+
+from grpo.batch import Batch
+from grpo.config.schema import EngineConfig
+from grpo.engine import token_logprobs
+from grpo.engine.batch_logprobs import nested_logprobs, plan
+from grpo.models import tiny_model
+from grpo.runtime.local import LocalRuntime
+
+
+def test_micro_batched_log_probs_equal_the_whole_batch_forward():
+    model = tiny_model("llama", 50, seed=1)
+    prompts, comps = [[5, 6, 7], [8, 9]], [[[1, 2], [3]], [[4, 4, 4], [2], [1, 1]]]
+    batch = Batch([{}, {}], prompts, comps, [[False] * 2, [False] * 3], torch.zeros(5), torch.zeros(5))
+    small = EngineConfig(max_tokens_per_micro_batch=8, attention_kernel="grouped")
+    assert len(plan(batch, small)) > 1
+    got = nested_logprobs(LocalRuntime("cpu"), model, batch, small, temperature=1.0)
+    with torch.no_grad():
+        want = token_logprobs(model, prompts, comps, attention_kernel="grouped")
+    for g in range(2):
+        for j in range(len(comps[g])):
+            assert not got[g][j].requires_grad
+            torch.testing.assert_close(got[g][j], want[g][j], rtol=1e-5, atol=1e-6)

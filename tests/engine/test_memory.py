@@ -1,0 +1,281 @@
+"""engine.max_tokens_per_micro_batch: auto sizing, its estimate against measured activations, the start-up refusals,
+and the grouped kernel's memory-saving completion attention."""
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from grpo.engine import memory, token_logprobs
+from grpo.engine.memory import Estimate, activation_bytes_per_token, choose_budget, estimate
+from tests.engine.test_logprobs import (
+    ROOT,
+    assert_grads_close,
+    grads,
+    make_data,
+    make_model,
+    max_err,
+    reference_with_grads,
+)
+
+GiB = 2**30
+
+
+# ------------------------------------------------------------------------------------------- the choice
+def test_auto_fills_the_free_memory_up_to_the_cap():
+    est = Estimate(per_token=1 << 20, fixed=GiB, transient=GiB // 2)
+    tokens, note = choose_budget("auto", est, 8 * GiB, longest=300, on_gpu=True)
+    assert tokens == int((8 * GiB * memory.MARGIN - 1.5 * GiB) // ((1 << 20) * memory.OVERHEAD))
+    assert est.bytes_for(tokens) <= 8 * GiB * memory.MARGIN < est.bytes_for(tokens + 1)
+    assert "auto -> " in note and "\n" not in note
+    assert choose_budget("auto", est, 64 * GiB, longest=300, on_gpu=False)[0] == memory.CPU_CAP
+    # a sequence longer than the CPU cap still gets one micro-batch of its own when it fits
+    assert choose_budget("auto", est, 64 * GiB, longest=9000, on_gpu=False)[0] == 9000
+
+
+def test_explicit_budget_wins_and_warns_when_too_big():
+    est = Estimate(per_token=1 << 20, fixed=0, transient=0)
+    tokens, note = choose_budget(8192, est, GiB, longest=100, on_gpu=False)
+    assert tokens == 8192 and "may run out of memory" in note
+    # the hint names what auto would really pick: the memory fit capped for the device (issue 27, item 9)
+    note = choose_budget(10**6, est, 64 * GiB, longest=100, on_gpu=False)[1]
+    assert est.tokens_within(64 * GiB) > memory.CPU_CAP
+    assert note.endswith(f"auto would pick {memory.CPU_CAP}")
+    assert choose_budget("auto", est, 64 * GiB, longest=100, on_gpu=False)[0] == memory.CPU_CAP
+    huge = choose_budget(10**7, est, 256 * GiB, longest=100, on_gpu=True)[1]
+    assert huge.endswith(f"auto would pick {memory.GPU_CAP}")
+    assert "auto cannot fit" in choose_budget(8192, est, 64 * 2**20, longest=100, on_gpu=False)[1]
+    as_text = choose_budget("512", est, 8 * GiB, longest=100, on_gpu=False)
+    assert as_text == (512, choose_budget(512, est, 8 * GiB, 100, False)[1])
+
+
+def test_refusals_are_one_line_and_say_what_to_change():
+    est = Estimate(per_token=1 << 20, fixed=0, transient=0)
+    with pytest.raises(ValueError) as e:
+        choose_budget(64, est, 64 * GiB, longest=100, on_gpu=False)
+    assert "engine.max_tokens_per_micro_batch=64" in str(e.value) and "at least 100" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        choose_budget("auto", est, GiB // 4, longest=1000, on_gpu=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "1000 tokens" in msg
+    for hint in ("rollout.max_new_tokens", "model.gradient_checkpointing=true", "model.lora.enabled=true",
+                 "model.dtype=bfloat16"):
+        assert hint in msg
+
+
+def test_checkpointing_lora_and_bf16_lower_the_estimate():
+    model = make_model(num_hidden_layers=4, hidden_size=64, intermediate_size=256)
+    base = activation_bytes_per_token(model.config, torch.float32, False)
+    assert activation_bytes_per_token(model.config, torch.float32, True) < base / 2
+    assert activation_bytes_per_token(model.config, torch.bfloat16, False) < base * 0.7
+    full = estimate(model)
+    for n, p in model.named_parameters():
+        p.requires_grad_("q_proj" in n)  # only a few trainable weights, as with LoRA
+    assert estimate(model).fixed < full.fixed / 5
+
+
+# ------------------------------------------------------------------------------- estimate vs measurement
+def _saved_activation_bytes(model, prompts, comps):
+    """Bytes of the tensors autograd keeps for backward, parameters excluded (each storage once)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lps, _ = token_logprobs(model, prompts, comps, return_entropy=True)
+    return sum(seen.values()), sum(l.sum() for g in lps for l in g)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_estimate_bounds_the_measured_saved_activations(checkpointing):
+    """The per-token estimate is an upper bound of what a micro-batch really keeps for backward, and not a loose
+    one; and no score matrix of the completion attention (G*S x S or x P per head) is kept."""
+    model = make_model(num_hidden_layers=3, hidden_size=64, intermediate_size=192, vocab_size=128).train()
+    if checkpointing:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompts, comps = make_data([24, 40], [[48] * 8, [32] * 6])
+    tokens = sum(len(p) for p in prompts) + sum(len(r) for cs in comps for r in cs)
+    saved, loss = _saved_activation_bytes(model, prompts, comps)
+    loss.backward()
+    est = estimate(model)
+    assert est.per_token * tokens >= saved
+    if not checkpointing:  # (with checkpointing the estimate adds the layer recomputed in backward: not saved)
+        assert est.per_token * tokens <= 2.0 * saved
+
+
+def test_completion_attention_keeps_no_scores():
+    model = make_model(hidden_size=48, intermediate_size=64, vocab_size=128).train()
+    S, G, P = 40, 8, 20  # no weight or head dimension has these sizes
+    prompts, comps = make_data([P], [[S] * G])
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        token_logprobs(model, prompts, comps)
+    assert not [s for s in shapes if len(s) >= 2 and s[-2:] in ((S, S), (S, P))], shapes
+
+
+# --------------------------------------------------------------------------- the memory-saving kernel is exact
+@pytest.mark.parametrize("chunk", [1, 2000, 5000])  # one completion at a time; 4 of 5 completions; 2 groups
+def test_chunked_completion_attention_matches_reference(monkeypatch, chunk):
+    """Forward and gradients equal the per-sequence forward also when the kernel works one group at a time."""
+    import grpo.engine.completion_attention as ca
+    import grpo.engine.grouped_attention as ga
+
+    monkeypatch.setattr(ca, "CHUNK_SCORES", chunk)
+    monkeypatch.setattr(ga, "merged_attention_available", lambda q, v: False)  # the chunked kernel, also on CPU
+    model = make_model("qwen2").train()
+    prompts, comps = make_data()
+    ref, w, want = reference_with_grads(model, prompts, comps)
+    out = token_logprobs(model, prompts, comps)
+    assert max_err(out, ref) <= 1e-5
+    assert_grads_close(grads(model, out, w), want)
+
+
+def test_attention_dropout_still_trains():
+    model = make_model(attention_dropout=0.5).train()
+    prompts, comps = make_data()
+    torch.manual_seed(0)
+    a = token_logprobs(model, prompts, comps)
+    model.eval()
+    b = token_logprobs(model, prompts, comps)
+    assert max_err(a, b) > 1e-3  # dropout was applied in training mode
+    sum(x.sum() for g in a for x in g).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_attention_dropout_path_values_match_the_reference(family, monkeypatch):
+    """The training-with-dropout path (the joint softmax recorded by autograd, SDPA with dropout_p for the prompts)
+    at a dropout rate that drops nothing in practice: its log-probs and gradients are the per-sequence forward's in
+    eval mode (a wrong causal mask, a mis-ordered head or group, or the prompt block left out shows here)."""
+    import grpo.engine.grouped_attention as ga
+
+    model = make_model(family, attention_dropout=1e-9)
+    prompts, comps = make_data()
+    ref, w, want = reference_with_grads(model, prompts, comps)  # eval: no dropout anywhere
+    seen = []
+    real = ga._completion_attention_with_dropout
+    monkeypatch.setattr(ga, "_completion_attention_with_dropout", lambda *a: seen.append(a[-1]) or real(*a))
+    out = token_logprobs(model.train(), prompts, comps)
+    assert seen and all(p == 1e-9 for p in seen)  # the dropout path ran, once per layer
+    assert max_err(out, ref) <= 1e-5
+    assert_grads_close(grads(model, out, w), want)
+
+
+def test_attention_dropout_drops_both_the_prompt_and_the_own_block():
+    """The dropout path's joint softmax: dropout applies to the weights on the prompt's keys and to those on the
+    completion's own keys (each shown alone by zeroing the other block's values), scaled so the expectation holds;
+    with a rate of ~0 it is the plain joint softmax."""
+    from grpo.engine.grouped_attention import _completion_attention_with_dropout as attend
+
+    g = torch.Generator().manual_seed(0)
+    Hkv, rep, B, G, S, P, D = 1, 2, 1, 2, 3, 4, 8
+    qc = torch.randn(Hkv, rep, B, G, S, D, generator=g)
+    kp, vp = torch.randn(B, Hkv, P, D, generator=g), torch.randn(B, Hkv, P, D, generator=g)
+    kc, vc = torch.randn(Hkv, B, G, S, D, generator=g), torch.randn(Hkv, B, G, S, D, generator=g)
+    for name, args in {"prompt": (qc, kp, vp, kc, torch.zeros_like(vc)),
+                       "own": (qc, kp, torch.zeros_like(vp), kc, vc)}.items():
+        plain = attend(*args, None, 0.125, 1e-12)
+        torch.manual_seed(0)
+        dropped = torch.stack([attend(*args, None, 0.125, 0.5) for _ in range(200)])
+        assert not torch.allclose(dropped[0], plain, atol=1e-3), name  # dropped weights
+        assert torch.allclose(dropped.mean(0), plain, atol=0.1), name  # rescaled by 1 / (1 - p)
+
+
+def test_attention_dropout_path_in_bfloat16():
+    """bf16 weights: the joint softmax's weights come back in the values' dtype (a float32 weight times bf16 values
+    fails), and the result is close to the eval-mode forward."""
+    model = make_model(dtype=torch.bfloat16, attention_dropout=1e-9)
+    prompts, comps = make_data()
+    with torch.no_grad():
+        want = token_logprobs(model, prompts, comps)
+        got = token_logprobs(model.train(), prompts, comps)
+    assert max_err(got, want) <= 5e-2
+
+
+# ------------------------------------------------------------------------------------ in the trainer
+def test_auto_budget_splits_the_batch_and_keeps_the_gradient(cfg_factory, monkeypatch):
+    """auto with little memory plans several micro-batches; the gradient equals one micro-batch's."""
+    import dataclasses
+
+    from grpo import experience
+    from grpo.engine.batch_logprobs import plan as _plan
+    from grpo.trainer.build import build_run, close_run
+    from grpo.update import policy_update
+
+    cfg = cfg_factory({"engine": {"max_tokens_per_micro_batch": "auto"}, "rollout": {"prompts_per_step": 4}})
+    run = build_run(cfg)
+    try:
+        # resolved at start, into the run's settings: the checked config is left as it was
+        assert isinstance(run.settings.update.engine.max_tokens_per_micro_batch, int)
+        assert run.settings.collect.engine == run.settings.update.engine
+        assert cfg.engine.max_tokens_per_micro_batch == "auto"
+        batch = experience.collect(run)
+        est = memory.estimate(run.model)
+        longest = max(len(p) + max(len(c) for c in g) for p, g in zip(batch.prompt_ids, batch.completion_ids))
+        free = int((est.bytes_for(longest + 4)) / memory.MARGIN)  # room for about one sequence
+        tight = dataclasses.replace(cfg.engine, max_tokens_per_micro_batch="auto", memory_limit_gib=free / GiB)
+        whole = dataclasses.replace(cfg.engine, max_tokens_per_micro_batch=100_000)
+        assert len(_plan(batch, tight, run.model)) > 2 and len(_plan(batch, whole, run.model)) == 1
+        state = {k: v.clone() for k, v in run.model.state_dict().items()}
+        got = []
+
+        def capture(max_grad_norm):  # the accumulated gradient, instead of an optimizer step
+            got.append({n: p.grad.clone() for n, p in run.model.named_parameters() if p.grad is not None})
+            run.optimizer.zero_grad(set_to_none=True)
+            return 0.0, True
+
+        monkeypatch.setattr(run.runtime, "step", capture)
+        for ecfg in (whole, tight):
+            run.model.load_state_dict(state)
+            settings = dataclasses.replace(run.settings.update, engine=ecfg, mask_truncated=False,
+                                           max_grad_norm=1.0)
+            policy_update(run.runtime, batch, settings)
+        assert got[0].keys() == got[1].keys() and got[0]
+        for n in got[0]:
+            torch.testing.assert_close(got[0][n], got[1][n], rtol=1e-4, atol=1e-6)
+    finally:
+        close_run(run)
+
+
+def _train(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "grpo.train", "recipe=smoke", f"trainer.output_dir={tmp_path}",
+                           *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["engine.max_tokens_per_micro_batch=20"], "engine.max_tokens_per_micro_batch=20 is smaller than the longest"),
+    (["engine.max_tokens_per_micro_batch=auto", "engine.memory_limit_gib=0.01"], "model.gradient_checkpointing=true"),
+])
+def test_impossible_fit_fails_at_start_in_one_line(tmp_path, args, fragment):
+    r = _train(tmp_path, *args)
+    assert r.returncode == 2
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and fragment in errors[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_auto_is_the_default_and_is_resolved_at_start(tmp_path):
+    from grpo.config.schema import load
+
+    assert load({}).engine.max_tokens_per_micro_batch == "auto"
+    r = _train(tmp_path, "engine.max_tokens_per_micro_batch=auto", "trainer.max_steps=1", "data.num_eval=0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = next(x for x in r.stderr.splitlines() if "engine.max_tokens_per_micro_batch=auto -> " in x)
+    assert int(line.split("-> ")[1].split()[0]) == memory.CPU_CAP  # a tiny model: the CPU cap, not memory, limits
+
+
+def test_bench_update_step_quick_runs():
+    r = subprocess.run([sys.executable, "scripts/bench_update_step.py", "--quick"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    cells = [c.strip() for c in r.stdout.strip().splitlines()[-1].strip("|").split("|")]
+    # saved MiB with one decimal
+    assert cells[0] == "quick" and float(cells[4]) > 0 and float(cells[5]) >= 0 and float(cells[6]) > 0

@@ -1,0 +1,14 @@
+"""grpo/rewards/arithmetic.py: the last (or the bare) integer against the row's answer; number_only's shaping."""
+from grpo.rewards.arithmetic import arithmetic, bare_integer, last_integer, number_only
+
+
+def test_lenient_takes_the_last_integer_and_strict_only_a_bare_one():
+    assert last_integer("so 3 + 4 = 7.") == 7 and last_integer("1,234 apples") == 1234 and last_integer("no") is None
+    assert bare_integer(" 42.") == 42 and bare_integer("42 apples") is None
+    comps = ["3 + 4 = 7", "7", "the answer is 8"]
+    assert arithmetic(None, comps, [7, 7, 7]) == [1.0, 1.0, 0.0]
+    assert arithmetic(None, comps, [7, 7, 7], strict=True) == [0.0, 1.0, 0.0]
+
+
+def test_number_only_is_one_for_a_bare_number_and_shaped_otherwise():
+    assert number_only(None, ["12", "a1", "", "ab"]) == [1.0, 0.25, 0.0, 0.0]

@@ -1,0 +1,103 @@
+import sys
+import textwrap
+
+import pytest
+
+from grpo.rewards import RewardSpecError, available, resolve
+from grpo.rewards.score import build, score
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+        def has_seven(prompts, completions, **columns):
+            return [1.0 if "7" in c else 0.0 for c in completions]
+
+        def flaky(prompts, completions, answer, **_):
+            out = []
+            for c, a in zip(completions, answer):
+                if a == 3:
+                    raise RuntimeError("boom")
+                out.append(0.5)
+            return out
+
+        def verl_style(data_source, solution_str, ground_truth, extra_info=None):
+            return {"score": float(solution_str.strip() == str(ground_truth))}
+
+        def wrong(x):
+            return [0.0]
+
+        def nan_maker(prompts, completions, **_):
+            return [float("nan")] * len(completions)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("my_rewards", None)
+
+
+def test_builtins_registered():
+    assert {"arithmetic", "number_only"} <= set(available())
+    assert resolve("arithmetic")(["p"], ["so it is 12"], answer=[12]) == [1.0]
+    assert resolve("number_only")(["p"], [" 42 "]) == [1.0]
+
+
+def test_dotted_paths(user_module):
+    assert resolve("my_rewards:has_seven")(["p"], ["17"]) == [1.0]
+    assert resolve("my_rewards.has_seven")(["p"], ["1"]) == [0.0]
+
+
+def test_verl_style_adapted(user_module):
+    fn = resolve("my_rewards:verl_style")
+    assert fn(["p", "p"], ["5", "6"], answer=[5, 5]) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("nosuchmodule:f", "cannot import module 'nosuchmodule'"),
+    ("my_rewards:missing", "has no function 'missing'"),
+    ("my_rewards:wrong", "expected fn(prompts, completions, **columns)"),
+    ("not_a_builtin", "unknown reward 'not_a_builtin'; built-ins are"),
+])
+def test_bad_specs(user_module, spec, fragment):
+    with pytest.raises(RewardSpecError, match=fragment.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+        resolve(spec)
+
+
+def test_weighted_sum_errors_and_nonfinite(user_module):
+    fns = build({"seven": {"fn": "my_rewards:has_seven", "weight": 2.0},
+                 "flaky": {"fn": "my_rewards:flaky", "weight": 1.0},
+                 "nan": {"fn": "my_rewards:nan_maker", "weight": 1.0}})
+    s = score(fns, ["p"] * 3, ["7", "1", "77"], {"answer": [1, 3, 2]})
+    assert s.per_fn["flaky"] == [0.5, None, 0.5]
+    assert s.errors == {"seven": 0, "flaky": 1, "nan": 3}
+    assert s.total == [2.5, 0.0, 2.5]
+
+
+def test_kwargs_from_config_reach_the_function(tmp_path, monkeypatch):
+    (tmp_path / "kw_rewards.py").write_text(
+        "def scaled(prompts, completions, factor, **_):\n    return [factor * len(c) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fns = build({"len": {"fn": "kw_rewards:scaled", "weight": 1.0, "factor": 0.5}})
+    assert score(fns, ["p"], ["abcd"], {}).total == [2.0]
+
+
+def test_config_kwarg_typo_is_refused_even_with_open_kwargs(tmp_path, monkeypatch, cfg_factory):
+    """The docs' `brevity(prompts, completions, target_words=50, **kwargs)`: a misspelled config argument is refused
+    with a did-you-mean at start-up (before any model loads), while the dataset columns still reach **kwargs."""
+    (tmp_path / "open_rewards.py").write_text(textwrap.dedent("""
+        def brevity(prompts, completions, target_words=50, **kwargs):
+            return [float(len(c.split()) <= target_words) + 0 * len(kwargs["answer"]) for c in completions]
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        fns = build({"b": {"fn": "open_rewards:brevity", "target_words": 1}})
+        assert score(fns, ["p", "p"], ["one", "one two"], {"answer": [1, 2]}).total == [1.0, 0.0]
+        with pytest.raises(RewardSpecError) as e:
+            build({"b": {"fn": "open_rewards:brevity", "target_wrds": 1}})
+        assert str(e.value).startswith("reward.functions.b.target_wrds: 'open_rewards:brevity' has no argument "
+                                       "'target_wrds' (did you mean 'target_words'?); it takes target_words")
+        from grpo.trainer.build import preflight  # the checks that run before the runtime and the model
+
+        with pytest.raises(RewardSpecError, match="did you mean 'target_words'"):
+            preflight(cfg_factory({"reward": {"functions": {"b": {"fn": "open_rewards:brevity", "target_wrds": 1}}}}))
+    finally:
+        sys.modules.pop("open_rewards", None)
