@@ -443,7 +443,7 @@ def test_each_refill_round_keeps_the_groups_its_own_rewards_select(cfg_factory, 
     monkeypatch.setattr(experience, "_rollout", lambda *a: rounds.append(rollout(*a)) or rounds[-1])
     cfg = cfg_factory(_merge(FAST, {"algorithm": {"filter_zero_std_groups": True, "resample_zero_std": 5,
                                                   "beta": 0.0}}))
-    batch = experience.collect(build_run(cfg), cfg)
+    batch = experience.collect(build_run(cfg))
     assert len(rounds) == 3
     assert batch.stats["resample_rounds"] == 2 and batch.stats["dropped_groups"] == 1 + 2 + 1
     assert batch.stats["num_groups"] == 2 and batch.group_sizes == [4, 4]
@@ -458,7 +458,7 @@ def test_each_refill_round_keeps_the_groups_its_own_rewards_select(cfg_factory, 
     rounds.clear()
     cfg = cfg_factory(_merge(FAST, {"algorithm": {"filter_zero_std_groups": True, "resample_zero_std": 1,
                                                   "beta": 0.0}}))
-    batch = experience.collect(build_run(cfg), cfg)
+    batch = experience.collect(build_run(cfg))
     assert len(rounds) == 2 and batch.stats["resample_rounds"] == 1 and batch.group_sizes == [4]
 
 
@@ -682,7 +682,7 @@ def test_scale_rewards_batch_through_collect_on_two_ranks(cfg_factory, monkeypat
 
     def rank(k):
         try:
-            got[k] = experience.collect(runs[k], cfg)
+            got[k] = experience.collect(runs[k])
         except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
             errors.append(e)
             world["barrier"].abort()
