@@ -131,11 +131,11 @@ def main(argv=None) -> int:
                                     batch_size=args.prompts, progress=False)[0]
         else:
             os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-            from grpo.rollout.hf import _eos_ids
+            from grpo.rollout.base import eos_ids
             from grpo.rollout.vllm import VLLMBackend
 
             t0 = time.perf_counter()
-            backend = VLLMBackend(model, eos_ids=_eos_ids(model, tok), kv_cache_gib=args.kv_cache_gib,
+            backend = VLLMBackend(model, eos_ids=eos_ids(model, tok), kv_cache_gib=args.kv_cache_gib,
                                   max_model_len=max(len(p) for p in prompts) + args.new + 8, device=args.device,
                                   gpu_memory_utilization=args.gpu_memory_utilization,
                                   enforce_eager=not args.vllm_graphs)

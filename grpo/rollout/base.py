@@ -42,3 +42,20 @@ class RolloutBackend(Protocol):
     def sleep(self) -> None: ...  # after a rollout: free what the update needs (vLLM on CUDA), or nothing
 
     def close(self) -> None: ...
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """The ids that end a completion: the model's generation config's EOS ids, and the tokenizer's."""
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def cut_at_eos(ids: list[int], eos: list[int], max_new_tokens: int) -> tuple[list[int], bool]:
+    """Keep tokens up to and including the first EOS; truncated when there is none."""
+    for k, t in enumerate(ids):
+        if t in eos:
+            return ids[: k + 1], False
+    return ids[:max_new_tokens], True

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from grpo.engine.decode_attention import DECODE_ATTN_NAME, DECODE_KWARG, SharedPrefixKV
 from grpo.engine.patch import check_every_layer, placeholder_mask, shared_prefix_unsupported, switched_attention
 from grpo.engine.unwrap import unwrap_model
+from grpo.rollout.base import cut_at_eos, eos_ids
 
 
 @torch.no_grad()
@@ -86,7 +87,7 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
               greedy, desc, progress, extra, share_prompt, min_new_tokens, suffixes):
     device = next(model.parameters()).device
     synced = extra.get("synced_gpus")  # None, or the runtime's any_rank: decode until every rank is done
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     was_training = model.training
     model.eval()
@@ -121,7 +122,7 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
             input_ids, attention = input_ids.repeat_interleave(n_samples, 0), attention.repeat_interleave(n_samples, 0)
         new = decode(model, input_ids[:, -1], attention, cache, pick, max_new_tokens=max_new_tokens, eos=eos,
                      pad_id=pad_id, min_new_tokens=min_new_tokens, synced=synced, shared=shared).tolist()
-        cuts = iter([_cut_at_eos(row, eos, max_new_tokens) for row in new])
+        cuts = iter([cut_at_eos(row, eos, max_new_tokens) for row in new])
         for n in counts:
             group = [next(cuts) for _ in range(n)]
             completions.append([ids for ids, _ in group])
@@ -265,19 +266,3 @@ def _cache_kwarg(model) -> str:
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the wrapped model's name
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids
-
-
-def _cut_at_eos(ids: list[int], eos: list[int], max_new_tokens: int) -> tuple[list[int], bool]:
-    """Keep tokens up to and including the first EOS; truncated when there is none."""
-    for k, t in enumerate(ids):
-        if t in eos:
-            return ids[: k + 1], False
-    return ids[:max_new_tokens], True

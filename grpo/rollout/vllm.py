@@ -28,7 +28,7 @@ import torch
 
 from grpo.engine.unwrap import unwrap_model
 from grpo.errors import SetupError
-from grpo.rollout.base import Completions, Sampling
+from grpo.rollout.base import Completions, Sampling, cut_at_eos, eos_ids
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # the model_types tested against our decode loop
 
@@ -88,12 +88,10 @@ class VLLMBackend:
     def for_runtime(cls, runtime, tokenizer, v, max_model_len: int, seed: int) -> "VLLMBackend":
         """One engine for this run's ``runtime``. ``v``: the run's `VLLMConfig` section (rollout.vllm);
         ``max_model_len``: the longest prompt of the data + rollout.max_new_tokens unless rollout.vllm says."""
-        from grpo.rollout.hf import _eos_ids
-
         rt = runtime
         device = torch.device(rt.device).type
         try:
-            return cls(rt.model, eos_ids=_eos_ids(unwrap_model(rt.model), tokenizer), max_model_len=max_model_len,
+            return cls(rt.model, eos_ids=eos_ids(unwrap_model(rt.model), tokenizer), max_model_len=max_model_len,
                        seed=seed, device=device, gpu_memory_utilization=v.gpu_memory_utilization,
                        kv_cache_gib=v.kv_cache_gib, enforce_eager=v.enforce_eager,
                        enable_prefix_caching=v.enable_prefix_caching, sleep=v.sleep, full_weights=rt.full_weights,
@@ -146,7 +144,7 @@ class VLLMBackend:
     def generate(self, prompt_ids, group_size, sampling: Sampling, seed=None, suffixes=None) -> Completions:
         from vllm.inputs import TokensPrompt
 
-        from grpo.rollout.hf import _cut_at_eos, flatten, regroup
+        from grpo.rollout.hf import flatten, regroup
 
         if suffixes is not None:  # each prompt + suffix is a one-sample request; prefix caching shares the prompt
             out = self.generate(flatten(prompt_ids, suffixes), 1, sampling, seed)
@@ -163,7 +161,7 @@ class VLLMBackend:
         for out in outs:
             gi, gt, gl = [], [], []
             for c in sorted(out.outputs, key=lambda c: c.index):
-                toks, cut = _cut_at_eos(list(c.token_ids), self.eos_ids, sampling.max_new_tokens)
+                toks, cut = cut_at_eos(list(c.token_ids), self.eos_ids, sampling.max_new_tokens)
                 lp = [next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob
                       for d, t in zip(c.logprobs or [], toks)]
                 gi.append(toks)

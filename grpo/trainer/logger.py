@@ -112,8 +112,9 @@ class MetricsLogger:
         """One wandb run per output directory: its id is kept in ``<output_dir>/wandb_run_id``; a resume continues
         that run, a fresh start (step 0) gets a new one."""
         f = self.dir / WANDB_ID
-        if resumed and f.is_file() and f.read_text().strip():
-            return f.read_text().strip()
+        kept = f.read_text().strip() if resumed and f.is_file() else ""
+        if kept:
+            return kept
         run_id = uuid.uuid4().hex[:12]
         f.write_text(run_id + "\n")
         return run_id

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from grpo.models import char_tokenizer, tiny_model
-from grpo.rollout.hf import _cut_at_eos, generate
+from grpo.rollout.base import cut_at_eos
+from grpo.rollout.hf import generate
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
@@ -31,8 +32,8 @@ def test_greedy_is_deterministic_and_one_per_prompt():
 
 
 def test_cut_at_eos_keeps_eos_and_flags_truncation():
-    assert _cut_at_eos([5, 6, 2, 0, 0], [2], 5) == ([5, 6, 2], False)
-    assert _cut_at_eos([5, 6, 7], [2], 3) == ([5, 6, 7], True)
+    assert cut_at_eos([5, 6, 2, 0, 0], [2], 5) == ([5, 6, 2], False)
+    assert cut_at_eos([5, 6, 7], [2], 3) == ([5, 6, 7], True)
 
 
 def test_checkpoint_generation_config_does_not_change_sampling():

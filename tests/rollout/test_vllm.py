@@ -123,9 +123,9 @@ def test_smollm2_greedy_tokens_equal_our_decode_loop():
              "The capital of France is", "def add(a, b):", "Translate 'cat' to French:"]
     prompts = [stok(stok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                              tokenize=False), add_special_tokens=False)["input_ids"] for t in texts]
-    from grpo.rollout.hf import _eos_ids
+    from grpo.rollout.base import eos_ids
 
-    backend = VLLMBackend(model, eos_ids=_eos_ids(model, stok), max_model_len=256, seed=0)
+    backend = VLLMBackend(model, eos_ids=eos_ids(model, stok), max_model_len=256, seed=0)
     try:
         got = backend.generate(prompts, 1, Sampling(max_new_tokens=16, greedy=True))
     finally:
