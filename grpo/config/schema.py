@@ -204,7 +204,7 @@ _CHOICES = {
     "algorithm.importance_sampling": ("token", "sequence"),
     "algorithm.rollout_is": ROLLOUT_IS_MODES,
     "rollout.backend": ("auto", "hf", "vllm"),
-    "rollout.tool_format": ("auto", "template", "hermes"),  # grpo.rollout.episodes.formats.FORMATS
+    "rollout.tool_format": ("auto", "template", "hermes", "pythonic", "code"),  # grpo.rollout.episodes.formats.FORMATS
     "trainer.lr_schedule": ("constant", "cosine", "linear"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "distributed.backend": ("none", "deepspeed"),
