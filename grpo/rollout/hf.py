@@ -115,13 +115,8 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
         kept = [turns.take(c) for c in contexts] if turns is not None and suffixes is not None else None
         if kept is not None and all(row is not None for row, _ in kept):  # each row prefills only its new tokens
             counts = [len(ss) for ss in tails]
-            cache, held = batched(model, kept, device)
-            input_ids, own = _left_padded([c[n:] for c, (_, n) in zip(contexts, kept)], pad_id, device)
-            attention = torch.cat([held, own], dim=1)
-            cache = prefill(model, input_ids, attention, cache=cache)
-            new = decode(model, input_ids[:, -1], attention, cache, pick, max_new_tokens=max_new_tokens, eos=eos,
-                         pad_id=pad_id, min_new_tokens=min_new_tokens, synced=synced)
-            _keep(turns, cache, None, attention, contexts, new, counts)
+            new = _decode_kept(model, kept, contexts, turns, counts, pick, max_new_tokens=max_new_tokens, eos=eos,
+                               pad_id=pad_id, min_new_tokens=min_new_tokens, synced=synced)
             _collect(new.tolist(), counts, eos, max_new_tokens, completions, truncated)
             bar.update(sum(counts))
             continue
@@ -156,6 +151,18 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
     if was_training:
         model.train()
     return completions, truncated
+
+
+def _decode_kept(model, kept, contexts, turns: TurnCache, counts, pick, *, pad_id: int, **decoding) -> torch.Tensor:
+    """Decode rows that continue kept ones: the kept K/V batched, each row's tokens after them prefilled."""
+    device = next(model.parameters()).device
+    cache, held = batched(model, kept, device)
+    input_ids, own = _left_padded([c[n:] for c, (_, n) in zip(contexts, kept)], pad_id, device)
+    attention = torch.cat([held, own], dim=1)
+    cache = prefill(model, input_ids, attention, cache=cache)
+    new = decode(model, input_ids[:, -1], attention, cache, pick, pad_id=pad_id, **decoding)
+    _keep(turns, cache, None, attention, contexts, new, counts)
+    return new
 
 
 def _collect(new: list[list[int]], counts: list[int], eos, max_new_tokens, completions: list, truncated: list):
