@@ -78,6 +78,24 @@ class VLLMConfig:
 
 
 @dataclass
+class ServerConfig:
+    # rollout.backend=server (docs/rollout.md#the-server-backend): vLLM's own server, started with `grpo-serve`
+    urls: list = field(default_factory=list)  # the trainer's servers, e.g. [http://127.0.0.1:8000]; each group on one
+    host: str = "127.0.0.1"          # grpo-serve: the address the server listens on
+    port: int = 8000                 # grpo-serve: its port
+    devices: Optional[str] = None    # grpo-serve on GPUs: CUDA_VISIBLE_DEVICES of the server (null: as inherited)
+    tensor_parallel_size: int = 1    # grpo-serve on GPUs: GPUs one server spans
+    balance: str = "round_robin"     # round_robin | least_loaded: which server gets the next group
+    sync_every: int = 1              # push the trainer's weights every N optimizer steps (1: always on-policy)
+    sync_check_tol: float = 1.0e-3   # max |log p_server - log p_trainer| on the check sequence after a sync
+    weight_transfer: str = "auto"    # auto | gloo | nccl: how weights travel (auto: nccl on CUDA, else gloo)
+    trainer_host: Optional[str] = None  # the address servers reach the trainer at for weights (null: derived)
+    connect_timeout_s: float = 300.0  # how long the trainer waits for a server that is not up yet
+    request_timeout_s: float = 600.0  # one generation request (a whole group) at most
+    retries: int = 2                 # extra tries of a request that failed to connect or timed out
+
+
+@dataclass
 class RolloutConfig:
     prompts_per_step: int = 8        # prompts per optimizer step (each gets group_size completions)
     max_new_tokens: int = 64         # completion length cap; longer completions are cut (truncated)
@@ -86,10 +104,11 @@ class RolloutConfig:
     top_k: int = 0                   # sample from the k most likely tokens; 0 = off
     batch_size: int = 8              # prompts generated together (each with G samples)
     share_prompt: bool = True        # prefill each prompt once and fork its KV cache for the G samples
-    # auto | hf | vllm: hf = our decode loop on the training model; vllm = a vLLM engine (pip install -e '.[vllm]');
-    # auto = vllm on CUDA when it is installed, else hf
+    # auto | hf | vllm | server: hf = our decode loop on the training model; vllm = a vLLM engine in this process
+    # (pip install -e '.[vllm]'); server = vLLM servers started with grpo-serve; auto = vllm on CUDA if installed, else hf
     backend: str = "auto"
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # vLLM engine settings (rollout.vllm.*)
+    server: ServerConfig = field(default_factory=ServerConfig)  # rollout.backend=server: vLLM servers (grpo-serve)
     # multi-turn episodes (docs/tools-and-environments.md): functions the model may call, 'package.module:function'
     tools: list = field(default_factory=list)
     tool_format: str = "auto"        # template | hermes (tools in the system prompt) | auto: template if it shows tools
@@ -203,7 +222,9 @@ _CHOICES = {
     "algorithm.scale_rewards": ("group", "batch", "none"),
     "algorithm.importance_sampling": ("token", "sequence"),
     "algorithm.rollout_is": ROLLOUT_IS_MODES,
-    "rollout.backend": ("auto", "hf", "vllm"),
+    "rollout.backend": ("auto", "hf", "vllm", "server"),
+    "rollout.server.balance": ("round_robin", "least_loaded"),
+    "rollout.server.weight_transfer": ("auto", "gloo", "nccl"),
     "rollout.tool_format": ("auto", "template", "hermes"),  # grpo.rollout.episodes.formats.FORMATS
     "trainer.lr_schedule": ("constant", "cosine", "linear"),
     "trainer.device": ("auto", "cpu", "cuda"),
@@ -234,6 +255,13 @@ _RANGES = {
     "rollout.vllm.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "rollout.vllm.kv_cache_gib": (lambda v: v > 0, "> 0"),
     "rollout.vllm.max_model_len": (lambda v: v is None or v >= 2, ">= 2 or null"),
+    "rollout.server.port": (lambda v: 0 < v < 65536, "a TCP port in 1..65535"),
+    "rollout.server.tensor_parallel_size": (lambda v: v >= 1, ">= 1"),
+    "rollout.server.sync_every": (lambda v: v >= 1, ">= 1 (optimizer steps between weight pushes)"),
+    "rollout.server.sync_check_tol": (lambda v: v > 0 and math.isfinite(v), "> 0"),
+    "rollout.server.connect_timeout_s": (lambda v: v > 0 and math.isfinite(v), "> 0 (seconds)"),
+    "rollout.server.request_timeout_s": (lambda v: v > 0 and math.isfinite(v), "> 0 (seconds)"),
+    "rollout.server.retries": (lambda v: v >= 0, ">= 0"),
     "algorithm.rollout_is_cap": (lambda v: v >= 1, ">= 1"),
     "engine.max_tokens_per_micro_batch": (
         lambda v: v == "auto" or (not isinstance(v, bool) and isinstance(v, (int, str)) and str(v).isdigit()
@@ -331,6 +359,7 @@ def validate(cfg: Config) -> Config:
                           "cap silently zeroes the gradient of positive-advantage tokens whose ratio is above delta)")
     _check_distributed(cfg)
     _check_tools(cfg)
+    _check_server(cfg)
     if cfg.trainer.resume not in (None, "auto", "") and not isinstance(cfg.trainer.resume, str):
         raise ConfigError("trainer.resume must be null, 'auto' or a checkpoint path")
     return cfg
@@ -343,6 +372,18 @@ def _check_tools(cfg: Config) -> None:
                           "be a list of 'package.module:function' strings")
     if r.environment is not None and (not isinstance(r.environment, str) or ":" not in r.environment):
         raise ConfigError(f"rollout.environment={r.environment!r} must be 'package.module:Class' or null")
+
+
+def _check_server(cfg: Config) -> None:
+    urls = cfg.rollout.server.urls
+    if cfg.rollout.backend != "server":
+        return
+    if not urls:
+        raise ConfigError("rollout.backend=server needs rollout.server.urls, e.g. "
+                          "rollout.server.urls=[http://127.0.0.1:8000] (start the server with grpo-serve)")
+    for u in urls:
+        if not isinstance(u, str) or not u.startswith(("http://", "https://")) or len(u.split("://", 1)[1]) == 0:
+            raise ConfigError(f"rollout.server.urls: {u!r} is not a URL; give http://HOST:PORT")
 
 
 def _check_distributed(cfg: Config) -> None:
