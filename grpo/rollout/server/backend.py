@@ -173,6 +173,7 @@ def check_server(server, model_name: str, facts: dict, max_model_len: int) -> No
                           "recipe or a larger rollout.vllm.max_model_len")
 
 
+@torch.no_grad()
 def trainer_logprobs(model, ids: list[int], device="cpu") -> torch.Tensor:
     """The trainer's log-prob of each token of ``ids`` after the first, at temperature 1 (every rank: a ZeRO-3
     forward is a collective)."""

@@ -22,7 +22,7 @@ class GRPOWorkerExtension:
         keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "intermediate_size")
         return {**{k: getattr(hf, k, None) for k in keys}, "max_model_len": cfg.max_model_len,
-                "dtype": str(cfg.dtype).replace("torch.", "")}
+                "dtype": str(cfg.dtype).replace("torch.", ""), "pushes": getattr(self, "_grpo_pushes", 0)}
 
     def grpo_join(self, spec: str) -> dict:
         """Join the trainer's weight channel: ``spec`` is JSON {host, port, rank, world_size, timeout_s}. A channel
@@ -62,4 +62,5 @@ class GRPOWorkerExtension:
                 pass
         finally:
             weights.close()
+        self._grpo_pushes = getattr(self, "_grpo_pushes", 0) + 1  # weight streams loaded since the server started
         return {"received": count, "missing": missing.messages[:1]}
