@@ -1,8 +1,8 @@
 """``grpo-serve recipe=NAME key=value ... [--print] [-- VLLM_FLAGS]``: vLLM's server for a run's model.
 
 Takes the recipe and overrides `grpo-train` takes, so the model, its dtype, the max length and the sampling limits
-agree with the trainer's by construction, plus ``rollout.server.host``/``port`` (and on GPUs ``devices`` and
-``tensor_parallel_size``). It then replaces itself with vLLM's OpenAI-compatible server
+agree with the trainer's by construction, plus ``rollout.server.host``/``port`` (on GPUs ``tensor_parallel_size``;
+its devices are ``CUDA_VISIBLE_DEVICES``'s). It then replaces itself with vLLM's OpenAI-compatible server
 (`grpo.rollout.server.launch`); ``GET /health`` answers once it is ready. ``--print``: print the command instead.
 Runs in the environment that has vLLM (``.venv-vllm/bin/grpo-serve``; docs/rollout.md#the-server-backend).
 """
@@ -25,7 +25,7 @@ def settings(cfg, device: str):
     return ServeSettings(model=cfg.model.name_or_path, tiny=dict(cfg.model.tiny), dtype=cfg.model.dtype,
                          max_model_len=r.vllm.max_model_len or cfg.data.max_prompt_tokens + max_completion_tokens(r),
                          host=s.host, port=s.port, seed=cfg.trainer.seed, device=device,
-                         kv_cache_gib=r.vllm.kv_cache_gib, enforce_eager=r.vllm.enforce_eager, devices=s.devices,
+                         kv_cache_gib=r.vllm.kv_cache_gib, enforce_eager=r.vllm.enforce_eager,
                          tensor_parallel_size=s.tensor_parallel_size,
                          weight_transfer=transfer_kind(s.weight_transfer, device))
 
@@ -37,10 +37,12 @@ def main(argv: list[str] | None = None) -> None:
     dry = "--print" in ours
     overrides = [a for a in ours if a != "--print"]
     try:
+        from grpo.config.cli import check_argv
         from grpo.config.compose import compose
         from grpo.config.schema import load
         from grpo.models import cache_dir
 
+        check_argv(overrides)  # a typo: one line naming the key, as grpo-train says it
         raw = compose(overrides)
         raw.trainer.output_dir = "unused"  # nothing of the run is written by a server
         cfg = load(raw)

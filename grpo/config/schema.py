@@ -13,6 +13,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from grpo.config.checks import check_distributed, check_server, check_tools
 from grpo.errors import ConfigError
 
 
@@ -79,12 +80,10 @@ class VLLMConfig:
 
 @dataclass
 class ServerConfig:
-    # rollout.backend=server (docs/rollout.md#the-server-backend): vLLM's own server, started with `grpo-serve`
-    urls: list = field(default_factory=list)  # the trainer's servers, e.g. [http://127.0.0.1:8000]; each group on one
+    urls: list = field(default_factory=list)  # rollout.backend=server: its servers (grpo-serve), [http://H:PORT,...]
     host: str = "127.0.0.1"          # grpo-serve: the address the server listens on
     port: int = 8000                 # grpo-serve: its port
-    devices: Optional[str] = None    # grpo-serve on GPUs: CUDA_VISIBLE_DEVICES of the server (null: as inherited)
-    tensor_parallel_size: int = 1    # grpo-serve on GPUs: GPUs one server spans
+    tensor_parallel_size: int = 1    # grpo-serve on GPUs: GPUs one server spans (which: CUDA_VISIBLE_DEVICES)
     balance: str = "round_robin"     # round_robin | least_loaded: which server gets the next group
     sync_every: int = 1              # push the trainer's weights every N optimizer steps (1: always on-policy)
     sync_check_tol: float = 1.0e-3   # max |log p_server - log p_trainer| on the check sequence after a sync
@@ -105,7 +104,7 @@ class RolloutConfig:
     batch_size: int = 8              # prompts generated together (each with G samples)
     share_prompt: bool = True        # prefill each prompt once and fork its KV cache for the G samples
     # auto | hf | vllm | server: hf = our decode loop on the training model; vllm = a vLLM engine in this process
-    # (pip install -e '.[vllm]'); server = vLLM servers started with grpo-serve; auto = vllm on CUDA if installed, else hf
+    # (pip install -e '.[vllm]'); server = vLLM servers (grpo-serve); auto = vllm on CUDA if installed, else hf
     backend: str = "auto"
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # vLLM engine settings (rollout.vllm.*)
     server: ServerConfig = field(default_factory=ServerConfig)  # rollout.backend=server: vLLM servers (grpo-serve)
@@ -259,8 +258,8 @@ _RANGES = {
     "rollout.server.tensor_parallel_size": (lambda v: v >= 1, ">= 1"),
     "rollout.server.sync_every": (lambda v: v >= 1, ">= 1 (optimizer steps between weight pushes)"),
     "rollout.server.sync_check_tol": (lambda v: v > 0 and math.isfinite(v), "> 0"),
-    "rollout.server.connect_timeout_s": (lambda v: v > 0 and math.isfinite(v), "> 0 (seconds)"),
-    "rollout.server.request_timeout_s": (lambda v: v > 0 and math.isfinite(v), "> 0 (seconds)"),
+    **{f"rollout.server.{k}_timeout_s": (lambda v: v > 0 and math.isfinite(v), "> 0 (seconds)")
+       for k in ("connect", "request")},
     "rollout.server.retries": (lambda v: v >= 0, ">= 0"),
     "algorithm.rollout_is_cap": (lambda v: v >= 1, ">= 1"),
     "engine.max_tokens_per_micro_batch": (
@@ -357,52 +356,12 @@ def validate(cfg: Config) -> Config:
     if a.delta is not None and a.delta < 1 + high:
         raise ConfigError(f"algorithm.delta={a.delta} must be >= 1 + epsilon_high = {1 + high:g} or null (a smaller "
                           "cap silently zeroes the gradient of positive-advantage tokens whose ratio is above delta)")
-    _check_distributed(cfg)
-    _check_tools(cfg)
-    _check_server(cfg)
+    check_distributed(cfg)
+    check_tools(cfg)
+    check_server(cfg)
     if cfg.trainer.resume not in (None, "auto", "") and not isinstance(cfg.trainer.resume, str):
         raise ConfigError("trainer.resume must be null, 'auto' or a checkpoint path")
     return cfg
-
-
-def _check_tools(cfg: Config) -> None:
-    r = cfg.rollout
-    if not isinstance(r.tools, (list, tuple)) or not all(isinstance(t, str) and ":" in t for t in r.tools):
-        raise ConfigError(f"rollout.tools={list(r.tools) if isinstance(r.tools, (list, tuple)) else r.tools!r} must "
-                          "be a list of 'package.module:function' strings")
-    if r.environment is not None and (not isinstance(r.environment, str) or ":" not in r.environment):
-        raise ConfigError(f"rollout.environment={r.environment!r} must be 'package.module:Class' or null")
-
-
-def _check_server(cfg: Config) -> None:
-    urls = cfg.rollout.server.urls
-    if cfg.rollout.backend != "server":
-        return
-    if not urls:
-        raise ConfigError("rollout.backend=server needs rollout.server.urls, e.g. "
-                          "rollout.server.urls=[http://127.0.0.1:8000] (start the server with grpo-serve)")
-    for u in urls:
-        if not isinstance(u, str) or not u.startswith(("http://", "https://")) or len(u.split("://", 1)[1]) == 0:
-            raise ConfigError(f"rollout.server.urls: {u!r} is not a URL; give http://HOST:PORT")
-
-
-def _check_distributed(cfg: Config) -> None:
-    d = cfg.distributed
-    if d.backend == "none":
-        on = [k for k in ("offload_optimizer", "offload_params", "bf16") if getattr(d, k)]
-        if d.zero_stage or on or d.ds_config:
-            key = f"distributed.zero_stage={d.zero_stage}" if d.zero_stage else \
-                (f"distributed.{on[0]}=true" if on else "distributed.ds_config")
-            raise ConfigError(f"{key} needs distributed.backend=deepspeed (use distributed=zero2 or distributed=zero3)")
-        return
-    if d.offload_params and d.zero_stage != 3:
-        raise ConfigError(f"distributed.offload_params=true needs distributed.zero_stage=3 (got {d.zero_stage}); "
-                          "use distributed=zero3")
-    if d.offload_optimizer and d.zero_stage == 0:
-        raise ConfigError("distributed.offload_optimizer=true needs distributed.zero_stage >= 1")
-    if cfg.model.dtype == "float16":
-        raise ConfigError("model.dtype=float16 is not supported with distributed.backend=deepspeed (no loss scaling); "
-                          "use model.dtype=bfloat16 or distributed.bf16=true")
 
 
 _ABSENT = object()

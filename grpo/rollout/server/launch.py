@@ -6,7 +6,7 @@ connect), its dtype and max length, prefix caching on, log-probs after the tempe
 as the trainer computes them), the checkpoint's generation config ignored, vLLM's development endpoints on
 (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``, ``/update_weight_version``, ``/reset_prefix_cache``, ...) and
 our worker extension (`grpo.rollout.server.worker`) for the CPU weight path. On CUDA the server gets vLLM's
-nccl weight transfer, its own devices (``rollout.server.devices``) and tensor-parallel size.
+nccl weight transfer and its tensor-parallel size (its devices: ``CUDA_VISIBLE_DEVICES``).
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ class ServeSettings:
     device: str                  # cpu | cuda
     kv_cache_gib: float          # CPU: VLLM_CPU_KVCACHE_SPACE
     enforce_eager: bool
-    devices: str | None = None   # CUDA_VISIBLE_DEVICES
     tensor_parallel_size: int = 1
     weight_transfer: str = "gloo"  # gloo (the extension) | nccl (vLLM's own engine)
 
@@ -75,9 +74,7 @@ def serve_command(s: ServeSettings, cache: Path, extra: list[str] = ()) -> tuple
         # offset"): every prompt is prefilled whole
         argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(8192, s.max_model_len))]
     else:
-        argv += ["--gpu-memory-utilization", "0.9"]  # the server's GPUs are its own
-        if s.devices:
-            env["CUDA_VISIBLE_DEVICES"] = s.devices
+        argv += ["--gpu-memory-utilization", "0.9"]  # the server's GPUs are its own (CUDA_VISIBLE_DEVICES)
     if s.weight_transfer == "nccl":
         argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     return argv + list(extra), env

@@ -65,8 +65,8 @@ class NCCLTransfer:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        from grpo.runtime.transfer import free_port
         from grpo.rollout.server.client import ServerError
+        from grpo.runtime.transfer import free_port
 
         if len(servers) != 1:
             raise ServerError("rollout.server.weight_transfer=nccl feeds one server; give one URL in "
