@@ -126,3 +126,23 @@ def test_a_server_of_another_model_or_length_is_refused_at_connect(tok, fakes, w
     assert fake.url in msg and "\n" not in msg
     assert {"name": "'tiny:llama'", "shape": "hidden_size=128", "length": "max_model_len=64"}[what] in msg
     assert fake.received == 0  # nothing was pushed
+
+
+def test_lora_sends_the_merged_weights(tok, fakes):
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_model("llama", len(tok), seed=1, **TINY)
+    trainer = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # a trained adapter: B is no longer zero
+        for n, p in trainer.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    fake = fakes(model=tiny_model("llama", len(tok), seed=1, **TINY))
+    b = _backend(trainer, [fake])
+    b.set_version(0)
+    b.sync_weights(trainer)
+    assert b.stats["server/sync_logprob_gap"] < 1e-5  # the server's plain model scores as the adapted trainer
+    q = trainer.base_model.model.model.layers[0].self_attn.q_proj
+    merged = q.base_layer.weight + q.get_delta_weight("default")
+    assert torch.allclose(fake.model.model.layers[0].self_attn.q_proj.weight, merged, atol=1e-6)
+    assert not torch.allclose(q.base_layer.weight, merged)  # the trainer's own weight is left unmerged
