@@ -98,7 +98,10 @@ def start_server(cmd: list[str], port: int, log: Path, timeout: float) -> tuple[
 
 
 def measure(backend: str, cmd: list[str], out: Path, timeout: int) -> dict:
-    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"backend": backend, "error": f"not done after --timeout {timeout} s"}
     if p.returncode != 0:
         return {"backend": backend, "error": (p.stderr.strip().splitlines() or ["?"])[-1]}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

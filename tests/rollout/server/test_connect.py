@@ -1,5 +1,5 @@
 """Which address the servers reach the trainer at, and which weight path a run takes."""
-from grpo.rollout.server.connect import transfer_kind, trainer_host
+from grpo.rollout.server.connect import trainer_host, transfer_kind
 
 
 def test_local_servers_reach_the_trainer_on_loopback_and_a_given_address_wins():
