@@ -12,3 +12,18 @@ def test_local_servers_reach_the_trainer_on_loopback_and_a_given_address_wins():
 def test_auto_is_nccl_on_cuda_and_gloo_elsewhere():
     assert (transfer_kind("auto", "cuda"), transfer_kind("auto", "cpu")) == ("nccl", "gloo")
     assert transfer_kind("gloo", "cuda") == "gloo"
+
+
+def test_a_server_run_without_urls_or_with_a_bad_one_fails_in_one_line(cfg_factory):
+    import pytest
+
+    from grpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^rollout.backend=server needs rollout.server.urls, e.g. "):
+        cfg_factory({"rollout": {"backend": "server"}})
+    with pytest.raises(ConfigError, match=r"^rollout.server.urls: '127.0.0.1:8000' is not a URL; give http://HOST"):
+        cfg_factory({"rollout": {"backend": "server", "server": {"urls": ["127.0.0.1:8000"]}}})
+    with pytest.raises(ConfigError, match="rollout.server.balance='random' is not allowed"):
+        cfg_factory({"rollout": {"server": {"balance": "random"}}})
+    assert cfg_factory({"rollout": {"backend": "server", "server": {"urls": ["http://h:1"]}}}).rollout.server.urls \
+        == ["http://h:1"]
