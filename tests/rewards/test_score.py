@@ -18,3 +18,62 @@ def test_weighted_total_skips_a_failed_sample_and_counts_the_error():
     s = score(fns, ["p"] * 3, ["x", "y", "z"], {})
     assert s.total == pytest.approx([2.0, 1.0, 2.0]) and s.per_fn["b"] == [1.0, None, 1.0]
     assert s.per_fn["c"] == [None] * 3 and s.errors == {"a": 0, "b": 0, "c": 3}  # None returned is no error
+
+
+@pytest.fixture
+def fresh_reports(monkeypatch, caplog):
+    """score's once-per-function failure records, emptied for the test; the warnings it logs captured."""
+    import grpo.rewards.score as score_mod
+
+    monkeypatch.setattr(score_mod, "_reported", set())
+    monkeypatch.setattr(score_mod, "_first_failure", {})
+    caplog.set_level("WARNING", logger="grpo.rewards")
+    return caplog
+
+
+def _user_reward(tmp_path, filename: str):
+    """A reward defined in the user's own file ``filename`` (outside the package) that raises on every call."""
+    import importlib.util
+
+    path = tmp_path / filename
+    path.write_text("def bad_reward(prompts, completions, **_):\n    return helper(completions)\n\n\n"
+                    "def helper(completions):\n    raise ValueError('no number in ' + repr(completions[0]))\n")
+    spec = importlib.util.spec_from_file_location(f"user_{filename[:-3]}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.bad_reward
+
+
+@pytest.mark.parametrize("filename", ["my_rewards.py", "score.py"])  # a user file may share a machinery file's name
+def test_first_failure_is_logged_once_with_the_users_frames_not_the_machinerys(tmp_path, fresh_reports, filename):
+    from grpo.rewards.score import first_failure
+
+    fns = [RewardFunction("bad", _user_reward(tmp_path, filename))]
+    score(fns, ["p", "p"], ["a", "b"], {})
+    score(fns, ["p"], ["c"], {})  # a second failure, and a second batch: not logged again
+    logged = [r.getMessage() for r in fresh_reports.records]
+    assert len(logged) == 1, logged
+    text = logged[0]
+    assert text.startswith("reward function 'bad' raised ValueError: no number in 'a' (the samples")
+    assert text.endswith("ValueError: no number in 'a'")  # the traceback ends at the exception, stripped
+    assert f'{filename}", line 2, in bad_reward' in text and f'{filename}", line 6, in helper' in text
+    assert "grpo/rewards/score.py" not in text and "in score_one" not in text and "in _call" not in text
+    assert first_failure("bad") == "raised ValueError: no number in 'a'" and first_failure("other") is None
+
+
+def test_each_function_reports_its_own_first_failure_and_long_messages_are_cut(fresh_reports):
+    from grpo.rewards.score import first_failure
+
+    def long(prompts, completions, **_):
+        raise RuntimeError("x" * 400)
+
+    def nan(prompts, completions, **_):
+        return [float("nan")] * len(completions)
+
+    s = score([RewardFunction("long", long), RewardFunction("nan", nan)], ["p"], ["a"], {})
+    assert s.errors == {"long": 1, "nan": 1}
+    assert first_failure("long") == ("raised RuntimeError: " + "x" * 400)[:300]
+    assert first_failure("nan") == "returned nan"
+    messages = [r.getMessage() for r in fresh_reports.records]
+    assert len(messages) == 2 and messages[1] == ("reward function 'nan' returned nan (the samples it cannot score "
+                                                  "get no score; shown once)")
