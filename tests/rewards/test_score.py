@@ -31,6 +31,11 @@ def fresh_reports(monkeypatch, caplog):
     return caplog
 
 
+def _lines(text: str) -> list[str]:
+    """The logged text's lines without the ^ markers under code (Python versions differ in where they draw them)."""
+    return [line for line in text.splitlines() if line.strip(" ^~")]
+
+
 def _user_reward(tmp_path, filename: str):
     """A reward defined in the user's own file ``filename`` (outside the package) that raises on every call."""
     import importlib.util
@@ -56,7 +61,13 @@ def test_first_failure_is_logged_once_with_the_users_frames_not_the_machinerys(t
     text = logged[0]
     assert text.startswith("reward function 'bad' raised ValueError: no number in 'a' (the samples")
     assert text.endswith("ValueError: no number in 'a'")  # the traceback ends at the exception, stripped
-    assert f'{filename}", line 2, in bad_reward' in text and f'{filename}", line 6, in helper' in text
+    path = tmp_path / filename
+    assert text.startswith("reward function 'bad' raised ValueError: no number in 'a' (the samples it cannot score "
+                           "get no score; shown once):\n  File ")
+    assert _lines(text)[-5:] == [f'  File "{path}", line 2, in bad_reward', "    return helper(completions)",
+                                 f'  File "{path}", line 6, in helper',
+                                 "    raise ValueError('no number in ' + repr(completions[0]))",
+                                 "ValueError: no number in 'a'"]
     assert "grpo/rewards/score.py" not in text and "in score_one" not in text and "in _call" not in text
     assert first_failure("bad") == "raised ValueError: no number in 'a'" and first_failure("other") is None
 
@@ -77,3 +88,18 @@ def test_each_function_reports_its_own_first_failure_and_long_messages_are_cut(f
     messages = [r.getMessage() for r in fresh_reports.records]
     assert len(messages) == 2 and messages[1] == ("reward function 'nan' returned nan (the samples it cannot score "
                                                   "get no score; shown once)")
+
+
+def test_an_exception_of_several_lines_is_shown_whole_and_named_by_its_last(fresh_reports):
+    """A SyntaxError (a reward compiling the completion) formats as several lines: the text and ^ marker, then the
+    error; the one-line summary is that last line."""
+    from grpo.rewards.score import first_failure
+
+    def compiles(prompts, completions, **_):
+        return [float(eval(compile(c, "<answer>", "eval"))) for c in completions]
+
+    s = score([RewardFunction("calc", compiles)], ["p"], ["1 +"], {})
+    assert s.errors == {"calc": 1} and s.per_fn["calc"] == [None]
+    (text,) = [r.getMessage() for r in fresh_reports.records]
+    assert first_failure("calc") == "raised SyntaxError: invalid syntax"
+    assert _lines(text)[-3:] == ['  File "<answer>", line 1', "    1 +", "SyntaxError: invalid syntax"], text
