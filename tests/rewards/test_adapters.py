@@ -7,6 +7,8 @@ def test_messages_read_as_their_assistant_turns():
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a1"},
             {"role": "assistant", "content": "a2"}]
     assert as_text(msgs) == "a1\n\na2" and as_text([{"role": "user", "content": "q"}]) == "q"
+    calls = [{"role": "assistant", "content": None, "tool_calls": [{}]}, {"role": "assistant", "content": "42"}]
+    assert as_text(calls) == "\n\n42"  # a turn of tool calls alone has no text (None, not "None")
 
 
 def test_a_verl_function_gets_its_ground_truth_and_a_failure_scores_none():

@@ -103,3 +103,52 @@ def test_an_exception_of_several_lines_is_shown_whole_and_named_by_its_last(fres
     (text,) = [r.getMessage() for r in fresh_reports.records]
     assert first_failure("calc") == "raised SyntaxError: invalid syntax"
     assert _lines(text)[-3:] == ['  File "<answer>", line 1', "    1 +", "SyntaxError: invalid syntax"], text
+
+
+def _named(prompts, completions, scale=1.0):
+    return [scale] * len(completions)
+
+
+def _open(prompts, completions, scale=1.0, **columns):
+    return [scale] * len(completions)
+
+
+def test_a_config_argument_the_function_does_not_name_is_refused_with_what_it_takes():
+    from grpo.rewards.score import RewardSpecError, check_kwargs
+
+    check_kwargs("r", "m:_named", _named, {"scale": 2.0})
+    with pytest.raises(RewardSpecError) as e:
+        check_kwargs("r", "m:_named", _named, {"sclae": 2.0})
+    assert str(e.value) == ("reward.functions.r.sclae: 'm:_named' has no argument 'sclae' (did you mean 'scale'?); "
+                            "it takes scale (and fn, weight)")  # no **kwargs: nothing more to say
+    with pytest.raises(RewardSpecError) as e:
+        check_kwargs("r", "m:_open", _open, {"zzz": 1})
+    assert str(e.value) == ("reward.functions.r.zzz: 'm:_open' has no argument 'zzz'; it takes scale (and fn, weight); "
+                            "a config argument must be a parameter it names (its **kwargs gets the dataset columns)")
+
+
+def test_a_builtin_is_tried_once_with_its_arguments_and_its_own_complaint_is_the_error():
+    from grpo.rewards.registry import resolve
+    from grpo.rewards.score import RewardSpecError, check_kwargs
+
+    fn = resolve("overlong_penalty")
+    check_kwargs("o", "overlong_penalty", fn, {"max_len": 8})
+    with pytest.raises(RewardSpecError) as e:
+        check_kwargs("o", "overlong_penalty", fn, {})
+    assert str(e.value) == ("reward.functions.o (overlong_penalty) cannot run with these arguments: overlong_penalty "
+                            "needs max_len > 0 (the rollout's max new tokens)")
+    with pytest.raises(RewardSpecError) as e:  # a built-in's own **kwargs are the columns: no advice about them
+        check_kwargs("o", "overlong_penalty", fn, {"max_lne": 8})
+    assert str(e.value) == ("reward.functions.o.max_lne: 'overlong_penalty' has no argument 'max_lne' "
+                            "(did you mean 'max_len'?); it takes max_len, buffer_len, penalty_factor, completion_ids "
+                            "(and fn, weight)")
+
+
+def test_build_resolves_each_function_with_its_weight_arguments_and_spec_in_this_process():
+    from grpo.rewards.score import build
+
+    (fn,) = build({"n": {"fn": "number_only", "weight": 2}})
+    assert (fn.name, fn.weight, fn.kwargs, fn.spec, fn.timeout_s, fn.worker) == ("n", 2.0, {}, "number_only", 0.0,
+                                                                                 None)
+    (fn,) = build({"o": {"fn": "overlong_penalty", "max_len": 8}})
+    assert fn.kwargs == {"max_len": 8} and fn.weight == 1.0 and fn.spec == "overlong_penalty"
