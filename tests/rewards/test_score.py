@@ -122,6 +122,10 @@ def test_a_config_argument_the_function_does_not_name_is_refused_with_what_it_ta
     assert str(e.value) == ("reward.functions.r.sclae: 'm:_named' has no argument 'sclae' (did you mean 'scale'?); "
                             "it takes scale (and fn, weight)")  # no **kwargs: nothing more to say
     with pytest.raises(RewardSpecError) as e:
+        check_kwargs("r", "m:_bare", lambda prompts, completions: [], {"scale": 1})
+    assert str(e.value) == ("reward.functions.r.scale: 'm:_bare' has no argument 'scale'; it takes no arguments "
+                            "(and fn, weight)")
+    with pytest.raises(RewardSpecError) as e:
         check_kwargs("r", "m:_open", _open, {"zzz": 1})
     assert str(e.value) == ("reward.functions.r.zzz: 'm:_open' has no argument 'zzz'; it takes scale (and fn, weight); "
                             "a config argument must be a parameter it names (its **kwargs gets the dataset columns)")
@@ -152,3 +156,18 @@ def test_build_resolves_each_function_with_its_weight_arguments_and_spec_in_this
                                                                                  None)
     (fn,) = build({"o": {"fn": "overlong_penalty", "max_len": 8}})
     assert fn.kwargs == {"max_len": 8} and fn.weight == 1.0 and fn.spec == "overlong_penalty"
+
+
+def test_reward_inputs_follow_trls_rule_for_conversational_and_text_datasets():
+    from grpo.rewards.score import reward_inputs
+
+    chat = [{"prompt": "q1", "prompt_messages": [{"role": "user", "content": "q1"}]}, {"prompt": "q2"}]
+    prompts, completions = reward_inputs(chat, ["a", "b", "c", "d"], 2, "auto")
+    assert prompts == [[{"role": "user", "content": "q1"}]] * 2 + [[{"role": "user", "content": "q2"}]] * 2
+    assert completions[0] == [{"role": "assistant", "content": "a"}] and len(completions) == 4
+    text = [{"prompt": "q1"}, {"prompt": "q2"}]
+    assert reward_inputs(text, ["a", "b"], 1, "auto") == (["q1", "q2"], ["a", "b"])
+    assert reward_inputs(chat, ["a", "b"], 1, "text") == (["q1", "q2"], ["a", "b"])
+    prompts, completions = reward_inputs(text, ["a", "b"], 1, "messages")
+    assert prompts[1] == [{"role": "user", "content": "q2"}] and completions[1] == [{"role": "assistant",
+                                                                                    "content": "b"}]
