@@ -171,3 +171,23 @@ def test_reward_inputs_follow_trls_rule_for_conversational_and_text_datasets():
     prompts, completions = reward_inputs(text, ["a", "b"], 1, "messages")
     assert prompts[1] == [{"role": "user", "content": "q2"}] and completions[1] == [{"role": "assistant",
                                                                                     "content": "b"}]
+
+
+def test_a_builtins_complaint_is_its_first_line_cut_to_200_characters_or_its_type(monkeypatch):
+    from grpo.rewards import registry
+    from grpo.rewards.score import RewardSpecError, check_kwargs
+
+    def long(prompts, completions, **_):
+        raise ValueError("x" * 300 + "\nsecond line")
+
+    def silent(prompts, completions, **_):
+        raise KeyError()
+
+    for name, fn in (("long_builtin", long), ("silent_builtin", silent)):
+        monkeypatch.setitem(registry._REGISTRY, name, fn)
+    with pytest.raises(RewardSpecError) as e:
+        check_kwargs("r", "long_builtin", long, {})
+    assert str(e.value) == "reward.functions.r (long_builtin) cannot run with these arguments: " + "x" * 200
+    with pytest.raises(RewardSpecError) as e:
+        check_kwargs("r", "silent_builtin", silent, {})
+    assert str(e.value).endswith("cannot run with these arguments: KeyError")
