@@ -191,3 +191,17 @@ def test_a_builtins_complaint_is_its_first_line_cut_to_200_characters_or_its_typ
     with pytest.raises(RewardSpecError) as e:
         check_kwargs("r", "silent_builtin", silent, {})
     assert str(e.value).endswith("cannot run with these arguments: KeyError")
+
+
+def test_a_function_in_the_worker_process_is_called_there_by_its_spec_arguments_and_timeout():
+    calls = []
+
+    class Worker:  # what grpo.rewards.worker.RewardWorker.call receives (it imports the function by its spec)
+        def call(self, spec, kwargs, prompts, completions, columns, timeout_s):
+            calls.append((spec, kwargs, prompts, completions, columns, timeout_s))
+            return [0.5] * len(completions)
+
+    rf = RewardFunction("w", None, 2.0, {"scale": 3}, spec="my_mod:fn", timeout_s=4.0, worker=Worker())
+    s = score([rf], ["p", "q"], ["a", "b"], {"answer": [1, 2]})
+    assert s.total == [1.0, 1.0] and s.errors == {"w": 0}
+    assert calls == [("my_mod:fn", {"scale": 3}, ["p", "q"], ["a", "b"], {"answer": [1, 2]}, 4.0)]
