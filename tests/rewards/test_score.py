@@ -205,3 +205,35 @@ def test_a_function_in_the_worker_process_is_called_there_by_its_spec_arguments_
     s = score([rf], ["p", "q"], ["a", "b"], {"answer": [1, 2]})
     assert s.total == [1.0, 1.0] and s.errors == {"w": 0}
     assert calls == [("my_mod:fn", {"scale": 3}, ["p", "q"], ["a", "b"], {"answer": [1, 2]}, 4.0)]
+
+
+def test_a_failed_batch_is_retried_sample_by_sample_and_a_timeout_is_not(fresh_reports):
+    from grpo.errors import RewardTimeout
+    from grpo.rewards.score import first_failure
+
+    seen = []
+
+    def only_alone(prompts, completions, **columns):
+        seen.append((prompts, completions, columns))
+        if len(completions) > 1 or completions[0] == "bad":
+            raise ValueError("one at a time")
+        return [float(columns["answer"][0])]
+
+    s = score([RewardFunction("alone", only_alone)], ["p0", "p1", "p2"], ["a", "bad", "c"], {"answer": [1, 2, 3]})
+    assert s.per_fn["alone"] == [1.0, None, 3.0] and s.errors == {"alone": 1}
+    assert seen[1:] == [(["p0"], ["a"], {"answer": [1]}), (["p1"], ["bad"], {"answer": [2]}),
+                        (["p2"], ["c"], {"answer": [3]})]
+
+    class Hangs:
+        calls = 0
+
+        def call(self, *args):
+            Hangs.calls += 1
+            raise RewardTimeout("killed")
+
+    rf = RewardFunction("slow", None, timeout_s=4.0, worker=Hangs())
+    s = score([rf], ["p", "p"], ["a", "b"], {})
+    assert s.per_fn["slow"] == [None, None] and s.errors == {"slow": 2} and Hangs.calls == 1  # not retried
+    assert first_failure("slow") == "timed out after 4 s (reward.timeout_s) and was killed"
+    assert [r.getMessage() for r in fresh_reports.records][-1].startswith(
+        "reward function 'slow' timed out after 4 s (reward.timeout_s) and was killed (the samples")
