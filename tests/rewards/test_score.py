@@ -237,3 +237,15 @@ def test_a_failed_batch_is_retried_sample_by_sample_and_a_timeout_is_not(fresh_r
     assert first_failure("slow") == "timed out after 4 s (reward.timeout_s) and was killed"
     assert [r.getMessage() for r in fresh_reports.records][-1].startswith(
         "reward function 'slow' timed out after 4 s (reward.timeout_s) and was killed (the samples")
+
+
+def test_in_worker_gives_every_function_one_shared_worker_and_the_timeout():
+    from grpo.rewards.score import in_worker
+    from grpo.rewards.worker import RewardWorker
+
+    rewards = [RewardFunction("a", _named, spec="m:a"), RewardFunction("b", _named, 2.0, spec="m:b")]
+    assert in_worker(rewards, 0.0) is rewards
+    moved = in_worker(rewards, 0.5)  # no process starts until a call
+    assert [(r.name, r.weight, r.spec, r.timeout_s) for r in moved] == [("a", 1.0, "m:a", 0.5), ("b", 2.0, "m:b", 0.5)]
+    assert isinstance(moved[0].worker, RewardWorker) and moved[0].worker is moved[1].worker
+    assert rewards[0].worker is None  # copies: the configured ones are unchanged
