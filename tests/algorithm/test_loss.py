@@ -133,3 +133,10 @@ def test_the_keyword_form_adds_no_kl_unless_beta_is_given():
     assert plain.item() == pytest.approx(-1.0) and "kl" not in stats
     with_kl, stats = grpo_loss(logp, None, ref, adv, mask, w, beta=0.5)
     assert with_kl.item() > plain.item() and "kl" in stats
+
+
+def test_pad_right_pads_with_zeros_or_the_given_value_and_masks_the_padding():
+    padded, mask = pad([torch.tensor([1.0, 2.0]), torch.tensor([3.0])])
+    assert padded.tolist() == [[1.0, 2.0], [3.0, 0.0]] and mask.tolist() == [[1.0, 1.0], [1.0, 0.0]]
+    padded, _ = pad([torch.tensor([1.0, 2.0]), torch.tensor([3.0])], value=-1.0)
+    assert padded.tolist() == [[1.0, 2.0], [3.0, -1.0]]
