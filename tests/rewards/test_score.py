@@ -221,8 +221,9 @@ def test_a_failed_batch_is_retried_sample_by_sample_and_a_timeout_is_not(fresh_r
 
     s = score([RewardFunction("alone", only_alone)], ["p0", "p1", "p2"], ["a", "bad", "c"], {"answer": [1, 2, 3]})
     assert s.per_fn["alone"] == [1.0, None, 3.0] and s.errors == {"alone": 1}
-    assert seen[1:] == [(["p0"], ["a"], {"answer": [1]}), (["p1"], ["bad"], {"answer": [2]}),
-                        (["p2"], ["c"], {"answer": [3]})]
+    assert seen == [(["p0", "p1", "p2"], ["a", "bad", "c"], {"answer": [1, 2, 3]}),  # the batch, then each alone
+                    (["p0"], ["a"], {"answer": [1]}), (["p1"], ["bad"], {"answer": [2]}),
+                    (["p2"], ["c"], {"answer": [3]})]
 
     class Hangs:
         calls = 0
