@@ -5,6 +5,7 @@
 #   scripts/bench_gpu.sh [--dry-run] prefix   # prefix: the shared-prefix engine's kernels, under 4 minutes
 #   scripts/bench_gpu.sh [--dry-run] rollout  # rollout: our decode loop vs vLLM, tokens/s and whole step, < 8 min
 #   scripts/bench_gpu.sh [--dry-run] dist     # dist: the NCCL + bf16 + ZeRO-3 smoke, under 4 minutes
+#   scripts/bench_gpu.sh [--dry-run] server   # server: the step with rollout.backend=server/vllm/hf, < 8 minutes
 #
 # step: scripts/bench_trl.py on SmolLM2-135M and a Qwen2-0.5B-shaped random model (151936 vocab), bf16, this
 # framework with the shared prefix on and off vs TRL's GRPOTrainer; tokens/s, peak GPU memory and the model
@@ -31,7 +32,8 @@ PY=${BENCH_PY:-.venv-bench/bin/python}
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 MODE=step
-if [ "${1:-}" = "prefix" ] || [ "${1:-}" = "step" ] || [ "${1:-}" = "dist" ] || [ "${1:-}" = "rollout" ]; then
+if [ "${1:-}" = "prefix" ] || [ "${1:-}" = "step" ] || [ "${1:-}" = "dist" ] || [ "${1:-}" = "rollout" ] || \
+   [ "${1:-}" = "server" ]; then
   MODE=$1; shift
 fi
 
@@ -69,6 +71,16 @@ if [ "$MODE" = "rollout" ]; then
   exit 0
 fi
 # ---- end of rollout ------------------------------------------------------------------------------------------------
+# ---- server (issue 32): scripts/bench_server.py on the quickstart recipe in bf16: the server backend (its first run
+# of vLLM's nccl weight transfer: grpo/rollout/server/nccl.py has never run before this), the in-process engine and
+# our decode loop, one round of 3 steps each; the server shares the one GPU (--server-gpu-util 0.35). Needs vLLM
+# (CUDA) importable by BENCH_PY. Writes ${OUT:-bench_server}.json.
+if [ "$MODE" = "server" ]; then
+  CMD=("$PY" scripts/bench_server.py --device cuda --server-gpu-util 0.35 --backends server,vllm,hf --rounds 1
+       --steps 3 --timeout 150 --json "${OUT:-bench_server}.json" model.dtype=bfloat16 "$@")
+  if [ "$DRY" = 1 ]; then echo "timeout 470 ${CMD[*]}"; else timeout --signal=INT 470 "${CMD[@]}"; fi
+  exit 0
+fi
 if [ "$MODE" = "dist" ]; then
   DEVICE=${DEVICE:-cuda}
   BACKEND=nccl
