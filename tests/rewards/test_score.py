@@ -161,9 +161,10 @@ def test_build_resolves_each_function_with_its_weight_arguments_and_spec_in_this
 def test_reward_inputs_follow_trls_rule_for_conversational_and_text_datasets():
     from grpo.rewards.score import reward_inputs
 
-    chat = [{"prompt": "q1", "prompt_messages": [{"role": "user", "content": "q1"}]}, {"prompt": "q2"}]
+    turns = [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"}]
+    chat = [{"prompt": "q1", "prompt_messages": turns}, {"prompt": "q2"}]
     prompts, completions = reward_inputs(chat, ["a", "b", "c", "d"], 2, "auto")
-    assert prompts == [[{"role": "user", "content": "q1"}]] * 2 + [[{"role": "user", "content": "q2"}]] * 2
+    assert prompts == [turns] * 2 + [[{"role": "user", "content": "q2"}]] * 2  # the row's own turns, else the prompt's
     assert completions[0] == [{"role": "assistant", "content": "a"}] and len(completions) == 4
     text = [{"prompt": "q1"}, {"prompt": "q2"}]
     assert reward_inputs(text, ["a", "b"], 1, "auto") == (["q1", "q2"], ["a", "b"])
