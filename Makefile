@@ -71,7 +71,7 @@ mutate: setup
 	$(PY) -c "import mutmut" 2>/dev/null || $(PIP) install -q -e '.[mutate]'
 	if [ "$(MUTATE_FRESH)" = 1 ]; then rm -rf mutants; fi
 	mkdir -p mutants
-	$(VENV)/bin/mutmut run --max-children $(MUTATE_JOBS) $(MUTATE_ARGS) > mutants/run.log 2>&1 || (tail -c 3000 mutants/run.log; false)
+	PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(VENV)/bin/mutmut run --max-children $(MUTATE_JOBS) $(MUTATE_ARGS) > mutants/run.log 2>&1 || (tail -c 3000 mutants/run.log; false)
 	$(PY) scripts/mutate_report.py --min-score $(MUTATE_MIN_SCORE)
 
 # Every recipe meant for one CPU machine runs its first step and first checkpoint (peak memory and s/step
