@@ -2,14 +2,16 @@
 """Where the time of a multi-turn rollout with the hf backend goes, and the later turns' two paths (CPU seconds).
 
     python scripts/bench_multiturn.py                      # SmolLM2-135M, 4 multiplication prompts x G=8, 3 turns
-    python scripts/bench_multiturn.py --paths shared,whole,shared,whole \
+    python scripts/bench_multiturn.py --paths kept,shared,kept,shared \
         --env grpo.rollout.episodes.calculator:Calculator
 
 Runs the trainer's turn loop (`grpo.rollout.episodes.turns`) on the hf backend with an environment (default
 ``tests.tool_fixtures:Echo``: every episode gets an observation back and runs all 3 turns). ``--paths``, alternated in
-one process: ``shared`` is the trainer's path (later turns pass each prompt with its live episodes as suffixes: the
-prompt prefilled once per turn, each episode only its own tokens); ``whole`` the former one (every live episode's
-whole context prefilled, ``batch_size`` contexts at a time). Prints one JSON line per run: process CPU seconds in
+one process: ``kept`` is the trainer's path (the K/V of every row kept from one turn to the next,
+`grpo.rollout.turn_cache`: a later turn prefills only each episode's new tokens); ``shared`` the one before it
+(later turns pass each prompt with its live episodes as suffixes: the prompt prefilled once per turn, each episode
+its own tokens again); ``whole`` the first one (every live episode's whole context prefilled, ``batch_size``
+contexts at a time). Prints one JSON line per run: process CPU seconds in
 prefill and decode, turn 1 and later turns apart, and the prompt tokens prefilled (padding not counted). ``--model
 tiny``: a random tiny Llama with the character tokenizer (no chat template), for a quick check.
 """
@@ -45,7 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=32, help="max_new_tokens per turn")
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=8, help="rollout.batch_size (prompts generated together)")
-    ap.add_argument("--paths", default="shared,whole")
+    ap.add_argument("--paths", default="kept,shared")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
 
@@ -83,10 +85,13 @@ def main(argv=None) -> int:
 
     rollout.prefill, rollout.decode = timed("prefill", rollout.prefill), timed("decode", rollout.decode)
     backend = HFBackend(model, tok, batch_size=args.batch_size)
+    keeping = HFBackend(model, tok, batch_size=args.batch_size, keep_turns=True)
 
     def generate(path):
         def fn(prompt_ids, group_size, sampling, seed=None, suffixes=None):
             turn[0] = 1 if suffixes is None else 2
+            if path == "kept":
+                return keeping.generate(prompt_ids, group_size, sampling, seed, suffixes=suffixes)
             if suffixes is None or path == "shared":
                 return backend.generate(prompt_ids, group_size, sampling, seed, suffixes=suffixes)
             out = backend.generate(rollout.flatten(prompt_ids, suffixes), 1, sampling, seed)  # the former path
@@ -103,6 +108,7 @@ def main(argv=None) -> int:
             torch.manual_seed(0)
             c0 = time.process_time()
             eps = loop.run(rows, [r["prompt_ids"] for r in rows], args.group, sampling)
+            keeping.sleep()
             flat = [e for g in eps.groups for e in g]
             rec = {"path": path, "cpu_s": round(time.process_time() - c0, 3),
                    **{k: round(v, 3) for k, v in sorted(acc.items())},

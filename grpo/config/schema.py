@@ -110,7 +110,7 @@ class RolloutConfig:
     server: ServerConfig = field(default_factory=ServerConfig)  # rollout.backend=server: vLLM servers (grpo-serve)
     # multi-turn episodes (docs/tools-and-environments.md): functions the model may call, 'package.module:function'
     tools: list = field(default_factory=list)
-    tool_format: str = "auto"        # template | hermes (tools in the system prompt) | auto: template if it shows tools
+    tool_format: str = "auto"        # template | hermes | pythonic | code | auto: template if the template shows tools
     # 'package.module:Class', one instance per sample: reset(row), public methods = tools, optional reward();
     # or the plain-text protocol: step(completion_text) -> observation text, or None when the episode is done
     environment: Optional[str] = None
@@ -224,7 +224,7 @@ _CHOICES = {
     "rollout.backend": ("auto", "hf", "vllm", "server"),
     "rollout.server.balance": ("round_robin", "least_loaded"),
     "rollout.server.weight_transfer": ("auto", "gloo", "nccl"),
-    "rollout.tool_format": ("auto", "template", "hermes"),  # grpo.rollout.episodes.formats.FORMATS
+    "rollout.tool_format": ("auto", "template", "hermes", "pythonic", "code"),  # grpo.rollout.episodes.formats.FORMATS
     "trainer.lr_schedule": ("constant", "cosine", "linear"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "distributed.backend": ("none", "deepspeed"),

@@ -24,6 +24,7 @@ import torch
 
 from grpo.errors import SetupError
 from grpo.rollout.base import Completions, RolloutBackend, Sampling
+from grpo.rollout.turn_cache import TurnCache
 
 __all__ = ["Completions", "HFBackend", "RolloutBackend", "Sampling", "SyncedBackend", "resolve_backend",
            "step_seed", "vllm_available"]
@@ -38,10 +39,12 @@ class HFBackend:
     name = "hf"
 
     def __init__(self, model, tokenizer, *, batch_size: int = 8, share_prompt: bool = True, progress: bool = False,
-                 context: Callable | None = None, generate_fn=None, desc: str = "rollout"):
+                 context: Callable | None = None, generate_fn=None, desc: str = "rollout", keep_turns: bool = False):
         self._model, self.tokenizer = model, tokenizer
         self.batch_size, self.share_prompt, self.progress = batch_size, share_prompt, progress
         self.context, self._generate, self.desc = context, generate_fn, desc
+        # multi-turn runs: each call keeps its rows' K/V for the next turn (`grpo.rollout.turn_cache`)
+        self.turns = TurnCache() if keep_turns else None
 
     def generate(self, prompt_ids, group_size, sampling: Sampling, seed=None, suffixes=None) -> Completions:
         from grpo.rollout.hf import generate
@@ -52,6 +55,8 @@ class HFBackend:
         extra = {"greedy": True} if sampling.greedy else {}
         if suffixes is not None:
             extra["suffixes"] = suffixes
+        if self.turns is not None:
+            extra["turns"] = self.turns
         # fork_rng's default devices: manual_seed reseeds every CUDA device too, and that must be undone as well
         with torch.random.fork_rng() if seed is not None else contextlib.nullcontext():
             if seed is not None:
@@ -66,8 +71,9 @@ class HFBackend:
     def sync_weights(self, model) -> None:  # samples from the training model itself
         pass
 
-    def sleep(self) -> None:  # nothing of its own to free
-        pass
+    def sleep(self) -> None:  # after a rollout: the K/V kept between its turns
+        if self.turns is not None:
+            self.turns.clear()
 
     def close(self) -> None:
         pass

@@ -17,13 +17,15 @@ from grpo.engine.decode_attention import DECODE_ATTN_NAME, DECODE_KWARG, SharedP
 from grpo.engine.patch import check_every_layer, placeholder_mask, shared_prefix_unsupported, switched_attention
 from grpo.engine.unwrap import unwrap_model
 from grpo.rollout.base import cut_at_eos, eos_ids
+from grpo.rollout.turn_cache import TurnCache, batched, layer_tensors, plain_layers
 
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 8,
              greedy: bool = False, desc: str = "rollout", progress: bool = True, share_prompt: bool = True,
-             min_new_tokens: int = 0, suffixes: list[list[list[int]]] | None = None, context: Callable | None = None):
+             min_new_tokens: int = 0, suffixes: list[list[list[int]]] | None = None, context: Callable | None = None,
+             turns: TurnCache | None = None):
     """Returns ``(completion_ids, truncated)``: per prompt, ``group_size`` token lists and flags.
 
     With ``share_prompt`` each prompt is prefilled once and its G samples decode against one copy of its K/V
@@ -43,7 +45,12 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
 
     ``context``: the runtime's ``generation_context`` (`grpo.runtime.base.Runtime`), entered around the decode loop:
     a multi-process runtime may need every rank in every decoding step (DeepSpeed ZeRO-3: partitioned weights),
-    and yields the options that take (``{"synced_gpus": any_rank}``)."""
+    and yields the options that take (``{"synced_gpus": any_rank}``).
+
+    ``turns`` (multi-turn episodes): the K/V kept from the previous call (`grpo.rollout.turn_cache`): a later turn's
+    context that continues a kept row prefills only its new tokens (the sampled turn's last token, the tool text);
+    this call's rows are kept in turn. Not used with ``share_prompt=False`` or a synced runtime (ZeRO-3: every
+    rank must run the same forwards)."""
     if suffixes is not None and not share_prompt:
         ids, cut = generate(model, tokenizer, flatten(prompt_ids, suffixes), group_size=1,
                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -56,7 +63,8 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
         return _generate(unwrap_model(model, peft=False), tokenizer, prompt_ids, group_size=group_size,
                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                          batch_size=batch_size, greedy=greedy, desc=desc, progress=progress, extra=extra,
-                         share_prompt=share_prompt, min_new_tokens=min_new_tokens, suffixes=suffixes)
+                         share_prompt=share_prompt, min_new_tokens=min_new_tokens, suffixes=suffixes,
+                         turns=None if extra.get("synced_gpus") else turns)
 
 
 def flatten(prompt_ids: list[list[int]], suffixes: list[list[list[int]]]) -> list[list[int]]:
@@ -84,7 +92,7 @@ def _warn_truncated_sampling(top_p: float, top_k: int) -> None:
 
 
 def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, temperature, top_p, top_k, batch_size,
-              greedy, desc, progress, extra, share_prompt, min_new_tokens, suffixes):
+              greedy, desc, progress, extra, share_prompt, min_new_tokens, suffixes, turns):
     device = next(model.parameters()).device
     synced = extra.get("synced_gpus")  # None, or the runtime's any_rank: decode until every rank is done
     eos = eos_ids(model, tokenizer)
@@ -97,16 +105,27 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
                                                           top_k=top_k)
     total = len(prompt_ids) * n_samples if suffixes is None else sum(map(len, suffixes))
     bar = tqdm(total=total, desc=desc, unit="seq", leave=False, disable=not progress)
+    if turns is not None:
+        turns.begin(first_turn=suffixes is None)
     for start in range(0, len(prompt_ids), batch_size):
         chunk = prompt_ids[start:start + batch_size]
+        shared, counts = None, [n_samples] * len(chunk)
+        tails = suffixes[start:start + batch_size] if suffixes is not None else [[[]] * n_samples] * len(chunk)
+        contexts = [p + s for p, ss in zip(chunk, tails) for s in ss]  # each row's tokens (before decoding)
+        kept = [turns.take(c) for c in contexts] if turns is not None and suffixes is not None else None
+        if kept is not None and all(row is not None for row, _ in kept):  # each row prefills only its new tokens
+            counts = [len(ss) for ss in tails]
+            new = _decode_kept(model, kept, contexts, turns, counts, pick, max_new_tokens=max_new_tokens, eos=eos,
+                               pad_id=pad_id, min_new_tokens=min_new_tokens, synced=synced)
+            _collect(new.tolist(), counts, eos, max_new_tokens, completions, truncated)
+            bar.update(sum(counts))
+            continue
         input_ids, attention = _left_padded(chunk, pad_id, device)
         width = input_ids.shape[1]
         if not (share_prompt or greedy):  # the baseline: G copies of each prompt, each prefilled
             input_ids, attention = input_ids.repeat_interleave(n_samples, 0), attention.repeat_interleave(n_samples, 0)
         cache = prefill(model, input_ids, attention, synced=synced is not None)
-        shared, counts = None, [n_samples] * len(chunk)
         if suffixes is not None:  # each prompt's K/V forked to its rows; each row runs its last prompt token + suffix
-            tails = suffixes[start:start + batch_size]
             counts = [len(ss) for ss in tails]
             owner = torch.tensor([i for i, n in enumerate(counts) for _ in range(n)], device=device)
             cache.batch_select_indices(owner)
@@ -121,17 +140,56 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
                 cache.batch_repeat_interleave(n_samples)  # fork: G copies of the prompt's K/V
             input_ids, attention = input_ids.repeat_interleave(n_samples, 0), attention.repeat_interleave(n_samples, 0)
         new = decode(model, input_ids[:, -1], attention, cache, pick, max_new_tokens=max_new_tokens, eos=eos,
-                     pad_id=pad_id, min_new_tokens=min_new_tokens, synced=synced, shared=shared).tolist()
-        cuts = iter([cut_at_eos(row, eos, max_new_tokens) for row in new])
-        for n in counts:
-            group = [next(cuts) for _ in range(n)]
-            completions.append([ids for ids, _ in group])
-            truncated.append([cut for _, cut in group])
+                     pad_id=pad_id, min_new_tokens=min_new_tokens, synced=synced, shared=shared)
+        if turns is not None:
+            _keep(turns, cache, shared, attention, contexts, new, counts)
+        _collect(new.tolist(), counts, eos, max_new_tokens, completions, truncated)
         bar.update(sum(counts))
     bar.close()
+    if turns is not None:
+        turns.end()
     if was_training:
         model.train()
     return completions, truncated
+
+
+def _decode_kept(model, kept, contexts, turns: TurnCache, counts, pick, *, pad_id: int, **decoding) -> torch.Tensor:
+    """Decode rows that continue kept ones: the kept K/V batched, each row's tokens after them prefilled."""
+    device = next(model.parameters()).device
+    cache, held = batched(model, kept, device)
+    input_ids, own = _left_padded([c[n:] for c, (_, n) in zip(contexts, kept)], pad_id, device)
+    attention = torch.cat([held, own], dim=1)
+    cache = prefill(model, input_ids, attention, cache=cache)
+    new = decode(model, input_ids[:, -1], attention, cache, pick, pad_id=pad_id, **decoding)
+    _keep(turns, cache, None, attention, contexts, new, counts)
+    return new
+
+
+def _collect(new: list[list[int]], counts: list[int], eos, max_new_tokens, completions: list, truncated: list):
+    cuts = iter([cut_at_eos(row, eos, max_new_tokens) for row in new])
+    for n in counts:
+        group = [next(cuts) for _ in range(n)]
+        completions.append([ids for ids, _ in group])
+        truncated.append([cut for _, cut in group])
+
+
+def _keep(turns: TurnCache, cache, shared: SharedPrefixKV | None, attention, contexts, new: torch.Tensor, counts):
+    """Keep the decoded rows' K/V for the next turn: every context token, then the sampled tokens decoding fed (all
+    but the last). ``attention``: the rows' mask when decoding started; ``shared``: the prompts' K/V held once
+    (the cache then holds each row's own tokens: its last prompt token, then the fed samples)."""
+    if not plain_layers(cache):  # a sliding-window or quantised layer: its columns are not every position
+        return
+    fed = new.shape[1] - 1
+    tokens = [c + row[:fed] for c, row in zip(contexts, new.tolist())]
+    keys, values = layer_tensors(cache)
+    ones = torch.ones(len(contexts), fed + (shared is not None), dtype=torch.bool, device=new.device)
+    if shared is None:
+        turns.keep(tokens, keys, values, torch.cat([attention.bool(), ones], dim=1))
+        return
+    owner = torch.tensor([i for i, n in enumerate(counts) for _ in range(n)], device=new.device)
+    keys = [torch.cat([pk[owner], k], dim=2) for pk, k in zip(shared.keys, keys)]
+    values = [torch.cat([pv[owner], v], dim=2) for pv, v in zip(shared.values, values)]
+    turns.keep(tokens, keys, values, torch.cat([shared.valid[owner], ones], dim=1))
 
 
 def _left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

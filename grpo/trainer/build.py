@@ -25,7 +25,7 @@ from grpo.rewards.score import build as build_rewards
 from grpo.rollout.backends import HFBackend, SyncedBackend, check_vllm_cpu, resolve_backend
 from grpo.rollout.episodes import formats
 from grpo.rollout.episodes.runs import environment_reward, turn_loop_maker, uses_chat
-from grpo.rollout.episodes.spec import build_toolset, choose_format
+from grpo.rollout.episodes.spec import build_toolset, choose_format, multi_turn
 from grpo.rollout.episodes.worker import ToolWorker
 from grpo.runtime.base import Runtime
 from grpo.trainer.checkpoint import resolve_resume
@@ -141,7 +141,8 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
         turn_loop = turn_loop_maker(settings.episodes, tokenizer, toolset, worker, cfg.data, runtime)
     progress = runtime.is_main and interactive()
     greedy = HFBackend(lambda: runtime.model, tokenizer, batch_size=settings.evaluation.batch_size,
-                       progress=progress, context=runtime.generation_context, desc="eval")
+                       progress=progress, context=runtime.generation_context, desc="eval",
+                       keep_turns=toolset is not None)
     return Run(runtime, tokenizer, policy, reference, splits, rewards, sampler, settings,
                SyncedBackend(backend_maker(cfg, runtime, tokenizer, splits), runtime), greedy,
                completion_format=cfg.reward.completion_format, owns_output_dir=owner, toolset=toolset,
@@ -170,7 +171,7 @@ def backend_maker(cfg: Config, runtime: Runtime, tokenizer, splits: data.Splits)
                                    check_ids)
     progress = runtime.is_main and interactive()
     return lambda: HFBackend(lambda: runtime.model, tokenizer, batch_size=r.batch_size, share_prompt=r.share_prompt,
-                             progress=progress, context=runtime.generation_context)
+                             progress=progress, context=runtime.generation_context, keep_turns=multi_turn(r))
 
 
 def owns_output_dir(runtime: Runtime, output_dir: str) -> bool:

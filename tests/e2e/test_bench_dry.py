@@ -193,15 +193,19 @@ def test_bench_gpu_dist_smoke_runs_on_cpu(tmp_path):
 
 def test_bench_multiturn_prefills_each_prompt_once_per_later_turn():
     """bench_multiturn.py on the tiny model (docs/benchmarks.md runs it on SmolLM2-135M): with the Echo environment
-    every episode runs 3 turns; the trainer's path (shared) prefills (P - 1) * (G - 1) fewer prompt tokens per group
-    in each later turn than prefilling every episode's whole context (whole)."""
+    every episode runs 3 turns; prefilling each prompt once per later turn (shared) prefills (P - 1) * (G - 1) fewer
+    prompt tokens per group in each later turn than prefilling every episode's whole context (whole), and the
+    trainer's path (kept: K/V kept across turns) only each episode's new tokens (here 4 sampled per turn, the last
+    one kept, and the observation), far fewer again."""
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_multiturn.py"), "--model", "tiny", "--prompts",
-                        "2", "--group", "3", "--new", "4", "--paths", "shared,whole"],
+                        "2", "--group", "3", "--new", "4", "--paths", "kept,shared,whole"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    shared, whole = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
-    assert (shared["path"], whole["path"]) == ("shared", "whole")
-    assert shared["turns_mean"] == whole["turns_mean"] == 3.0
+    kept, shared, whole = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert (kept["path"], shared["path"], whole["path"]) == ("kept", "shared", "whole")
+    assert kept["turns_mean"] == shared["turns_mean"] == whole["turns_mean"] == 3.0
+    assert kept["prefill_turn1_tokens"] == shared["prefill_turn1_tokens"]
+    assert 0 < kept["prefill_later_tokens"] < shared["prefill_later_tokens"] / 4
     assert shared["prefill_turn1_tokens"] == whole["prefill_turn1_tokens"]
     P = shared["prompt_len_mean"]  # the multiplication prompts all have the same length
     assert whole["prefill_later_tokens"] - shared["prefill_later_tokens"] == 2 * 2 * (P - 1) * (3 - 1)

@@ -199,10 +199,13 @@ class TurnLoop:
         max_new_tokens ends a tool episode (its call cannot be trusted); a text-protocol environment still gets it
         and decides. ``truncated``: the episode's last turn was cut."""
         tok, ts, last = self.tokenizer, self.toolset, turn == self.settings.max_turns
+        stopped = False
+        if ts.protocol == "tools" and not last:
+            ids, cut, logps, stopped = self._stop_at_call(ids, cut, logps)
         e.add(ids, True, logps)
         e.turns += 1
         e.truncated = cut
-        body = ids if cut else ids[:-1]  # without the stop token the turn ended with
+        body = ids if cut or stopped else ids[:-1]  # without the stop token the turn ended with
         e.segments.append({"role": "assistant", "text": tok.decode(ids, skip_special_tokens=True)})
         if ts.protocol == "text":
             res = self.worker.step(key, tok.decode(body, skip_special_tokens=True))
@@ -228,7 +231,7 @@ class TurnLoop:
             return
         shown = formats.of(ts).template_tools(list(ts.schemas)) if ts.protocol == "tools" else None
         text = after_turn(tok, messages, chat=self.settings.chat, tools=shown,
-                          ended_with=None if cut else tok.decode(ids[-1:], skip_special_tokens=False))
+                          ended_with=None if cut or stopped else tok.decode(ids[-1:], skip_special_tokens=False))
         written = tok(text, add_special_tokens=False)["input_ids"]
         st = self.settings
         cap = turn * (st.max_new_tokens + st.max_tool_tokens + st.overhead)  # within spec.max_completion_tokens
@@ -241,6 +244,19 @@ class TurnLoop:
         role = "tool" if ts.protocol == "tools" else "user"  # hermes may render results as user turns: still tool text
         e.segments += [{"role": role, "text": m["content"], **({"name": m["name"]} if "name" in m else {})}
                        for m in messages]
+
+    def _stop_at_call(self, ids: list[int], cut: bool, logps):
+        """A format that stops at its first complete call (`formats.ToolFormat.call_end`, like a sampler's stop
+        string): the turn's tokens up to the one that completes the call, the rest dropped (never trained on: the
+        kept tokens are exactly what was sampled). Returns (ids, cut, logps, stopped)."""
+        tok = self.tokenizer
+        end = formats.of(self.toolset).call_end(tok.decode(ids, skip_special_tokens=False))
+        if end is None:
+            return ids, cut, logps, False
+        k = next(k for k in range(1, len(ids) + 1) if len(tok.decode(ids[:k], skip_special_tokens=False)) >= end)
+        if k == len(ids) and not cut:  # the call is the whole turn (then the stop token? none: no EOS after it)
+            return ids, cut, logps, True
+        return ids[:k], False, logps[:k] if logps is not None else None, True
 
     def _call(self, key, call) -> CallResult:
         if call.error is not None:

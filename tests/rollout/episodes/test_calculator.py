@@ -6,7 +6,7 @@ import pytest
 
 from grpo.errors import ConfigError
 from grpo.rewards.registry import resolve
-from grpo.rollout.episodes.calculator import Calculator, calculate, evaluate
+from grpo.rollout.episodes.calculator import Calculator, calculate, evaluate, python
 from grpo.rollout.episodes.spec import build_toolset, choose_format
 from grpo.tasks import get_task
 
@@ -34,6 +34,19 @@ def test_the_calculator_evaluates_arithmetic_only():
         with pytest.raises(ValueError):
             evaluate(bad)
     assert calculate("19 * 21") == "399"
+
+
+def test_the_python_tool_runs_arithmetic_programs_only():
+    """What the calculator-tools recipe's model writes: assignments, print() of numbers, strings and f-strings, a
+    last bare expression shown as a REPL would; imports skipped; anything else a ValueError (the model sees it)."""
+    assert python("import math\nresult = 354 * 236\nprint(result)") == "83544"
+    assert python('x = 3\ny = x * 2\nprint(f"x is {x}, y is {y}", "ok")\nx ** 2') == "x is 3, y is 6 ok\n9"
+    assert python("print(7 / 2)\nprint(6 / 3)") == "3.5\n2" and python("x = 1") == "(nothing was printed)"
+    for bad, why in [("def f():\n    return 1", "only assignments, print()"), ("print(y)", "'y' is not defined"),
+                     ("open('f')", "only numbers"), ("print('a' * 10)", "only numbers"), ("2 ** 999", "exponent"),
+                     ("print(", "not valid Python"), ("x.y = 1", "only assignments")]:
+        with pytest.raises(ValueError, match=why):
+            python(bad)
 
 
 def test_the_calculator_environment():

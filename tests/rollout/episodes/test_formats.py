@@ -141,6 +141,66 @@ def test_episodes_are_token_in_token_out_under_a_template_that_strips_think():
     assert "<think>20+22" not in rerendered and "<think>20+22, ask the tool</think>" in tok.decode(e.ids)
 
 
+# ------------------------------------------------------------------------------- pythonic and code
+PY_TOOL = "grpo.rollout.episodes.calculator:python"
+
+
+def test_pythonic_parses_calls_of_the_tools_only(schemas):
+    fmt = FORMATS["pythonic"]("tool", schemas)
+    got = lambda text: [(c.name, c.arguments, c.error) for c in fmt.parse(text, None)]  # noqa: E731
+    assert got("add(a=20, b=22)") == [("add", {"a": 20, "b": 22}, None)]
+    assert got("[add(20, b=22)] then print(3)") == [("add", {"a": 20, "b": 22}, None)]  # print is not a tool
+    assert got("x.add(1, 2) or madd(1, 2)") == []
+    assert got("add(1, 2, 3)")[0][2] == "add takes 2 argument(s), the call gives 3"
+    assert got("add(a=1 + 2, b=2)")[0][2].startswith("the argument a of")  # integers: literals only
+    assert got("add(1, ")[0][2].startswith("the call to add is not closed")
+    assert "add(a: int, b: int)" in fmt.system_text(schemas)
+    text = 'I will call [add(a=1, b=")")] now, then more'
+    assert text[:fmt.call_end(text)] == 'I will call [add(a=1, b=")")]' and fmt.call_end("add(1,") is None
+    calc = FORMATS["pythonic"]("tool", build_toolset(["grpo.rollout.episodes.calculator:calculate"], None).schemas)
+    assert [c.arguments for c in calc.parse('calculate(12 * 34) calculate("5")', None)] == \
+        [{"expression": "12 * 34"}, {"expression": "5"}]  # a string parameter takes the expression as written
+
+
+def test_code_blocks_are_calls_of_the_tool_they_name():
+    schemas = build_toolset([PY_TOOL], None).schemas
+    fmt = FORMATS["code"]("tool", schemas)
+    text = "Like this:\n```python:\nprint(12 * 34)\n```\nIt prints 408.\n```python\nprint(1)\n```"
+    assert [(c.name, c.arguments) for c in fmt.parse(text, None)] == [("python", {"code": "print(12 * 34)"}),
+                                                                     ("python", {"code": "print(1)"})]
+    assert text[:fmt.call_end(text)] == "Like this:\n```python:\nprint(12 * 34)\n```"
+    assert [c.arguments for c in fmt.parse("```\nx = 2\n```", None)] == [{"code": "x = 2"}]  # the only tool
+    assert fmt.parse("```output\n408\n```\n```js\nf()\n```", None) == []
+    assert fmt.call_end("```python\nprint(1)") is None and len(fmt.parse("```python\nprint(1)", None)) == 1
+    assert fmt.results(fmt.parse(text, None)[:1], ["408"]) == [{"role": "tool", "name": "python",
+                                                                "content": "```output\n408\n```"}]
+    assert "```python" in fmt.system_text(list(schemas)) and "```output" in fmt.system_text(list(schemas))
+
+
+def test_a_turn_stops_where_its_call_closes_and_stays_token_in_token_out():
+    """The code format stops a turn at its first complete block (a stop string): what the model wrote after it is
+    dropped, the kept tokens are exactly a prefix of the sampled ones, and the tool text follows them."""
+    tok = _tok(GENERIC)
+    ts, _ = choose_format(build_toolset([PY_TOOL], None), "code", tok, True)
+    block = "```python\nprint(20 + 22)\n```"
+    sampled = []
+
+    def script(context, j):
+        reply = "It is 42." if "```output\n42" in context else block + "\nIt prints 41, I think."
+        sampled.append(tok(reply, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+        return reply
+
+    eps, _ = _run(_rows(tok, "[user]What is 20+22?<eos>[assistant]"), 1, 200, tok, script, [PY_TOOL], toolset=ts)
+    e = eps.groups[0][0]
+    kept = tok(block, add_special_tokens=False)["input_ids"]
+    assert sampled[0][:len(kept)] == kept and len(sampled[0]) > len(kept)
+    tool_text = "<eos>[tool]```output\n42\n```<eos>[assistant]"  # the turn's end marker is tool text: never sampled
+    assert tok.decode(e.ids) == block + tool_text + "It is 42.<eos>"
+    assert [t for t, m in zip(e.ids, e.mask) if m] == kept + sampled[1]
+    assert (e.turns, e.tool_calls, e.tool_failures, e.truncated) == (2, 1, 0, False)
+    assert e.segments[0]["text"] == block  # what rewards and samples.jsonl see of the turn
+
+
 def test_hermes_reads_a_call_cut_off_before_its_closing_tag():
     """A turn that stops at EOS right after the JSON (no ``</tool_call>``) is still one call."""
     fmt = FORMATS["hermes"]("tool")
