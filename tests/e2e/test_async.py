@@ -124,3 +124,59 @@ def test_kill_9_after_a_checkpoint_and_resume_give_the_uninterrupted_metrics(k2,
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed from {out / 'checkpoints' / 'step_2'} (step 2)" in done.stderr
     same_numbers(steps(ref), steps(out))
+
+
+ENV = '''
+class Steps:
+    def reset(self, row):
+        self.turns = 0
+        return "Think in steps."
+
+    def step(self, text):
+        self.turns += 1
+        return None if self.turns >= 2 else "\\n[observation]\\n"
+
+
+def half_flat(prompts, completions, **columns):
+    """The same reward for every sample of a group whose prompt has an even length (zero std), else the length."""
+    return [0.0 if len(str(p)) % 2 == 0 else float(len(str(c))) for p, c in zip(prompts, completions)]
+'''
+COMPOSED = {
+    "full": {},
+    "lora": {"model": {"lora": {"enabled": True, "r": 4, "alpha": 8}}},
+    "zero-std refill": {"algorithm": {"filter_zero_std_groups": True, "resample_zero_std": 2},
+                        "reward": {"functions": {"half": {"fn": "async_env:half_flat"},  # the recipe's two: weight 0
+                                                 "accuracy": {"weight": 0.0}, "format": {"weight": 0.0}}}},
+    "multi-turn": {"rollout": {"environment": "async_env:Steps", "max_turns": 2, "max_new_tokens": 8}},
+}
+
+
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_the_generator_process_holds_the_trainers_weights(cfg_factory, tmp_path, monkeypatch, name):
+    """Through the generator process at K = 0 every batch samples with the weights the trainer has when it trains
+    on it: the behaviour log-probs (the generator's engine on its copy of the weights) equal the trainer's bit for
+    bit, step after step (the published weights arrive whole: all of them first, then the trained ones, LoRA's
+    adapter only), also with refill rounds and multi-turn episodes sampled in the generator."""
+    from grpo.trainer.build import build_run
+    from grpo.trainer.run import LoopState
+    from grpo.update import policy_update
+
+    (tmp_path / "async_env.py").write_text(ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = cfg_factory({**COMPOSED[name], "data": {"num_eval": 0},
+                       "trainer": {"output_dir": str(tmp_path / "r"), "max_steps": 3}})
+    run = build_run(cfg)
+    src, rounds = pipeline.batches(run, cfg, LoopState(), process=True), []
+    try:
+        for step in (1, 2, 3):
+            batch = src.batch(step)
+            assert batch.versions == [step - 1] * len(batch.completion_ids)
+            out = policy_update(run.runtime, batch, run.settings.update)
+            assert out["rollout_is/logp_diff_abs_max"] == 0.0 and out["grad_norm"] > 0, (step, out)
+            if name == "zero-std refill":
+                rounds.append(batch.stats["resample_rounds"])
+            if name == "multi-turn":
+                assert batch.completion_masks is not None and batch.stats["episode/turns_mean"] > 1
+    finally:
+        src.close()
+    assert name != "zero-std refill" or sum(rounds) > 0, rounds  # refill rounds ran, in the generator
