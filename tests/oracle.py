@@ -48,7 +48,7 @@ def oracle_loss(model, batch, acfg, *, temperature: float, max_len: int, mask_tr
     KL estimate over the completions that count (None without a reference or with beta = 0). ``behaviour``: flat
     log-probs of the policy that sampled the batch (asynchronous GRPO, vLLM): the policy term of each token is
     weighted by pi_old / pi_behaviour, per token or per completion, truncated at or masked above ``is_cap``
-    (decoupled PPO, arXiv:2505.24298 eq. 5, with TIS's cap). A batch with
+    (decoupled PPO as in AReaL, arXiv:2505.24298, with TIS's cap). A batch with
     ``completion_masks`` (multi-turn episodes): only the tokens marked 1 exist for the loss, as if the others
     (tool output) were context; they still sit in the forward's input."""
     prompts = [p for p, g in zip(batch.prompt_ids, batch.completion_ids) for _ in g]

@@ -372,7 +372,7 @@ def test_rollout_is_metrics_over_micro_batches_with_one_collective_of_their_own(
 def test_a_stale_batch_trains_on_the_oracles_decoupled_objective(fixed, monkeypatch, mode, mu):
     """Asynchronous GRPO (docs/async.md#the-objective): a batch sampled by older weights (the behaviour policy: a
     perturbed copy of the policy, its log-probs from the oracle's own per-sequence forward) trains on decoupled PPO
-    (arXiv:2505.24298 eq. 5): the clipped ratio against the proximal policy (the weights when the step starts, or
+    (AReaL, arXiv:2505.24298): the clipped ratio against the proximal policy (the weights when the step starts, or
     with mu > 1 the old log-probs), times min(pi_prox / pi_behaviour, C). Loss and every gradient match the
     oracle, with the cap acting on some tokens and not on others."""
     from tests.helpers import nest_like

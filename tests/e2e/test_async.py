@@ -180,3 +180,36 @@ def test_the_generator_process_holds_the_trainers_weights(cfg_factory, tmp_path,
     finally:
         src.close()
     assert name != "zero-std refill" or sum(rounds) > 0, rounds  # refill rounds ran, in the generator
+
+
+@pytest.mark.slow
+def test_the_commands_of_docs_async_md(tmp_path):
+    """Each grpo-train command of docs/async.md, scaled down (the tiny model, 3 steps): every step logs the lag it
+    promises, and with trainer.save_every the checkpoint holds the next K batches, finished."""
+    import re
+    import shlex
+
+    import torch
+
+    from tests.e2e.test_docs_commands import SCALE
+    from tests.helpers import ROOT
+
+    text = (ROOT / "docs" / "async.md").read_text()
+    commands = [shlex.split(line, comments=True) for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+                for line in block.splitlines() if line.startswith("grpo-train")]
+    assert len(commands) == 2
+    for i, words in enumerate(commands):
+        out = tmp_path / f"run{i}"
+        given = dict(w.split("=", 1) for w in words[1:])
+        args = {**given, **SCALE, "trainer.max_steps": "3", "trainer.output_dir": str(out)}
+        if "trainer.save_every" in given:
+            args["trainer.save_every"] = "1"
+        p = subprocess.run([sys.executable, "-m", "grpo.train", *[f"{k}={v}" for k, v in args.items()]],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        K = int(given["rollout.max_staleness"])
+        assert [m["async/staleness_max"] for m in steps(out).values()] == [min(K, t - 1) for t in (1, 2, 3)]
+        assert "is the bottleneck" in p.stderr
+        if "trainer.save_every" in given:
+            saved = torch.load(out / "checkpoints" / "step_1" / "trainer_state.pt", weights_only=False)["in_flight"]
+            assert {s: g.version for s, g in saved["batches"].items()} == {2: 0}
