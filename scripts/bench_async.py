@@ -108,20 +108,21 @@ def side_by_side(args) -> list[dict]:
 
 
 def curve(args) -> None:
-    """The quickstart recipe trained at K = 0 and K = 1 by grpo-train; reward_mean by cumulative step time."""
-    runs = {}
+    """The quickstart recipe trained at K = 0 and K = 1 by grpo-train, both at once (the same load on both);
+    reward_mean by cumulative step time."""
+    runs, procs, root = {}, {}, Path(tempfile.mkdtemp())
     for K in (0, 1):
-        out = Path(tempfile.mkdtemp()) / f"k{K}"
         cmd = [sys.executable, "-m", "grpo.train", f"recipe={args.recipe}", f"rollout.max_staleness={K}",
-               f"trainer.output_dir={out}", "logging.plot=false", "logging.sample_every=0", *args.override]
-        subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        rows = [r for r in rows if "loss" in r]
+               f"trainer.output_dir={root / f'k{K}'}", "logging.plot=false", "logging.sample_every=0", *args.override]
+        procs[K] = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                    stdout=subprocess.DEVNULL, stderr=open(root / f"k{K}.log", "w"))
+    for K, p in procs.items():
+        assert p.wait() == 0, (root / f"k{K}.log").read_text()[-2000:]
+        lines = [json.loads(line) for line in (root / f"k{K}" / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in lines if "loss" in r]
         clock = [sum(r["step_time_s"] for r in rows[:i + 1]) for i in range(len(rows))]
-        runs[K] = {"time_s": clock, "reward_mean": [r["reward_mean"] for r in rows],
-                   "eval": [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]}
-        print(json.dumps({"K": K, "total_s": clock[-1], "final_reward_mean": rows[-1]["reward_mean"],
-                          "eval_after": runs[K]["eval"]}))
+        runs[K] = {"time_s": clock, "reward_mean": [r["reward_mean"] for r in rows]}
+        print(json.dumps({"K": K, "total_s": clock[-1], "rewards": runs[K]["reward_mean"], "eval_after": lines[-1]}))
     import matplotlib
 
     matplotlib.use("Agg")
