@@ -5,6 +5,7 @@ loop (inline: one process samples then trains) and through the generator process
 
     PYTHONPATH=. python scripts/bench_async.py                        # the quickstart shape (SmolLM2-135M, 8x8x16)
     PYTHONPATH=. python scripts/bench_async.py --slow-reward 0.5      # + a reward that sleeps 0.5 s per group
+    PYTHONPATH=. python scripts/bench_async.py --slow-reward auto     # ... as long as the update (measured first)
     PYTHONPATH=. python scripts/bench_async.py --curve docs/async-curve.png   # quickstart learning curves K=0 vs 1
     PYTHONPATH=. python scripts/bench_async.py --quick                # the smoke recipe's tiny model, seconds
 
@@ -36,14 +37,14 @@ def slow_reward(prompts, completions, sleep_s: float = 1.0, group_size: int = 8,
     return [0.0] * len(completions)
 
 
-def config(recipe: str, out: str, K: int, overrides: list[str], slow: float, steps: int):
+def config(recipe: str, out: str, K: int, overrides: list[str], slow: float, steps: int):  # noqa: PLR0913
     from omegaconf import OmegaConf
 
     from grpo.config.compose import compose
     from grpo.config.schema import load
 
     raw = compose([f"recipe={recipe}", f"trainer.output_dir={out}", f"rollout.max_staleness={K}",
-                   f"trainer.max_steps={steps}", *overrides])
+                   f"trainer.max_steps={steps}", "logging.wandb.mode=disabled", *overrides])
     raw = OmegaConf.masked_copy(raw, [k for k in raw if k != "hydra"])
     if slow:
         G = raw.algorithm.group_size
@@ -75,7 +76,7 @@ def variant(name: str, args, steps: int) -> dict:
                 t1 = time.time()
                 policy_update(run.runtime, batch, run.settings.update)
                 s = batch.stats
-                rows.append({"step_s": time.time() - t0, "update_s": time.time() - t1,
+                rows.append({"step_s": time.time() - t0, "update_s": time.time() - t1, "groups": len(batch.rows),
                              "trainer_wait_s": s.get("time/trainer_wait_s", 0.0),
                              "generator_wait_s": s.get("time/generator_wait_s"),
                              "sample_s": s.get("time/generator_busy_s", t1 - t0),
@@ -96,8 +97,22 @@ def summarize(name: str, rows: list[dict]) -> dict:
             "publish_s_mean": mean("publish_s"), "load_s_mean": mean("load_s")}
 
 
+def calibrate(args) -> float:
+    """``--slow-reward auto``: the sleep per group that makes the generator's side (sampling + the reward) take
+    as long as the update, from one inline run of the configured shape."""
+    args.slow_reward = 0.0
+    rows = variant("inline", args, args.warmup + args.steps)["rows"][args.warmup:]
+    gap = statistics.mean(r["update_s"] for r in rows) - statistics.mean(r["sample_s"] for r in rows)
+    sleep = max(gap, 0.0) / statistics.mean(r["groups"] for r in rows)
+    print(f"calibrated: the reward sleeps {sleep:.3f} s per group", file=sys.stderr)
+    return sleep
+
+
 def side_by_side(args) -> list[dict]:
     names = ["inline", "K=0", "K=1", "K=2"] if not args.variants else args.variants.split(",")
+    if args.slow_reward == "auto":
+        args.slow_reward = calibrate(args)
+    args.slow_reward = float(args.slow_reward)
     measured = {n: [] for n in names}
     for r in range(args.rounds):  # alternated: the machine's load drifts over all variants alike
         for n in names:
@@ -113,7 +128,8 @@ def curve(args) -> None:
     runs, procs, root = {}, {}, Path(tempfile.mkdtemp())
     for K in (0, 1):
         cmd = [sys.executable, "-m", "grpo.train", f"recipe={args.recipe}", f"rollout.max_staleness={K}",
-               f"trainer.output_dir={root / f'k{K}'}", "logging.plot=false", "logging.sample_every=0", *args.override]
+               f"trainer.output_dir={root / f'k{K}'}", "logging.plot=false", "logging.sample_every=0",
+               "logging.wandb.mode=disabled", *args.override]
         procs[K] = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                                     stdout=subprocess.DEVNULL, stderr=open(root / f"k{K}.log", "w"))
     for K, p in procs.items():
@@ -143,7 +159,8 @@ def main(argv=None) -> list[dict] | None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="quickstart")
     p.add_argument("--override", action="append", default=[], help="a config override (repeatable)")
-    p.add_argument("--slow-reward", type=float, default=0.0, help="add a reward sleeping this many s per group")
+    p.add_argument("--slow-reward", default="0", help="add a reward sleeping this many s per group; auto: as long "
+                   "as the update minus the sampling (measured inline first)")
     p.add_argument("--variants", default="", help="comma-separated subset of inline,K=0,K=1,K=2")
     p.add_argument("--steps", type=int, default=4, help="measured steps per variant and round")
     p.add_argument("--warmup", type=int, default=2, help="steps per variant not measured (the pipeline fills)")
