@@ -73,6 +73,8 @@ class GeneratorProcess:
         self.proc.start()
         requests.close()
         results.close()
+        self._free: list = []      # shared-memory weight slots the generator has loaded: (layout, tensors)
+        self._loading: dict = {}   # version -> the slot sent with it, until a batch of that version comes back
         self.inbox: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=_read_into, args=(self._results, self.inbox), daemon=True)
         self._reader.start()
@@ -81,9 +83,18 @@ class GeneratorProcess:
             raise GeneratorError(f"the generator process failed to start: {payload}")
 
     def publish(self, version: int, weights: dict[str, torch.Tensor]) -> None:
-        """``weights``: name -> tensor, copied here into shared memory (the caller may go on changing its own)."""
-        shared = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in weights.items()}
-        self._send.send(("weights", version, shared))
+        """``weights``: name -> tensor, copied here into a shared-memory slot (the caller may go on changing its
+        own). Slots are reused once the generator has loaded them: a fresh one costs page faults over the whole
+        model (seconds for SmolLM2-135M on a loaded machine), a reused one a plain copy."""
+        key = tuple((k, tuple(v.shape), v.dtype) for k, v in weights.items())
+        mine = next((i for i, (k, _) in enumerate(self._free) if k == key), None)
+        slot = self._free.pop(mine)[1] if mine is not None else \
+            {k: torch.empty(v.shape, dtype=v.dtype).share_memory_() for k, v in weights.items()}
+        with torch.no_grad():
+            for k, v in weights.items():
+                slot[k].copy_(v.detach())
+        self._loading[version] = (key, slot)
+        self._send.send(("weights", version, slot))
 
     def submit(self, step: int, version: int) -> None:
         self._send.send(("sample", step, version))
@@ -92,6 +103,8 @@ class GeneratorProcess:
         kind, payload = self._next(timeout)
         if kind == "error":
             raise GeneratorError(f"the generator process failed: {payload}")
+        for v in [v for v in self._loading if v <= payload.version]:  # loaded before this batch was sampled
+            self._free.append(self._loading.pop(v))
         return payload
 
     def _next(self, timeout: float | None):

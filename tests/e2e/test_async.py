@@ -211,5 +211,5 @@ def test_the_commands_of_docs_async_md(tmp_path):
         assert [m["async/staleness_max"] for m in steps(out).values()] == [min(K, t - 1) for t in (1, 2, 3)]
         assert "is the bottleneck" in p.stderr
         if "trainer.save_every" in given:
-            saved = torch.load(out / "checkpoints" / "step_1" / "trainer_state.pt", weights_only=False)["in_flight"]
-            assert {s: g.version for s, g in saved["batches"].items()} == {2: 0}
+            saved = torch.load(out / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)["in_flight"]
+            assert {s: g.version for s, g in saved["batches"].items()} == {3: 1}  # K = 1: step 3, version 1

@@ -71,3 +71,20 @@ def test_a_dead_generator_is_reported_not_waited_for():
             gen.receive(timeout=60)
     finally:
         gen.close()
+
+
+def test_a_loaded_slot_is_reused_with_the_new_weights():
+    """Once a batch of version v came back, the shared-memory slot of v (loaded before it) takes a later version:
+    no fresh shared memory per step, and the generator sees the new values, not the old."""
+    gen = GeneratorProcess(build, {})
+    try:
+        gen.publish(0, {"w": torch.ones(3)})
+        first = gen._loading[0][1]["w"]
+        gen.submit(1, 0)
+        assert gen.receive(timeout=60).batch == (0, 3.0)
+        gen.publish(1, {"w": torch.full((3,), 2.0)})
+        assert gen._loading[1][1]["w"] is first  # the same slot
+        gen.submit(2, 1)
+        assert gen.receive(timeout=60).batch == (1, 6.0)
+    finally:
+        gen.close()
