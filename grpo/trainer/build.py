@@ -150,16 +150,26 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
                tool_worker=worker, turn_loop=turn_loop)
 
 
+SYNC_CHECK_TOKENS = 32  # the first train prompt's first tokens: what the server and the trainer both score
+
+
 def backend_maker(cfg: Config, runtime: Runtime, tokenizer, splits: data.Splits):
     """``make() -> RolloutBackend``: the backend rollout.backend names (made at the first rollout)."""
     r = cfg.rollout
-    if resolve_backend(r.backend, torch.device(runtime.device).type) == "vllm":
+    kind = resolve_backend(r.backend, torch.device(runtime.device).type)
+    longest = max((len(row["prompt_ids"]) for split in (splits.train, splits.eval) for row in split),
+                  default=cfg.data.max_prompt_tokens)
+    max_len = r.vllm.max_model_len or longest + r.max_new_tokens
+    if kind == "vllm":
         from grpo.rollout.vllm import VLLMBackend
 
-        longest = max((len(row["prompt_ids"]) for split in (splits.train, splits.eval) for row in split),
-                      default=cfg.data.max_prompt_tokens)
-        max_len = r.vllm.max_model_len or longest + r.max_new_tokens
         return lambda: VLLMBackend.for_runtime(runtime, tokenizer, r.vllm, max_len, cfg.trainer.seed)
+    if kind == "server":
+        from grpo.rollout.server.connect import for_runtime
+
+        check_ids = list(splits.train[0]["prompt_ids"][:SYNC_CHECK_TOKENS])  # the sync check's fixed sequence
+        return lambda: for_runtime(runtime, tokenizer, r.server, cfg.model.name_or_path, longest + r.max_new_tokens,
+                                   check_ids)
     progress = runtime.is_main and interactive()
     return lambda: HFBackend(lambda: runtime.model, tokenizer, batch_size=r.batch_size, share_prompt=r.share_prompt,
                              progress=progress, context=runtime.generation_context)

@@ -122,3 +122,21 @@ def test_delta_below_one_plus_epsilon_high_would_zero_the_gradient_so_config_ref
         cfg_factory({"algorithm": {"delta": 1.15}})  # epsilon_high null: epsilon (0.2) is the upper clip
     assert cfg_factory({"algorithm": {"delta": 1.28, "epsilon_high": 0.28}}).algorithm.delta == 1.28
     assert cfg_factory({"algorithm": {"delta": 1.2}}).algorithm.delta == 1.2
+
+
+def test_the_keyword_form_adds_no_kl_unless_beta_is_given():
+    """grpo_loss's beta defaults to 0 (not AlgorithmConfig's): a reference passed without beta changes nothing."""
+    logp = torch.tensor([[-1.0, -0.5]], requires_grad=True)
+    ref, adv, mask = torch.tensor([[-1.5, -0.2]]), torch.tensor([1.0]), torch.ones(1, 2)
+    w = token_weights(mask, "token_mean", BatchCounts(1, 2, 2))
+    plain, stats = grpo_loss(logp, None, ref, adv, mask, w)
+    assert plain.item() == pytest.approx(-1.0) and "kl" not in stats
+    with_kl, stats = grpo_loss(logp, None, ref, adv, mask, w, beta=0.5)
+    assert with_kl.item() > plain.item() and "kl" in stats
+
+
+def test_pad_right_pads_with_zeros_or_the_given_value_and_masks_the_padding():
+    padded, mask = pad([torch.tensor([1.0, 2.0]), torch.tensor([3.0])])
+    assert padded.tolist() == [[1.0, 2.0], [3.0, 0.0]] and mask.tolist() == [[1.0, 1.0], [1.0, 0.0]]
+    padded, _ = pad([torch.tensor([1.0, 2.0]), torch.tensor([3.0])], value=-1.0)
+    assert padded.tolist() == [[1.0, 2.0], [3.0, -1.0]]

@@ -233,3 +233,23 @@ def test_bench_async_quick_measures_every_variant(tmp_path):
     assert rows["inline"]["trainer_idle_frac"] == 0 and rows["inline"]["generator_idle_frac"] is None
     assert 0 <= rows["K=1"]["trainer_idle_frac"] < 1 and 0 <= rows["K=1"]["generator_idle_frac"] < 1
     assert rows["K=1"]["publish_s_mean"] > 0 and rows["inline"]["sample_s_mean"] >= 0.05 * 2  # 2 groups asleep
+
+
+def test_bench_gpu_server_dry_run_plans_the_three_backends_on_cuda():
+    """scripts/bench_gpu.sh server: bench_server.py on CUDA in bf16 (the server backend first: its nccl push), under
+    8 minutes, with options its parser has; bench_server.py's own plan: one grpo-serve and a run per backend."""
+    line = _gpu_dry("server").stdout.splitlines()[0].split()
+    assert line[:4] == ["timeout", "470", sys.executable, "scripts/bench_server.py"]
+    words = line[4:]
+    opts = {w: words[i + 1] for i, w in enumerate(words) if w.startswith("--")}
+    assert {k: opts[k] for k in ("--device", "--backends", "--rounds")} == \
+        {"--device": "cuda", "--backends": "server,vllm,hf", "--rounds": "1"}
+    helptext = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_server.py"), "--help"],
+                              capture_output=True, text=True, check=True).stdout
+    assert all(o in helptext for o in opts) and words[-1] == "model.dtype=bfloat16"
+    plan = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_server.py"), *words, "--dry-run"],
+                          capture_output=True, text=True, check=True).stdout.splitlines()
+    assert plan[0].split()[1:3] == ["-m", "grpo.serve"] and "--gpu-memory-utilization" in plan[0]
+    backends = [next(w for w in ln.split() if w.startswith("rollout.backend=")) for ln in plan[1:]]
+    assert backends == ["rollout.backend=server", "rollout.backend=vllm", "rollout.backend=hf"]
+    assert all("trainer.device=cuda" in ln and "model.dtype=bfloat16" in ln for ln in plan)

@@ -1,9 +1,22 @@
 """grpo/trainer/checkpoint.py's directory bookkeeping past one digit: steps are ordered by number, not by name
 (``step_10`` sorts before ``step_9`` as text), for ``resume=auto``, pruning to ``keep_last`` and what a resume
-abandons (``later_than``); and the ranks' agreement on one step to resume."""
+abandons (``later_than``); the ranks' agreement on one step to resume; and a run saved and restored: weights,
+optimizer, schedule, sampler, RNG and loop state, the configured schedule put in place, a changed run refused, what a
+resume abandons, ``final/``."""
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
 from grpo.trainer import checkpoint
+from grpo.trainer.run import LoopState
 
 
 def _save(out, step, keep_last=2):
@@ -90,3 +103,238 @@ def test_a_fresh_start_is_refused_when_any_node_holds_checkpoints(tmp_path):
     mine = [tmp_path / "checkpoints" / "step_3"]
     assert _agree_on_checkpoint(_Gathered((None, [])), _cfg(tmp_path), None, mine) == (None, mine)
     assert _agree_on_checkpoint(_Gathered((None, [])), _cfg(tmp_path), None, []) == (None, [])  # all fresh
+
+
+# ------------------------------------------------------------------------- a run saved and restored
+# A run's checkpointed parts, built as grpo.trainer.build builds them (a local runtime, AdamW, LambdaLR with the
+# configured schedule, the prompt sampler) around a two-layer model with a frozen part: no tokenizer or data needed.
+@pytest.fixture
+def built(tmp_path):
+    from types import SimpleNamespace
+
+    from grpo.config.schema import Config
+    from grpo.data import PromptSampler
+    from grpo.runtime.local import LocalRuntime
+    from grpo.trainer.build import lr_lambda
+
+    cfg = Config()
+    cfg = _with(cfg, output_dir=str(tmp_path / "run"), max_steps=8, warmup_steps=4, lr_schedule="cosine")
+    torch.manual_seed(0)
+    policy = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    policy[0].weight.requires_grad_(False)
+    t = cfg.trainer
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=t.lr,
+                                  betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
+    rt = LocalRuntime("cpu")
+    rt.setup(policy, optimizer, scheduler)
+    run = SimpleNamespace(runtime=rt, policy=policy, optimizer=optimizer, scheduler=scheduler,
+                          sampler=PromptSampler(10, seed=t.seed), owns_output_dir=True)
+    return run, cfg
+
+
+def _with(cfg, section="trainer", **changes):
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
+
+
+def _train_step(run):
+    """What a step leaves behind: moved weights, Adam moments, a scheduler and a sampler one step on."""
+    for p in run.policy.parameters():
+        if p.requires_grad:
+            p.grad = torch.ones_like(p)
+    run.optimizer.step()
+    run.optimizer.zero_grad()
+    run.scheduler.step()
+    run.sampler.next(2)
+
+
+def _draws():
+    return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+
+def _trainable(run):
+    return {n: p.detach().clone() for n, p in run.policy.named_parameters() if p.requires_grad}
+
+
+def test_a_checkpoint_restores_weights_optimizer_schedule_sampler_rng_and_the_loop_state(built, tmp_path, capsys):
+    run, cfg = built
+    cfg = _with(cfg, output_dir=str(tmp_path))
+    _train_step(run)
+    state = LoopState(step=3, buffer={"rollouts": [1, 2]}, bad_steps=1, skipped_steps=2,
+                      failed_reward_steps={"acc": 4})
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    path = checkpoint.save_checkpoint(run, state, cfg)
+    assert path == tmp_path / "checkpoints" / "step_3" and (path / checkpoint.MARKER).read_text() == "3\n"
+    expected = _draws()  # what the RNGs give next, as saved
+    saved = checkpoint.load_state(path)
+    assert saved["schedule"] == checkpoint.schedule(cfg) and saved["fingerprint"] == checkpoint.fingerprint(cfg)
+    assert saved["config_hash"] == checkpoint._hash(checkpoint.fingerprint(cfg)) and len(saved["config_hash"]) == 12
+    weights, moments = _trainable(run), copy.deepcopy(run.optimizer.state_dict()["state"])
+    epoch, sampler = run.scheduler.last_epoch, run.sampler.state_dict()
+    _train_step(run)  # the run moves on after the save: a restore must undo all of it
+    _draws()
+    resumed = checkpoint.restore(run, _with(cfg, resume="auto"))
+    assert resumed == state and resumed.buffer == {"rollouts": [1, 2]}
+    assert all(torch.equal(weights[n], p) for n, p in _trainable(run).items())
+    now = run.optimizer.state_dict()["state"]
+    assert now.keys() == moments.keys() and all(torch.equal(now[k]["exp_avg"], moments[k]["exp_avg"]) and
+                                                torch.equal(now[k]["exp_avg_sq"], moments[k]["exp_avg_sq"])
+                                                for k in now)
+    assert run.scheduler.last_epoch == epoch and run.sampler.state_dict() == sampler
+    assert _draws() == expected
+    err = capsys.readouterr().err
+    assert f"[grpo] resumed from {path} (step 3)" in err and "changed since" not in err
+
+
+def test_a_resume_puts_the_configured_schedule_in_place_and_says_what_changed(built, tmp_path, capsys):
+    run, cfg = built
+    cfg = _with(cfg, output_dir=str(tmp_path))
+    _train_step(run)
+    checkpoint.save_checkpoint(run, LoopState(step=2), cfg)
+    t = cfg.trainer
+    new = _with(cfg, resume="auto", lr=t.lr * 3, weight_decay=0.25, adam_betas=[0.8, 0.95], max_steps=t.max_steps + 4)
+    checkpoint.restore(run, new)
+    sch, lr = run.scheduler, t.lr * 3
+    assert sch.base_lrs == [lr] * len(run.optimizer.param_groups)
+    for group, fn in zip(run.optimizer.param_groups, sch.lr_lambdas):  # LambdaLR's lr: base_lr * lambda(epoch)
+        assert group["lr"] == pytest.approx(lr * fn(sch.last_epoch)) and group["initial_lr"] == lr
+        assert group["weight_decay"] == 0.25 and group["betas"] == (0.8, 0.95)
+    assert fn(sch.last_epoch) != fn(sch.last_epoch + 1)  # in the warmup: the step the lr is for matters
+    assert sch.get_last_lr() == [g["lr"] for g in run.optimizer.param_groups]
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if "changed since the checkpoint" in x)
+    assert line == (f"[grpo] changed since the checkpoint, in effect from step 3: trainer.lr {t.lr} -> {lr}, "
+                    f"trainer.max_steps {t.max_steps} -> {t.max_steps + 4}, trainer.weight_decay 0.0 -> 0.25, "
+                    "trainer.adam_betas [0.9, 0.99] -> [0.8, 0.95]")
+    # a checkpoint that did not record its schedule: the learning rate, read from the saved scheduler
+    old = {"scheduler": {"base_lrs": [t.lr]}}
+    assert checkpoint.apply_schedule(run, new, old) == [f"trainer.lr {t.lr} -> {lr}"]
+    assert checkpoint.apply_schedule(run, new, {"scheduler": {"base_lrs": [lr]}, "schedule": None}) == []
+
+
+def test_a_resume_with_a_run_defining_key_changed_is_refused_unless_forced(built, tmp_path):
+    from grpo.errors import SetupError
+
+    run, cfg = built
+    cfg = _with(cfg, output_dir=str(tmp_path))
+    path = checkpoint.save_checkpoint(run, LoopState(step=1), cfg)
+    other = _with(_with(cfg, resume="auto"), "data", seed=cfg.data.seed + 1)
+    with pytest.raises(SetupError) as e:
+        checkpoint.restore(run, other)
+    assert str(e.value) == (f"cannot resume from {path}: data.seed changed ({cfg.data.seed!r} -> "
+                            f"{cfg.data.seed + 1!r}); set trainer.force_resume=true to resume anyway, or use a new "
+                            "trainer.output_dir")
+    assert checkpoint.restore(run, _with(other, force_resume=True)).step == 1
+    saved = checkpoint.load_state(path)
+    del saved["fingerprint"]["data.seed"]  # a checkpoint from a version that did not record the key: not compared
+    checkpoint._check_fingerprint(saved, other, path)
+    with pytest.raises(SetupError, match="trainer.output_dir=.* already holds checkpoints of another run "
+                                         r"\(newest step_1\); continue it with trainer.resume=auto"):
+        checkpoint.restore(run, cfg)  # no resume asked, but the directory holds a run
+    with pytest.raises(SetupError, match="no such checkpoint directory"):
+        checkpoint.restore(run, _with(cfg, resume=str(tmp_path / "nowhere")))
+    fresh = checkpoint.restore(run, _with(cfg, output_dir=str(tmp_path / "new"), resume="auto"))
+    assert fresh == LoopState()
+
+
+def test_fingerprint_holds_every_run_defining_key_as_json():
+    from grpo.config.schema import Config
+
+    cfg = Config()
+    fp = checkpoint.fingerprint(cfg)
+    assert list(fp) == checkpoint.RUN_DEFINING
+    assert fp["trainer.seed"] == cfg.trainer.seed and fp["algorithm.group_size"] == cfg.algorithm.group_size
+    assert fp["model.lora"] == json.loads(json.dumps(dataclasses.asdict(cfg.model.lora), sort_keys=True))
+    changed = _with(cfg, "data", task_kwargs={"b": Path("x"), "a": 1})
+    assert checkpoint.fingerprint(changed)["data.task_kwargs"] == {"a": 1, "b": "x"}  # str() for what JSON lacks
+    assert checkpoint._hash({"a": 1, "b": 2}) == checkpoint._hash({"b": 2, "a": 1}) != checkpoint._hash({"a": 2})
+
+
+class _Log:
+    def __init__(self, lines):
+        self.lines, self.asked = lines, []
+
+    def truncate_after(self, step):
+        self.asked.append(step)
+        return self.lines
+
+
+def _fake_run(owner=True, main=True):
+    from types import SimpleNamespace
+
+    calls = []
+    rt = SimpleNamespace(is_main=main, barrier=lambda: calls.append("barrier"))
+    return SimpleNamespace(owns_output_dir=owner, runtime=rt), calls
+
+
+def test_a_resume_that_trains_abandons_the_later_steps_and_their_final(tmp_path, capsys):
+    for step in (2, 4, 10):
+        _save(tmp_path, step, keep_last=5)
+    (tmp_path / "final").mkdir()
+    run, calls = _fake_run()
+    log = _Log(7)
+    checkpoint.abandon_after(run, _cfg(tmp_path), log, 2)
+    assert _names(tmp_path) == ["step_2"] and not (tmp_path / "final").exists() and log.asked == [2]
+    assert calls == ["barrier"]
+    assert capsys.readouterr().err == ("[grpo] resuming from step 2 abandons the later steps of this directory: "
+                                       "removed step_4, step_10, 7 metrics lines, final/\n")
+    (tmp_path / "final").mkdir()
+    checkpoint.abandon_after(run, _cfg(tmp_path), _Log(0), 2)  # nothing later: final/ is this run's, kept
+    assert (tmp_path / "final").is_dir() and capsys.readouterr().err == ""
+
+
+def test_only_the_directorys_owner_removes_and_only_the_main_rank_says_so(tmp_path, capsys):
+    for step in (2, 4):
+        _save(tmp_path, step, keep_last=5)
+    (tmp_path / "final").mkdir()
+    run, calls = _fake_run(owner=False)
+    checkpoint.abandon_after(run, _cfg(tmp_path), _Log(0), 2)
+    assert _names(tmp_path) == ["step_2", "step_4"] and (tmp_path / "final").is_dir() and calls == ["barrier"]
+    assert capsys.readouterr().err.startswith("[grpo] resuming from step 2 abandons")
+    run, _ = _fake_run(owner=True, main=False)  # another node's first rank: its checkpoints, not final/'s message
+    checkpoint.abandon_after(run, _cfg(tmp_path), _Log(3), 2)
+    assert _names(tmp_path) == ["step_2"] and (tmp_path / "final").is_dir() and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("enabled,merge,main", [(True, True, True), (True, False, True), (False, True, False)])
+def test_save_final_replaces_final_with_what_the_runtime_wrote(tmp_path, enabled, merge, main):
+    from types import SimpleNamespace
+
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "old").write_text("old")
+    seen = []
+
+    def save_final(tmp, tokenizer, merge_lora):
+        seen.append((tmp, tokenizer, merge_lora))
+        tmp.mkdir()
+        (tmp / "model").write_text("new")
+
+    rt = SimpleNamespace(is_main=main, save_final=save_final, barrier=lambda: seen.append("barrier"))
+    run = SimpleNamespace(runtime=rt, tokenizer="tok")
+    cfg = SimpleNamespace(trainer=SimpleNamespace(output_dir=str(tmp_path)),
+                          model=SimpleNamespace(lora=SimpleNamespace(enabled=enabled, merge_on_save=merge)))
+    out = checkpoint.save_final(run, cfg)
+    assert out == tmp_path / "final" and seen == [(tmp_path / ".tmp-final", "tok", enabled and merge), "barrier"]
+    if main:  # the main rank moves it in place
+        assert [p.name for p in out.iterdir()] == ["model"] and not (tmp_path / ".tmp-final").exists()
+    else:
+        assert (out / "old").exists()
+
+
+def test_with_many_processes_each_rank_resumes_its_own_rollouts_and_sampling_stream(built):
+    """Rank 1 of 2, first rank of its node (it owns that node's copy): its rank file holds its own RNG and rollouts,
+    which the restore takes over those every rank's copy of the loop state holds."""
+    run, cfg = built
+    rt = run.runtime
+    rt.rank, rt.world_size = 1, 2
+    rt.gather = lambda obj: [obj, obj]  # both ranks see the same checkpoints
+    path = checkpoint.save_checkpoint(run, LoopState(step=2, buffer="shared"), cfg)
+    own = torch.load(path / "rank_1.pt", weights_only=False)
+    assert own["buffer"] == "shared" and set(own["rng"]) >= {"python", "numpy", "torch"}
+    random.seed(11)
+    own["rng"] = checkpoint.rng_state()
+    expected = random.random()
+    torch.save({**own, "buffer": "rank 1's"}, path / "rank_1.pt")
+    random.seed(12)
+    state = checkpoint.restore(run, _with(cfg, resume="auto"))
+    assert state.buffer == "rank 1's" and state.step == 2 and random.random() == expected

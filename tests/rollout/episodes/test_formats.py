@@ -139,3 +139,32 @@ def test_episodes_are_token_in_token_out_under_a_template_that_strips_think():
                {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}]
     rerendered = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
     assert "<think>20+22" not in rerendered and "<think>20+22, ask the tool</think>" in tok.decode(e.ids)
+
+
+def test_hermes_reads_a_call_cut_off_before_its_closing_tag():
+    """A turn that stops at EOS right after the JSON (no ``</tool_call>``) is still one call."""
+    fmt = FORMATS["hermes"]("tool")
+    calls = fmt.parse(CALL.removesuffix("</tool_call>"), None)
+    assert [(c.name, c.arguments) for c in calls] == [("add", {"a": 20, "b": 22})]
+
+
+def test_several_results_in_one_turn_for_each_role():
+    from grpo.rollout.episodes.chat import ToolCall
+
+    calls = [ToolCall("add", {}), ToolCall("mul", {})]
+    hermes = FORMATS["hermes"]
+    assert hermes("user").results(calls, ["1", "2"]) == [
+        {"role": "user", "content": "<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response>"}]
+    assert hermes(None).results(calls, ["1", "2"]) == [
+        {"role": "user", "content": "\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response>\n"}]
+    assert [m["name"] for m in hermes("tool").results(calls, ["1", "2"])] == ["add", "mul"]
+    assert FORMATS["template"]("tool").results(calls, ["1", "2"]) == [
+        {"role": "tool", "name": "add", "content": "1"}, {"role": "tool", "name": "mul", "content": "2"}]
+
+
+def test_only_the_template_format_gives_the_template_tools_and_never_an_empty_list(schemas):
+    """``apply_chat_template(tools=[])`` makes some templates (Qwen's) write an empty tools header: no tools is None."""
+    assert FORMATS["template"]("tool").template_tools(schemas) == schemas
+    assert FORMATS["template"]("tool").template_tools([]) is None
+    assert FORMATS["hermes"]("tool").template_tools(schemas) is None
+    assert FORMATS["template"]("tool").system_text(schemas) is None

@@ -1,0 +1,45 @@
+"""Checks of `grpo.config.schema.validate` that span several keys of one section (``cfg`` is the root `Config`):
+each raises ConfigError with one line naming the key and what to do."""
+from __future__ import annotations
+
+from grpo.errors import ConfigError
+
+
+def check_tools(cfg) -> None:
+    r = cfg.rollout
+    if not isinstance(r.tools, (list, tuple)) or not all(isinstance(t, str) and ":" in t for t in r.tools):
+        raise ConfigError(f"rollout.tools={list(r.tools) if isinstance(r.tools, (list, tuple)) else r.tools!r} must "
+                          "be a list of 'package.module:function' strings")
+    if r.environment is not None and (not isinstance(r.environment, str) or ":" not in r.environment):
+        raise ConfigError(f"rollout.environment={r.environment!r} must be 'package.module:Class' or null")
+
+
+def check_server(cfg) -> None:
+    urls = cfg.rollout.server.urls
+    if cfg.rollout.backend != "server":
+        return
+    if not urls:
+        raise ConfigError("rollout.backend=server needs rollout.server.urls, e.g. "
+                          "rollout.server.urls=[http://127.0.0.1:8000] (start the server with grpo-serve)")
+    for u in urls:
+        if not isinstance(u, str) or not u.startswith(("http://", "https://")) or len(u.split("://", 1)[1]) == 0:
+            raise ConfigError(f"rollout.server.urls: {u!r} is not a URL; give http://HOST:PORT")
+
+
+def check_distributed(cfg) -> None:
+    d = cfg.distributed
+    if d.backend == "none":
+        on = [k for k in ("offload_optimizer", "offload_params", "bf16") if getattr(d, k)]
+        if d.zero_stage or on or d.ds_config:
+            key = f"distributed.zero_stage={d.zero_stage}" if d.zero_stage else \
+                (f"distributed.{on[0]}=true" if on else "distributed.ds_config")
+            raise ConfigError(f"{key} needs distributed.backend=deepspeed (use distributed=zero2 or distributed=zero3)")
+        return
+    if d.offload_params and d.zero_stage != 3:
+        raise ConfigError(f"distributed.offload_params=true needs distributed.zero_stage=3 (got {d.zero_stage}); "
+                          "use distributed=zero3")
+    if d.offload_optimizer and d.zero_stage == 0:
+        raise ConfigError("distributed.offload_optimizer=true needs distributed.zero_stage >= 1")
+    if cfg.model.dtype == "float16":
+        raise ConfigError("model.dtype=float16 is not supported with distributed.backend=deepspeed (no loss scaling); "
+                          "use model.dtype=bfloat16 or distributed.bf16=true")

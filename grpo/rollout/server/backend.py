@@ -1,0 +1,257 @@
+"""``rollout.backend=server``: the completions come from vLLM's own OpenAI-compatible servers (`grpo-serve`).
+
+1. **Connect** (at the first rollout): wait for every server's ``/health``; ask each what it serves
+   (``/collective_rpc`` -> `GRPOWorkerExtension.grpo_model_info`) and refuse, in one line, a server of another
+   model or a shorter max length; join the weight channel; push the trainer's weights.
+2. **Generate**: each group is one ``/v1/completions`` request (``n = G`` samples of one prompt given as token
+   ids), sent concurrently, a whole group on one server (`ServerPool.pick`); token ids and the sampler's
+   log-probs come back. Every group records the weight version that produced it (`Completions.versions`).
+3. **Sync** after every optimizer step (or every ``sync_every``): rank 0 streams the weights (each gathered on
+   its own under ZeRO-3, LoRA merged: `grpo.rollout.vllm.hf_weights`) through the gloo channel
+   (`grpo.runtime.transfer`) into the server's in-place ``reload_weights`` (``grpo_receive``), or vLLM's nccl
+   transfer on GPUs (`grpo.rollout.server.nccl`); then ``/reset_prefix_cache`` and ``/update_weight_version``.
+4. **Check** the sync: the server's prompt log-probs of a fixed sequence against the trainer's own; a gap above
+   ``sync_check_tol`` stops the run with one line (a server sampling from stale weights would look plausible).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from grpo.rollout.base import Completions, Sampling, cut_at_eos
+from grpo.rollout.server.client import ServerError, ServerPool, group_request, parse_group, prompt_logprobs
+from grpo.rollout.vllm import hf_weights
+
+MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "intermediate_size")
+
+
+def model_facts(config) -> dict:
+    """What a server must agree on with the trainer's model (its config), compared at connect."""
+    return {k: getattr(config, k, None) for k in MODEL_KEYS}
+
+
+class ServerBackend:
+    name = "server"
+
+    def __init__(self, model, pool: ServerPool, *, model_name: str, facts: dict, eos_ids: list[int],
+                 max_model_len: int, check_ids: list[int], tol: float = 1e-3, sync_every: int = 1,
+                 transfer=None, full_weights=None, rank: int = 0, barrier=None, all_max=None, device="cpu"):
+        """``transfer``: the weight sender (`GlooTransfer`, `grpo.rollout.server.nccl.NCCLTransfer`), None on a
+        rank that does not send. ``barrier``/``all_max``: the runtime's collectives (several training processes:
+        every rank syncs, rank 0 sends); ``facts``: `model_facts` of the trainer's model."""
+        self.pool, self.model_name, self.eos_ids = pool, model_name, list(eos_ids)
+        self.check_ids, self.tol, self.sync_every = list(check_ids), tol, sync_every
+        self.transfer, self.full_weights, self.rank = transfer, full_weights, rank
+        self.barrier, self.all_max, self.device = barrier or (lambda: None), all_max, device
+        self.version: int | None = None     # the weight version the servers hold (None: not pushed yet)
+        self.next_version = 0               # what the next push is labelled (`set_version`)
+        self.stats: dict[str, float] = {}
+        pool.wait_until_up()
+        for s in pool.servers:
+            check_server(s, model_name, facts, max_model_len)
+        if transfer is not None:
+            transfer.connect(pool.servers)
+
+    # ------------------------------------------------------------------------------------ weights
+    def set_version(self, version: int) -> None:
+        """The label of the weights the next `sync_weights` pushes: the trainer's optimizer step count."""
+        self.next_version = int(version)
+
+    @torch.no_grad()
+    def sync_weights(self, model) -> None:
+        """Push the weights when ``sync_every`` steps have passed since the last push (always the first time),
+        then check the sync. Every training rank calls it at the same point."""
+        v = self.next_version
+        self.stats["server/version_lag"] = float(v - (self.version if self.version is not None else v))
+        if self.version is not None and v - self.version < self.sync_every:
+            self.stats["time/sync_s"] = 0.0
+            return
+        t0 = time.time()
+        weights = hf_weights(model, self.full_weights) if self.full_weights else hf_weights(model)
+        try:
+            if self.transfer is not None:
+                self.transfer.send(weights, self.pool.servers)
+                for s in self.pool.servers:
+                    s.post("/reset_prefix_cache")  # cached prompt K/V belong to the old weights
+                    s.post("/update_weight_version", {"new_version": str(v)})
+            else:  # another rank sends; ZeRO-3 gathers each weight on every rank together
+                for _ in weights:
+                    pass
+        finally:
+            weights.close()
+        self.barrier()  # no rank samples before rank 0's push is done
+        self.version = v
+        self.stats.update({"time/sync_s": time.time() - t0, "server/version_lag": 0.0})
+        self.check(model)
+
+    def check(self, model) -> float:
+        """The largest |log p_server - log p_trainer| over the check sequence's tokens and every server; above
+        ``tol``: `ServerError` (the run stops with one line)."""
+        ids = self.check_ids
+        mine = trainer_logprobs(model, ids, self.device)
+        gap, worst = 0.0, self.pool.servers[0].url
+        for s in self.pool.servers:
+            body = {"model": self.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
+                    "prompt_logprobs": 0, "return_token_ids": True}
+            theirs = torch.tensor(prompt_logprobs(s.post("/v1/completions", body), ids))
+            g = float((theirs - mine).abs().max()) if len(theirs) else 0.0
+            if g != g or g > gap:  # NaN counts as the worst
+                gap, worst = (float("inf") if g != g else g), s.url
+        if self.all_max is not None:
+            gap = self.all_max({"gap": gap})["gap"]
+        self.stats["server/sync_logprob_gap"] = gap
+        if gap > self.tol:
+            raise ServerError(f"weight sync check failed: rollout server {worst} scores the check sequence "
+                              f"{gap:.3g} away from the trainer (rollout.server.sync_check_tol={self.tol:g}) after "
+                              f"pushing weight version {self.next_version}: it does not sample from the trainer's "
+                              "policy")
+        return gap
+
+    # ------------------------------------------------------------------------------------ sampling
+    def generate(self, prompt_ids, group_size, sampling: Sampling, seed=None, suffixes=None) -> Completions:
+        from grpo.rollout.hf import flatten, regroup
+
+        if suffixes is not None:  # each prompt + suffix is a one-sample request
+            out = self.generate(flatten(prompt_ids, suffixes), 1, sampling, seed)
+            flat = [[g[0] for g in x] for x in (out.ids, out.truncated, out.logprobs)]
+            return Completions(*(regroup(x, suffixes) for x in flat), versions=[self.version] * len(prompt_ids))
+        # one seed per group: the server seeds a group's G samples seed, seed + 1, ...
+        bodies = [group_request(self.model_name, p, group_size, sampling, self.eos_ids,
+                                None if seed is None else seed + i * group_size) for i, p in enumerate(prompt_ids)]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(bodies), 64))) as ex:
+            answers = list(ex.map(self._one_group, bodies))
+        ids, truncated, logps = [], [], []
+        for toks, lps in answers:
+            gi, gt, gl = [], [], []
+            for t, lp in zip(toks, lps):
+                kept, cut = cut_at_eos(t, self.eos_ids, sampling.max_new_tokens)
+                gi.append(kept)
+                gt.append(cut)
+                gl.append(torch.tensor(lp[:len(kept)], dtype=torch.float32))
+            ids.append(gi)
+            truncated.append(gt)
+            logps.append(gl)
+        return Completions(ids, truncated, logps, versions=[self.version] * len(prompt_ids))
+
+    def _one_group(self, body: dict):
+        s = self.pool.pick()
+        try:
+            return parse_group(s.post("/v1/completions", body))
+        finally:
+            self.pool.done(s)
+
+    def sleep(self) -> None:  # the servers keep their memory
+        pass
+
+    def close(self) -> None:
+        """Leave the servers running (another trainer may take them over); drop the weight channel."""
+        if self.transfer is not None:
+            self.transfer.close()
+
+
+def check_server(server, model_name: str, facts: dict, max_model_len: int) -> None:
+    """Refuse, in one line, a server that serves another model or a shorter max length than the run needs."""
+    models = server.get("/v1/models")["data"]
+    served = {m["id"]: m for m in models}
+    if model_name not in served:
+        raise ServerError(f"rollout server {server.url} serves {', '.join(served) or 'nothing'}, not {model_name!r}; "
+                          "start it with grpo-serve and the run's recipe")
+    info = (server.post("/collective_rpc", {"method": "grpo_model_info"}) or {}).get("results") or [{}]
+    theirs = info[0] or {}
+    differ = [f"{k}={theirs.get(k)!r} (the trainer's {v!r})" for k, v in facts.items() if theirs.get(k) != v]
+    if differ:
+        raise ServerError(f"rollout server {server.url} serves another model than the trainer's: {differ[0]}; "
+                          "start it with grpo-serve and the run's recipe")
+    length = served[model_name].get("max_model_len") or theirs.get("max_model_len") or 0
+    if length < max_model_len:
+        raise ServerError(f"rollout server {server.url} has max_model_len={length}, the run needs {max_model_len} "
+                          "(its longest prompt + rollout.max_new_tokens); start it with grpo-serve and the run's "
+                          "recipe or a larger rollout.vllm.max_model_len")
+
+
+@torch.no_grad()
+def trainer_logprobs(model, ids: list[int], device="cpu") -> torch.Tensor:
+    """The trainer's log-prob of each token of ``ids`` after the first, at temperature 1 (every rank: a ZeRO-3
+    forward is a collective)."""
+    x = torch.tensor([ids], device=device)
+    logits = model(input_ids=x).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].cpu()
+
+
+class GlooTransfer:
+    """The CPU path: rank 0's gloo channel with every server's worker (`grpo.runtime.transfer.WeightChannel`);
+    ``host``: the address the servers reach this process at."""
+
+    def __init__(self, host: str, timeout_s: float = 300.0):
+        self.host, self.timeout_s, self.channel = host, timeout_s, None
+
+    def _all(self, servers, call):
+        """``call(server)`` on every server in its own thread (each blocks until the channel's collective ends)
+        while this thread takes part; the first error (naming its server) is raised after all have ended."""
+        errors: list[BaseException] = []
+        threads = [threading.Thread(target=lambda s=s: _keep_error(errors, call, s), daemon=True) for s in servers]
+        for t in threads:
+            t.start()
+        return threads, errors
+
+    def connect(self, servers) -> None:
+        import json
+
+        from grpo.runtime.transfer import WeightChannel, free_port
+
+        port = free_port(self.host)
+        spec = {"host": self.host, "port": port, "world_size": 1 + len(servers), "timeout_s": self.timeout_s}
+        threads, errors = self._all(servers, lambda s: s.post("/collective_rpc", {
+            "method": "grpo_join", "args": [json.dumps({**spec, "rank": 1 + servers.index(s)})]}))
+        try:
+            self.channel = WeightChannel(self.host, port, 0, 1 + len(servers), self.timeout_s)
+        except RuntimeError as e:
+            _join(threads, errors)
+            raise ServerError(f"rollout servers {', '.join(s.url for s in servers)} could not join the trainer's "
+                              f"weight channel at {self.host}:{port} ({str(e).splitlines()[0][:120]}); set "
+                              "rollout.server.trainer_host to an address they reach") from None
+        _join(threads, errors)
+
+    def send(self, weights, servers) -> None:
+        threads, errors = self._all(servers, lambda s: _received(s.post("/collective_rpc",
+                                                                         {"method": "grpo_receive"}), s.url))
+        try:
+            self.channel.send(weights)
+        except RuntimeError as e:
+            _join(threads, errors, timeout=10)
+            raise ServerError(f"rollout server {servers[0].url if len(servers) == 1 else 'of ' + str(len(servers))} "
+                              f"lost the weight channel ({str(e).splitlines()[0][:120]}); restart it and resume "
+                              "with trainer.resume=auto") from None
+        _join(threads, errors)
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+
+def _keep_error(errors: list, call, s) -> None:
+    try:
+        call(s)
+    except BaseException as e:  # noqa: BLE001 - raised in the calling thread
+        errors.append(e)
+
+
+def _join(threads, errors, timeout: float | None = None) -> None:
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise errors[0]
+
+
+def _received(answer, url: str) -> None:
+    r = ((answer or {}).get("results") or [{}])[0] or {}
+    if r.get("missing"):
+        raise ServerError(f"rollout server {url}: vLLM parameters the trainer's weights did not fill: "
+                          f"{r['missing'][0][:200]}")
+    if not r.get("received"):
+        raise ServerError(f"rollout server {url} received no weights from the trainer")

@@ -1,0 +1,80 @@
+"""What `grpo-serve` starts: vLLM's own OpenAI-compatible server for a run's model, nothing of ours but the extension.
+
+`serve_command` turns the run's settings into vLLM's command line: the model (a local or embedded checkpoint as
+it is; a tiny model as a config-and-tokenizer folder, ``load_format=dummy``, whose weights the trainer pushes at
+connect), its dtype and max length, prefix caching on, log-probs after the temperature (``processed_logprobs``,
+as the trainer computes them), the checkpoint's generation config ignored, vLLM's development endpoints on
+(``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``, ``/update_weight_version``, ``/reset_prefix_cache``, ...) and
+our worker extension (`grpo.rollout.server.worker`) for the CPU weight path. On CUDA the server gets vLLM's
+nccl weight transfer and its tensor-parallel size (its devices: ``CUDA_VISIBLE_DEVICES``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+EXTENSION = "grpo.rollout.server.worker.GRPOWorkerExtension"
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model: str                   # model.name_or_path (also the name the server serves it under)
+    tiny: dict                   # model.tiny
+    dtype: str                   # model.dtype
+    max_model_len: int           # rollout.vllm.max_model_len, or data.max_prompt_tokens + the completion's tokens
+    host: str
+    port: int
+    seed: int
+    device: str                  # cpu | cuda
+    kv_cache_gib: float          # CPU: VLLM_CPU_KVCACHE_SPACE
+    enforce_eager: bool
+    tensor_parallel_size: int = 1
+    weight_transfer: str = "gloo"  # gloo (the extension) | nccl (vLLM's own engine)
+
+
+def model_dir(s: ServeSettings, cache: Path) -> tuple[str, bool]:
+    """(what vLLM loads, whether its weights are dummy). A tiny model: its config and the character tokenizer
+    written once to a folder under ``cache`` named by its shape."""
+    from grpo.models import char_tokenizer, resolve_path, tiny_model
+
+    if not s.model.startswith("tiny:"):
+        return resolve_path(s.model), False
+    key = hashlib.sha256(json.dumps([s.model, s.tiny], sort_keys=True).encode()).hexdigest()[:12]
+    out = cache / "serve" / f"{s.model.replace(':', '-')}-{key}"
+    if not (out / "config.json").exists():
+        tok = char_tokenizer()
+        model = tiny_model(s.model.split(":", 1)[1], len(tok), **dict(s.tiny))
+        model.config.architectures = [type(model).__name__]  # vLLM must build this class (it would guess)
+        tmp = out.with_name(out.name + ".tmp")
+        model.config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        tmp.rename(out)
+    return str(out), True
+
+
+def serve_command(s: ServeSettings, cache: Path, extra: list[str] = ()) -> tuple[list[str], dict]:
+    """(argv, environment additions) of vLLM's server for these settings; ``extra``: more vLLM flags, as given."""
+    path, dummy = model_dir(s, cache)
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
+            "--served-model-name", s.model, "--host", s.host, "--port", str(s.port), "--dtype", s.dtype,
+            "--max-model-len", str(s.max_model_len), "--seed", str(s.seed), "--enable-prefix-caching",
+            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+            "--worker-extension-cls", EXTENSION, "--tensor-parallel-size", str(s.tensor_parallel_size)]
+    if dummy:
+        argv += ["--load-format", "dummy"]
+    if s.enforce_eager:
+        argv.append("--enforce-eager")
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if s.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{s.kv_cache_gib:g}"
+        # vllm-cpu 0.32 fails a seeded request whose prompt was prefilled in chunks ("CPU Generator does not use
+        # offset"): every prompt is prefilled whole
+        argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(8192, s.max_model_len))]
+    else:
+        argv += ["--gpu-memory-utilization", "0.9"]  # the server's GPUs are its own (CUDA_VISIBLE_DEVICES)
+    if s.weight_transfer == "nccl":
+        argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    return argv + list(extra), env

@@ -1,0 +1,66 @@
+"""The piece of the server backend that runs inside vLLM's server: a worker extension (``--worker-extension-cls``).
+
+vLLM mixes this class into its worker; the trainer calls its methods through vLLM's own ``POST /collective_rpc``
+(string arguments, JSON results). It exists because vLLM's weight-transfer engines need CUDA: on CPU the weights
+come through a gloo group of our own (`grpo.runtime.transfer.WeightChannel`) and go into the model through the
+same in-place ``reload_weights`` the in-process backend uses (q/k/v and gate/up fused by vLLM). On GPUs the
+nccl path is vLLM's own (``/init_weight_transfer_engine``, ``/update_weights``) and this class only answers
+`grpo_model_info`.
+"""
+from __future__ import annotations
+
+import json
+
+
+class GRPOWorkerExtension:
+    """Methods the trainer calls on every worker of a server (``collective_rpc``)."""
+
+    def grpo_model_info(self) -> dict:
+        """What the server serves, for the trainer's check at connect: the model's shape and its max length."""
+        cfg = self.model_runner.model_config
+        hf = cfg.hf_config
+        keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "intermediate_size")
+        return {**{k: getattr(hf, k, None) for k in keys}, "max_model_len": cfg.max_model_len,
+                "dtype": str(cfg.dtype).replace("torch.", ""), "pushes": getattr(self, "_grpo_pushes", 0)}
+
+    def grpo_join(self, spec: str) -> dict:
+        """Join the trainer's weight channel: ``spec`` is JSON {host, port, rank, world_size, timeout_s}. A channel
+        of an earlier trainer (one that died, or ended) is dropped first: a new trainer takes the server over."""
+        from grpo.runtime.transfer import WeightChannel
+
+        s = json.loads(spec)
+        old = getattr(self, "_grpo_channel", None)
+        if old is not None:
+            old.close()
+        self._grpo_channel = None
+        self._grpo_channel = WeightChannel(s["host"], int(s["port"]), int(s["rank"]), int(s["world_size"]),
+                                           float(s["timeout_s"]))
+        return {"joined": True}
+
+    def grpo_receive(self) -> dict:
+        """Receive one stream of weights from the trainer and load it in place; says how many tensors came and
+        which vLLM parameters (if any) they left unfilled."""
+        from grpo.rollout.vllm import CaptureNotLoaded
+
+        channel = getattr(self, "_grpo_channel", None)
+        if channel is None:
+            raise RuntimeError("no trainer has joined this server's weight channel (grpo_join)")
+        count = 0
+
+        def items():
+            nonlocal count
+            for name, t in channel.receive():
+                count += 1
+                yield name, t
+
+        weights = items()
+        try:
+            with CaptureNotLoaded() as missing:
+                self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            for _ in weights:  # a stream vLLM stopped reading early is drained, so the channel stays in step
+                pass
+        finally:
+            weights.close()
+        self._grpo_pushes = getattr(self, "_grpo_pushes", 0) + 1  # weight streams loaded since the server started
+        return {"received": count, "missing": missing.messages[:1]}

@@ -1,0 +1,72 @@
+"""``grpo-serve recipe=NAME key=value ... [--print] [-- VLLM_FLAGS]``: vLLM's server for a run's model.
+
+Takes the recipe and overrides `grpo-train` takes, so the model, its dtype, the max length and the sampling limits
+agree with the trainer's by construction, plus ``rollout.server.host``/``port`` (on GPUs ``tensor_parallel_size``;
+its devices are ``CUDA_VISIBLE_DEVICES``'s). It then replaces itself with vLLM's OpenAI-compatible server
+(`grpo.rollout.server.launch`); ``GET /health`` answers once it is ready. ``--print``: print the command instead.
+Runs in the environment that has vLLM (``.venv-vllm/bin/grpo-serve``; docs/rollout.md#the-server-backend).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import sys
+
+from grpo.errors import GRPOError, SetupError
+
+
+def settings(cfg, device: str):
+    from grpo.rollout.episodes.spec import max_completion_tokens
+    from grpo.rollout.server.connect import transfer_kind
+    from grpo.rollout.server.launch import ServeSettings
+
+    r, s = cfg.rollout, cfg.rollout.server
+    return ServeSettings(model=cfg.model.name_or_path, tiny=dict(cfg.model.tiny), dtype=cfg.model.dtype,
+                         max_model_len=r.vllm.max_model_len or cfg.data.max_prompt_tokens + max_completion_tokens(r),
+                         host=s.host, port=s.port, seed=cfg.trainer.seed, device=device,
+                         kv_cache_gib=r.vllm.kv_cache_gib, enforce_eager=r.vllm.enforce_eager,
+                         tensor_parallel_size=s.tensor_parallel_size,
+                         weight_transfer=transfer_kind(s.weight_transfer, device))
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    ours = argv[:argv.index("--")] if "--" in argv else argv
+    dry = "--print" in ours
+    overrides = [a for a in ours if a != "--print"]
+    try:
+        from grpo.config.cli import check_argv
+        from grpo.config.compose import compose
+        from grpo.config.schema import load
+        from grpo.models import cache_dir
+
+        check_argv(overrides)  # a typo: one line naming the key, as grpo-train says it
+        raw = compose(overrides)
+        raw.trainer.output_dir = "unused"  # nothing of the run is written by a server
+        cfg = load(raw)
+        if not dry and importlib.util.find_spec("vllm") is None:
+            raise SetupError("grpo-serve needs vLLM: run it from the vLLM environment (make setup-vllm, then "
+                             ".venv-vllm/bin/grpo-serve ...; docs/rollout.md)")
+        device = cfg.trainer.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        from grpo.rollout.server.launch import serve_command
+
+        cmd, env = serve_command(settings(cfg, device), cache_dir(), extra)
+    except GRPOError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if dry:
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
+        return
+    print(f"[grpo] serving {cfg.model.name_or_path} at http://{cfg.rollout.server.host}:{cfg.rollout.server.port} "
+          "(vLLM's OpenAI-compatible server; GET /health answers when it is ready)", file=sys.stderr, flush=True)
+    os.execve(cmd[0], cmd, {**os.environ, **env})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""rollout.backend=server against real vLLM servers (`grpo-serve`, processes on 127.0.0.1; no mocks), on the tiny
+model of the vLLM tests (head_dim 64). One server serves the whole module (it takes a minute or two to start);
+it is killed and restarted once, by the fault test that needs it. The tests run in file order:
+
+1. docs/rollout.md's two-terminal walkthrough, the trainer started first (it waits, saying so once), scaled down;
+   after each push the server's log-probs agree with the trainer's (the sync check's gap, logged every step);
+2. a server of another model or a shorter max length is refused at connect in one line;
+3. a trainer killed mid-run leaves the server serving, and a new trainer takes it over;
+4. two training processes (ZeRO-2, ZeRO-3) against the one server: one push per step;
+5. a server killed mid-run ends the run with one line naming it, no traceback, the last checkpoint intact; after
+   the server's restart `trainer.resume=auto` completes the run.
+
+Runs where vLLM imports (``make test-vllm``); elsewhere skipped, saying why.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, VLLM_TINY, vllm_problem
+
+pytestmark = pytest.mark.skipif(vllm_problem() is not None, reason=str(vllm_problem()))
+
+TINY = [f"model.tiny.{k}={v}" for k, v in VLLM_TINY.items()]
+# the docs' commands scaled down: the tiny model, short completions, no held-out evaluation
+SCALE = ["model=tiny", *TINY, "data.num_eval=0", "rollout.max_new_tokens=8", "data.num_train=32",
+         "rollout.prompts_per_step=2", "algorithm.group_size=4", "logging.sample_every=0", "logging.plot=false"]
+WAIT = "rollout.server.connect_timeout_s=900"
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def _free_port() -> int:
+    from grpo.runtime.transfer import free_port
+
+    return free_port()
+
+
+def docs_commands() -> dict[str, str]:
+    """docs/rollout.md's walkthrough: its grpo-serve and grpo-train command lines."""
+    text = (ROOT / "docs" / "rollout.md").read_text().split("### Two terminals", 1)[1].split("###", 1)[0]
+    out = {}
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words and Path(words[0]).name in ("grpo-serve", "grpo-train"):
+                out[Path(words[0]).name] = words
+    return out
+
+
+class Server:
+    """A `grpo-serve` process (its own process group: a kill takes vLLM's engine process with it)."""
+
+    def __init__(self, port: int, log: Path, args: list[str]):
+        self.port, self.url, self.log = port, f"http://127.0.0.1:{port}", log
+        self.args = args
+
+    def start(self) -> "Server":
+        self.proc = subprocess.Popen([sys.executable, "-m", "grpo.serve", *self.args], stdout=self.log.open("ab"),
+                                     stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+        return self
+
+    def up(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def wait(self, timeout: float = 900) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.up():
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(1)
+
+    def info(self) -> dict:
+        req = urllib.request.Request(self.url + "/collective_rpc", data=b'{"method": "grpo_model_info"}',
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())["results"][0]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("server")
+    port = _free_port()
+    serve = docs_commands()["grpo-serve"][1:]
+    serve = [w if not w.startswith("rollout.server.port=") else f"rollout.server.port={port}" for w in serve]
+    state = {"tmp": tmp, "server": Server(port, tmp / "server.log", serve + SCALE)}
+    yield state
+    state["server"].kill()
+
+
+def train(ctx, name: str, *args: str, popen: bool = False, timeout: int = 900):
+    cmd = [sys.executable, "-m", "grpo.train", "recipe=quickstart", *SCALE, "rollout.backend=server",
+           f"rollout.server.urls=[{ctx['server'].url}]", WAIT, f"trainer.output_dir={ctx['tmp'] / name}", *args]
+    if popen:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                                start_new_session=True)
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+
+
+def steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in rows if "reward_mean" in r]
+
+
+def _wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+
+
+def test_the_documented_walkthrough_trains_and_the_trainer_waits_for_a_late_server(ctx):
+    cmd = docs_commands()["grpo-train"]
+    assert cmd[1:3] == ["recipe=quickstart", "rollout.backend=server"], cmd
+    assert docs_commands()["grpo-serve"][1:2] == ["recipe=quickstart"]
+    words = [w if not w.startswith("rollout.server.urls=") else f"rollout.server.urls=[{ctx['server'].url}]"
+             for w in cmd[1:]]
+    run = ctx["tmp"] / "walkthrough"
+    trainer = subprocess.Popen([sys.executable, "-m", "grpo.train", *words, *SCALE, WAIT, "trainer.max_steps=2",
+                                "trainer.lr=1e-3", f"trainer.output_dir={run}"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=_env())
+    time.sleep(2)  # the trainer is up first
+    ctx["server"].start()
+    out, err = trainer.communicate(timeout=1500)
+    assert trainer.returncode == 0, err[-4000:]
+    assert err.count("waiting for the rollout server") == 1, err[-3000:]
+    rows = steps(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # the server samples from the trainer's policy after every push
+        assert r["server/sync_logprob_gap"] < 1e-3 and r["server/version_lag"] == 0
+        assert r["rollout_is/logp_diff_abs_max"] < 1e-3
+    assert ctx["server"].info()["pushes"] == 2  # at connect, and after the first optimizer step
+
+
+@pytest.mark.parametrize("change,expect", [
+    ("model.tiny.intermediate_size=512", "serves another model than the trainer's: intermediate_size=256"),
+    ("rollout.max_new_tokens=900", "has max_model_len="),
+])
+def test_a_server_of_another_model_or_length_is_refused_at_connect(ctx, change, expect):
+    p = train(ctx, "refused-" + change.split("=")[0], "trainer.max_steps=1", change, timeout=600)
+    assert p.returncode == 2, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rollout server " + ctx["server"].url) and expect in last, last
+    assert "Traceback" not in p.stderr
+
+
+def test_a_killed_trainer_leaves_the_server_serving_and_a_new_one_takes_over(ctx):
+    first = train(ctx, "killed", "trainer.max_steps=50", popen=True)
+    try:
+        _wait_for(lambda: len(steps(ctx["tmp"] / "killed")) >= 1, 900, "the first trainer made no step")
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(30)
+    assert ctx["server"].up()
+    p = train(ctx, "takeover", "trainer.max_steps=2")
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert all(r["server/sync_logprob_gap"] < 1e-3 for r in steps(ctx["tmp"] / "takeover"))
+
+
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_two_training_processes_push_once_per_step(ctx, zero):
+    from tests.e2e.test_distributed import ZERO3, torchrun
+
+    before = ctx["server"].info()["pushes"]
+    out = ctx["tmp"] / zero
+    args = ZERO3 if zero == "zero3" else ["distributed=zero2"]
+    p = torchrun("-m", "grpo.train", "recipe=quickstart", *SCALE, "rollout.backend=server",
+                 f"rollout.server.urls=[{ctx['server'].url}]", WAIT, f"trainer.output_dir={out}",
+                 "trainer.max_steps=2", *args, cwd=ctx["tmp"], timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = steps(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["server/sync_logprob_gap"] < 1e-3 for r in rows)
+    assert ctx["server"].info()["pushes"] - before == 2  # one per step, not one per rank
+
+
+def test_a_killed_server_ends_the_run_in_one_line_and_resume_completes_after_its_restart(ctx):
+    run = ctx["tmp"] / "faulty"
+    trainer = train(ctx, "faulty", "trainer.max_steps=4", "trainer.save_every=1", "rollout.server.retries=1",
+                    popen=True)
+    _wait_for(lambda: (run / "checkpoints" / "step_2" / "COMPLETE").exists() or trainer.poll() is not None, 900,
+              "no checkpoint of step 2")
+    ctx["server"].kill()
+    _, err = trainer.communicate(timeout=600)
+    assert trainer.returncode == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: rollout server " + ctx["server"].url) and "trainer.resume=auto" in last, last
+    assert "Traceback" not in err
+    done = sorted(int(d.name.split("_")[1]) for d in (run / "checkpoints").iterdir() if (d / "COMPLETE").exists())
+    assert done and done[-1] >= 2 and done[-1] < 4
+    ctx["server"].start().wait()
+    p = train(ctx, "faulty", "trainer.max_steps=4", "trainer.save_every=1", "trainer.resume=auto")
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert f"resumed from {run / 'checkpoints' / f'step_{done[-1]}'}" in p.stderr
+    assert steps(run)[-1]["step"] == 4

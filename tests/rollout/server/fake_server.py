@@ -1,0 +1,122 @@
+"""A small stand-in for vLLM's server, in-process, for the client logic where vLLM is not installed.
+
+It speaks the few endpoints the server backend uses (``/health``, ``/v1/models``, ``/v1/completions``,
+``/collective_rpc``, ``/reset_prefix_cache``, ``/update_weight_version``) and holds a real HF model: the weights
+the trainer streams through the real gloo channel (`grpo.runtime.transfer`) are loaded into it, and the
+prompt log-probs of the sync check are that model's. ``stale=True``: it receives the weights but keeps its old
+ones (the silent failure the sync check exists for). Generation is canned: ``n`` choices of ``tokens`` (the
+seed added to the first one), each token's log-prob -0.5. Every request body is recorded in ``requests``.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+
+class FakeServer:
+    def __init__(self, model=None, name: str = "tiny:llama", max_model_len: int = 256, stale: bool = False,
+                 tokens=(5, 6, 7), delay_s: float = 0.0, drop_first: int = 0, facts: dict | None = None):
+        self.model, self.name, self.max_model_len, self.stale = model, name, max_model_len, stale
+        self.tokens, self.delay_s, self.drop_first = list(tokens), delay_s, drop_first
+        self.facts = facts
+        self.requests: list[tuple[str, dict]] = []
+        self.version, self.channel, self.received = "default", None, 0
+        self.lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                fake._answer(self, "GET", None)
+
+            def do_POST(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                fake._answer(self, "POST", json.loads(self.rfile.read(n) or b"{}"))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def start(self) -> "FakeServer":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    # ------------------------------------------------------------------------------------ answers
+    def _answer(self, h, method: str, body):
+        with self.lock:
+            self.requests.append((h.path, body))
+            if self.drop_first > 0:  # a connection reset before any answer
+                self.drop_first -= 1
+                h.close_connection = True
+                h.connection.close()
+                return
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        out = self._route(h.path, body)
+        data = json.dumps(out).encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+
+    def _route(self, path: str, body):
+        if path == "/health":
+            return {}
+        if path == "/v1/models":
+            return {"data": [{"id": self.name, "max_model_len": self.max_model_len}]}
+        if path == "/collective_rpc":
+            return {"results": [getattr(self, "_rpc_" + body["method"])(*body.get("args", []))]}
+        if path == "/update_weight_version":
+            self.version = body["new_version"]
+            return {"success": True}
+        if path == "/v1/completions":
+            return self._completions(body)
+        return {}
+
+    def _rpc_grpo_model_info(self):
+        from grpo.rollout.server.backend import model_facts
+
+        facts = self.facts or model_facts(self.model.config)
+        return {**facts, "max_model_len": self.max_model_len}
+
+    def _rpc_grpo_join(self, spec):
+        from grpo.runtime.transfer import WeightChannel
+
+        s = json.loads(spec)
+        self.channel = WeightChannel(s["host"], s["port"], s["rank"], s["world_size"], s["timeout_s"])
+        return {"joined": True}
+
+    def _rpc_grpo_receive(self):
+        weights = dict(self.channel.receive())
+        self.received += 1
+        if not self.stale:
+            weights = {k: v for k, v in weights.items() if k in self.model.state_dict()}
+            self.model.load_state_dict(weights, strict=False)
+        return {"received": len(weights), "missing": []}
+
+    @torch.no_grad()
+    def _completions(self, body):
+        prompt = body["prompt"]
+        if body.get("prompt_logprobs") is not None:
+            logp = torch.log_softmax(self.model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+            rows = [None] + [{str(t): {"logprob": float(logp[i, t])}} for i, t in enumerate(prompt[1:])]
+            return {"choices": [{"index": 0, "token_ids": [0], "prompt_logprobs": rows,
+                                 "logprobs": {"token_logprobs": [0.0]}}]}
+        seed = body.get("seed") or 0
+        choices = []
+        for i in range(body["n"]):
+            toks = [self.tokens[0] + seed + i] + self.tokens[1:]
+            choices.append({"index": i, "token_ids": toks, "logprobs": {"token_logprobs": [-0.5] * len(toks)}})
+        return {"choices": choices[::-1]}  # out of order, as a server may answer

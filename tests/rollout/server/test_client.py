@@ -1,0 +1,107 @@
+"""The server backend's HTTP client against an in-process fake server (no vLLM): request bodies, balancing,
+retries, timeouts, waiting for a server that is not up yet."""
+import threading
+import time
+
+import pytest
+
+from grpo.rollout.base import Sampling
+from grpo.rollout.server.client import Server, ServerError, ServerPool, group_request, parse_group, prompt_logprobs
+from grpo.runtime.transfer import free_port
+from tests.rollout.server.fake_server import FakeServer
+
+
+@pytest.fixture
+def fakes():
+    made = []
+
+    def make(**kw):
+        made.append(FakeServer(**kw).start())
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.stop()
+
+
+def test_a_group_is_one_request_of_token_ids_with_n_samples():
+    body = group_request("m", [3, 4, 5], 8, Sampling(16, temperature=0.7, top_p=0.9, top_k=5), [2, 9], seed=11)
+    assert body["prompt"] == [3, 4, 5] and body["n"] == 8 and body["max_tokens"] == 16
+    assert (body["temperature"], body["top_p"], body["top_k"], body["seed"]) == (0.7, 0.9, 5, 11)
+    assert body["stop_token_ids"] == [2, 9] and body["return_token_ids"] and body["logprobs"] == 0
+    greedy = group_request("m", [3], 8, Sampling(4, temperature=0.7, top_k=5, greedy=True), [2], seed=None)
+    assert (greedy["n"], greedy["temperature"], greedy["top_k"], greedy["top_p"]) == (1, 0.0, -1, 1.0)
+    assert "seed" not in greedy
+    assert group_request("m", [3], 2, Sampling(4, top_k=0), [2], None)["top_k"] == -1
+    with pytest.raises(ServerError, match="temperatures in \\[0, 2\\]"):
+        group_request("m", [3], 2, Sampling(4, temperature=2.5), [2], None)
+
+
+def test_choices_are_read_in_index_order_and_prompt_logprobs_by_token():
+    answer = {"choices": [{"index": 1, "token_ids": [7, 8], "logprobs": {"token_logprobs": [-1.0, -2.0]}},
+                          {"index": 0, "token_ids": [5], "logprobs": {"token_logprobs": [-0.5]}}]}
+    assert parse_group(answer) == ([[5], [7, 8]], [[-0.5], [-1.0, -2.0]])
+    with pytest.raises(ServerError, match="2 tokens but 1 log-probs"):
+        parse_group({"choices": [{"index": 0, "token_ids": [1, 2], "logprobs": {"token_logprobs": [-1.0]}}]})
+    rows = [None, {"4": {"logprob": -1.5}}, {"9": {"logprob": -0.25}}]
+    assert prompt_logprobs({"choices": [{"prompt_logprobs": rows}]}, [3, 4, 9]) == [-1.5, -0.25]
+    with pytest.raises(ServerError, match="do not cover"):
+        prompt_logprobs({"choices": [{"prompt_logprobs": rows}]}, [3, 4, 5])
+
+
+def test_round_robin_gives_whole_groups_in_turn_and_least_loaded_the_idlest(fakes):
+    a, b = fakes(), fakes()
+    pool = ServerPool([a.url, b.url])
+    assert [pool.pick().url for _ in range(4)] == [a.url, b.url, a.url, b.url]
+    least = ServerPool([a.url, b.url], balance="least_loaded")
+    first = least.pick()
+    second = least.pick()
+    assert {first.url, second.url} == {a.url, b.url}  # the busy one is passed over
+    least.done(second)
+    assert least.pick() is second and second.in_flight == 1 and first.in_flight == 1
+
+
+def test_a_dropped_connection_is_retried_then_named_in_one_line(fakes):
+    flaky = fakes(drop_first=1)
+    assert Server(flaky.url, retries=1, retry_wait_s=0.01).get("/v1/models")["data"][0]["id"] == "tiny:llama"
+    broken = fakes(drop_first=5)
+    with pytest.raises(ServerError) as e:
+        Server(broken.url, retries=2, retry_wait_s=0.01).get("/v1/models")
+    assert len([p for p, _ in broken.requests if p == "/v1/models"]) == 3  # one try and two retries
+    msg = str(e.value)
+    assert broken.url in msg and "\n" not in msg and "trainer.resume=auto" in msg
+
+
+def test_a_request_past_its_timeout_fails_naming_the_server(fakes):
+    slow = fakes(delay_s=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match=slow.url.replace(".", r"\.")):
+        Server(slow.url, timeout_s=0.3, retries=0).post("/v1/completions", {"prompt": [1], "n": 1})
+    assert time.monotonic() - t0 < 1.4
+
+
+def test_the_trainer_waits_for_a_server_that_is_not_up_yet_saying_so_once():
+    port = free_port()
+    late = FakeServer()
+    said: list[str] = []
+    pool = ServerPool([f"http://127.0.0.1:{port}"], connect_timeout_s=30, say=said.append)
+
+    def start_later():  # the fake's own port is random: a second server on the promised port comes up late
+        time.sleep(1.5)
+        from http.server import ThreadingHTTPServer
+        srv = ThreadingHTTPServer(("127.0.0.1", port), type(late.httpd.RequestHandlerClass.__name__, (
+            late.httpd.RequestHandlerClass,), {}))
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        started.append(srv)
+
+    started: list = []
+    threading.Thread(target=start_later, daemon=True).start()
+    t0 = time.monotonic()
+    pool.wait_until_up(poll_s=0.2)
+    assert time.monotonic() - t0 >= 1.4
+    assert len(said) == 1 and "waiting for the rollout server" in said[0] and str(port) in said[0]
+    started[0].shutdown()
+    late.httpd.server_close()
+    never = ServerPool([f"http://127.0.0.1:{free_port()}"], connect_timeout_s=0.5, say=said.append)
+    with pytest.raises(ServerError, match="is not up after rollout.server.connect_timeout_s=0.5"):
+        never.wait_until_up(poll_s=0.1)

@@ -1,0 +1,79 @@
+"""grpo-serve: the vLLM command line a recipe gives (printed with --print; no vLLM needed)."""
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from grpo.rollout.server.launch import ServeSettings, serve_command
+from tests.helpers import ROOT, VLLM_TINY
+
+TINY = [f"model.tiny.{k}={v}" for k, v in VLLM_TINY.items()]
+
+
+def _flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def _settings(**kw):
+    base = dict(model="tiny:llama", tiny=dict(VLLM_TINY), dtype="float32", max_model_len=300, host="127.0.0.1",
+                port=8100, seed=3, device="cpu", kv_cache_gib=0.5, enforce_eager=True)
+    return ServeSettings(**{**base, **kw})
+
+
+def test_a_tiny_model_is_served_from_its_config_and_tokenizer_with_dummy_weights(tmp_path):
+    argv, env = serve_command(_settings(), tmp_path)
+    folder = _flag(argv, "--model")
+    config = json.loads((tmp_path / "serve" / folder.rsplit("/", 1)[1] / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["hidden_size"] == VLLM_TINY["hidden_size"]
+    from transformers import AutoTokenizer
+
+    from grpo.models import char_tokenizer
+    assert AutoTokenizer.from_pretrained(folder)("3+4=")["input_ids"] == char_tokenizer()("3+4=")["input_ids"]
+    assert _flag(argv, "--load-format") == "dummy" and _flag(argv, "--served-model-name") == "tiny:llama"
+    assert (_flag(argv, "--port"), _flag(argv, "--max-model-len"), _flag(argv, "--seed")) == ("8100", "300", "3")
+    assert _flag(argv, "--logprobs-mode") == "processed_logprobs" and "--enable-prefix-caching" in argv
+    assert _flag(argv, "--worker-extension-cls") == "grpo.rollout.server.worker.GRPOWorkerExtension"
+    assert "--no-enable-chunked-prefill" in argv and int(_flag(argv, "--max-num-batched-tokens")) >= 8192
+    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "0.5"}
+    again, _ = serve_command(_settings(), tmp_path)
+    assert _flag(again, "--model") == folder  # written once, found again
+    other, _ = serve_command(_settings(tiny={**VLLM_TINY, "intermediate_size": 512}), tmp_path)
+    assert _flag(other, "--model") != folder
+
+
+def test_on_cuda_the_server_gets_its_devices_and_vllms_nccl_transfer(tmp_path):
+    argv, env = serve_command(_settings(device="cuda", tensor_parallel_size=2,
+                                        weight_transfer="nccl"), tmp_path, ["--max-num-seqs", "64"])
+    assert env == {"VLLM_SERVER_DEV_MODE": "1"}
+    assert _flag(argv, "--tensor-parallel-size") == "2" and "--no-enable-chunked-prefill" not in argv
+    assert json.loads(_flag(argv, "--weight-transfer-config")) == {"backend": "nccl"}
+    assert argv[-2:] == ["--max-num-seqs", "64"]
+
+
+def _serve(*args):
+    return subprocess.run([sys.executable, "-m", "grpo.serve", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("recipe,served,length", [("quickstart", "embedded:smollm2-135m-instruct", 512 + 16)])
+def test_grpo_serve_derives_the_command_from_the_recipe(recipe, served, length):
+    p = _serve(f"recipe={recipe}", "rollout.server.port=8123", "rollout.max_new_tokens=16", "--print", "--",
+               "--max-num-seqs", "8")
+    assert p.returncode == 0, p.stderr
+    words = shlex.split(p.stdout)
+    argv = words[words.index(sys.executable):]
+    assert words[0] == "VLLM_SERVER_DEV_MODE=1"
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert (_flag(argv, "--served-model-name"), _flag(argv, "--port")) == (served, "8123")
+    assert _flag(argv, "--max-model-len") == str(length) and _flag(argv, "--dtype") == "float32"
+    assert argv[-2:] == ["--max-num-seqs", "8"]
+
+
+def test_grpo_serve_mistakes_are_one_line():
+    p = _serve("recipe=smoke", "rollout.server.port=0", "--print")
+    assert p.returncode == 2 and p.stderr.strip() == \
+        "error: rollout.server.port=0 is out of range; allowed: a TCP port in 1..65535"
+    p = _serve("recipe=smoke", "rollout.server.prot=1", "--print")
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "rollout.server.port" in p.stderr
