@@ -26,6 +26,7 @@ class Batch:
     completion_masks: list | None = None
     episodes: list | None = None              # nested: each episode's turns and tool counts (samples.jsonl)
     scores: list | None = None                # nested: each completion's {reward function: score or None}
+    versions: list | None = None              # per group: the policy version that sampled it (asynchronous GRPO)
 
     # how `select` and `concat` treat each field: nested per group (the default), per completion (a flat tensor
     # over every completion), or kept from the first batch

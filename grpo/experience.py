@@ -33,7 +33,7 @@ class CollectSettings:
 
 
 def collect(run: Run) -> Batch:
-    """One step's experience (``run.settings.collect``), in order:
+    """One step's experience (``run.settings.collect``): `sample` (steps 1-2), then `finish` (steps 3-5), in order:
 
     1. rollout: G completions per prompt from the run's backend, scored by every reward function;
     2. zero-std filtering: with ``algorithm.filter_zero_std_groups`` groups whose task rewards are all equal are
@@ -44,16 +44,31 @@ def collect(run: Run) -> Batch:
     3. the reference's and the old policy's log-probs of the groups kept;
     4. the KL to the reference (a metric, or with ``kl_in_reward`` a penalty in the reward);
     5. advantages (group-normalised, `grpo.algorithm.advantages`).
+
+    With ``rollout.max_staleness`` > 0 the generator process runs `sample` (`grpo.trainer.generator_side`) and the
+    trainer `finish`es the batch when its step comes (`grpo.trainer.pipeline`).
     """
+    return finish(run, sample(run))
+
+
+def sample(run: Run) -> Batch:
+    """Steps 1-2 of `collect`: the rollout, scored, with zero-std groups filtered out and refilled."""
     s = run.settings.collect
-    rt, a, T = run.runtime, s.algorithm, s.sampling.temperature
+    rt, a = run.runtime, s.algorithm
     batch = _rollout(run)                                                               # 1.
-    stats = batch.stats
     zero = zero_std_groups(batch.rewards, batch.group_sizes)                            # 2.
     z = rt.all_reduce({"zero_std": float(sum(zero)), "groups": float(len(zero))})
-    stats["zero_std_frac"] = z["zero_std"] / max(z["groups"], 1)
+    batch.stats["zero_std_frac"] = z["zero_std"] / max(z["groups"], 1)
     if a.filter_zero_std_groups:  # before any log-prob forward: dropped groups cost nothing more
         batch = _filter_and_refill(run, batch, zero)
+    return batch
+
+
+def finish(run: Run, batch: Batch) -> Batch:
+    """Steps 3-5 of `collect` on a sampled batch: reference and old log-probs, the KL, advantages."""
+    s = run.settings.collect
+    rt, a, T = run.runtime, s.algorithm, s.sampling.temperature
+    stats = batch.stats
     if a.beta > 0:                                                                      # 3.
         with run.reference_context():
             batch.ref_logps = nested_logprobs(rt, run.reference_model(), batch, s.engine, T)
@@ -91,7 +106,7 @@ def _rollout(run: Run) -> Batch:
     t0 = time.time()
     # 2. the backend, with the policy's current weights (vLLM: synced if the optimizer stepped since its last sync)
     backend = run.rollout.ready()
-    seed_for = (lambda turn: None) if backend.name == "hf" else \
+    seed_for = (lambda turn: None) if backend.name == "hf" and not getattr(backend, "seeded", False) else \
         (lambda turn: step_seed(s.seed, rt.rank, run.sampler.epoch, run.sampler.position,
                                 *((turn,) if turn > 1 else ())))
     # 3. G completions per prompt: one call, or one per turn for multi-turn episodes (grpo.rollout.episodes)

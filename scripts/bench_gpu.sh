@@ -6,6 +6,7 @@
 #   scripts/bench_gpu.sh [--dry-run] rollout  # rollout: our decode loop vs vLLM, tokens/s and whole step, < 8 min
 #   scripts/bench_gpu.sh [--dry-run] dist     # dist: the NCCL + bf16 + ZeRO-3 smoke, under 4 minutes
 #   scripts/bench_gpu.sh [--dry-run] server   # server: the step with rollout.backend=server/vllm/hf, < 8 minutes
+#   scripts/bench_gpu.sh [--dry-run] async    # async: rollout.max_staleness K=0/1/2 vs the inline loop, < 6 minutes
 #
 # step: scripts/bench_trl.py on SmolLM2-135M and a Qwen2-0.5B-shaped random model (151936 vocab), bf16, this
 # framework with the shared prefix on and off vs TRL's GRPOTrainer; tokens/s, peak GPU memory and the model
@@ -33,7 +34,7 @@ DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 MODE=step
 if [ "${1:-}" = "prefix" ] || [ "${1:-}" = "step" ] || [ "${1:-}" = "dist" ] || [ "${1:-}" = "rollout" ] || \
-   [ "${1:-}" = "server" ]; then
+   [ "${1:-}" = "server" ] || [ "${1:-}" = "async" ]; then
   MODE=$1; shift
 fi
 
@@ -71,6 +72,25 @@ if [ "$MODE" = "rollout" ]; then
   exit 0
 fi
 # ---- end of rollout ------------------------------------------------------------------------------------------------
+# ---- async (issue 33): scripts/bench_async.py on the GPU, the trainer and its generator process sharing it ---------
+# 1. the quickstart shape (SmolLM2-135M, 8 prompts x G=8 x 16 new tokens): the inline loop, then the generator process
+#    at K=0, 1, 2, alternated over 2 rounds of 2 warm-up + 4 measured steps; ~3 minutes.
+# 2. the same with a reward sleeping 0.25 s per group (generation dominates), inline vs K=0 vs K=1; ~2 minutes.
+# Writes ${OUT:-bench_async}.json and ${OUT:-bench_async}_slow.json.
+if [ "$MODE" = "async" ]; then
+  A=${OUT:-bench_async}
+  CMD1=("$PY" scripts/bench_async.py --override trainer.device=cuda --rounds 2 --steps 4 --warmup 2 --json "$A.json")
+  CMD2=("$PY" scripts/bench_async.py --override trainer.device=cuda --rounds 2 --steps 4 --warmup 2
+        --slow-reward 0.25 --variants inline,K=0,K=1 --json "${A}_slow.json")
+  if [ "$DRY" = 1 ]; then
+    echo "timeout 200 ${CMD1[*]} $*"
+    echo "timeout 150 ${CMD2[*]} $*"
+  else
+    PYTHONPATH=. timeout --signal=INT 200 "${CMD1[@]}" "$@" || echo "bench_async.py ended with status $?"
+    PYTHONPATH=. timeout --signal=INT 150 "${CMD2[@]}" "$@"
+  fi
+  exit 0
+fi
 # ---- server (issue 32): scripts/bench_server.py on the quickstart recipe in bf16: the server backend (its first run
 # of vLLM's nccl weight transfer: grpo/rollout/server/nccl.py has never run before this), the in-process engine and
 # our decode loop, one round of 3 steps each; the server shares the one GPU (--server-gpu-util 0.35). Needs vLLM

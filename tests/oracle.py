@@ -39,12 +39,16 @@ def flat(nested: list) -> list:
 
 
 def oracle_loss(model, batch, acfg, *, temperature: float, max_len: int, mask_truncated: bool,
-                old: list | None = None, ref: list | None = None):
+                old: list | None = None, ref: list | None = None, behaviour: list | None = None,
+                is_mode: str = "token_truncate", is_cap: float = 2.0):
     """``(loss, kl_mean)`` of ``batch`` under ``acfg`` (an AlgorithmConfig), from scratch.
 
     ``old`` / ``ref``: flat lists (one 1-D tensor per completion) of pi_old / pi_ref log-probs; None means
     pi_old = pi (one pass: ratio 1, gradient of log pi) and no reference. ``kl_mean`` is the mean per-token
-    KL estimate over the completions that count (None without a reference or with beta = 0). A batch with
+    KL estimate over the completions that count (None without a reference or with beta = 0). ``behaviour``: flat
+    log-probs of the policy that sampled the batch (asynchronous GRPO, vLLM): the policy term of each token is
+    weighted by pi_old / pi_behaviour, per token or per completion, truncated at or masked above ``is_cap``
+    (decoupled PPO as in AReaL, arXiv:2505.24298, with TIS's cap). A batch with
     ``completion_masks`` (multi-turn episodes): only the tokens marked 1 exist for the loss, as if the others
     (tool output) were context; they still sit in the forward's input."""
     prompts = [p for p, g in zip(batch.prompt_ids, batch.completion_ids) for _ in g]
@@ -57,6 +61,7 @@ def oracle_loss(model, batch, acfg, *, temperature: float, max_len: int, mask_tr
     logps = [lp[sampled[i]] for i, lp in enumerate(logps)]
     old = None if old is None else [o[sampled[i]] for i, o in enumerate(old)]
     ref = None if ref is None else [r[sampled[i]] for i, r in enumerate(ref)]
+    behaviour = None if behaviour is None else [b[sampled[i]] for i, b in enumerate(behaviour)]
     keep = [i for i in range(len(comps)) if not (mask_truncated and truncated[i])]
     n_seqs = len(keep)
     n_tokens = sum(len(sampled[i]) for i in keep)
@@ -76,6 +81,8 @@ def oracle_loss(model, batch, acfg, *, temperature: float, max_len: int, mask_tr
         capped = rho if acfg.delta is None else torch.minimum(rho, torch.full_like(rho, acfg.delta))
         surrogate = torch.minimum(capped * a, torch.clamp(rho, 1 - eps_low, 1 + eps_high) * a)
         per_token = -surrogate
+        if behaviour is not None:
+            per_token = per_token * behaviour_weight(lp_old.detach() - behaviour[i], is_mode, is_cap)
         if ref is not None and beta > 0:
             kl = kl_token(lp, ref[i], acfg.kl_estimator)
             per_token = per_token + beta * kl
@@ -92,6 +99,17 @@ def oracle_loss(model, batch, acfg, *, temperature: float, max_len: int, mask_tr
         total = total + term
     kl_mean = kl_sum / n_tokens if (ref is not None and beta > 0) else None
     return total, kl_mean
+
+
+def behaviour_weight(log_ratio: torch.Tensor, mode: str, cap: float) -> torch.Tensor:
+    """One completion's weights from log(pi_old / pi_behaviour) per token."""
+    if mode == "none":
+        return torch.ones_like(log_ratio)
+    rho = torch.exp(log_ratio.sum()) * torch.ones_like(log_ratio) if mode.startswith("sequence") else \
+        torch.exp(log_ratio)
+    if mode.endswith("truncate"):
+        return torch.minimum(rho, torch.full_like(rho, cap))
+    return torch.where(rho > cap, torch.zeros_like(rho), rho)
 
 
 def oracle_grads(model, batch, acfg, **kw) -> tuple[float, dict, float | None]:

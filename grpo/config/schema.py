@@ -117,6 +117,7 @@ class RolloutConfig:
     max_turns: int = 4               # model turns per episode at most (tools/environment); each up to max_new_tokens
     tool_timeout_s: float = 10.0     # a tool/environment call running longer is killed; the model sees an error
     max_tool_tokens: int = 256       # a tool result or observation longer than this many tokens is cut
+    max_staleness: int = 0           # K > 0: a generator process samples step t with the weights of step t-1-K
 
 
 @dataclass
@@ -213,6 +214,7 @@ class Config:
 # --------------------------------------------------------------------------------------- checking
 # the off-policy corrections of grpo/algorithm/rollout_is.py (docs/rollout.md#the-correction)
 ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+_ABSENT = object()  # a key the raw config does not give (`load`)
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.attn_implementation": ("sdpa", "eager", "flex_attention", "flash_attention_2"),
@@ -251,6 +253,7 @@ _RANGES = {
     "rollout.max_turns": (lambda v: v >= 1, ">= 1"),
     "rollout.tool_timeout_s": (lambda v: v > 0 and math.isfinite(v), "> 0 (seconds)"),
     "rollout.max_tool_tokens": (lambda v: v >= 1, ">= 1"),
+    "rollout.max_staleness": (lambda v: v >= 0, ">= 0 (0 = synchronous; K > 0: docs/async.md)"),
     "rollout.vllm.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "rollout.vllm.kv_cache_gib": (lambda v: v > 0, "> 0"),
     "rollout.vllm.max_model_len": (lambda v: v is None or v >= 2, ">= 2 or null"),
@@ -362,9 +365,6 @@ def validate(cfg: Config) -> Config:
     if cfg.trainer.resume not in (None, "auto", "") and not isinstance(cfg.trainer.resume, str):
         raise ConfigError("trainer.resume must be null, 'auto' or a checkpoint path")
     return cfg
-
-
-_ABSENT = object()
 
 
 def _list_example(key: str) -> str:

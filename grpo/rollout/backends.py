@@ -34,15 +34,18 @@ class HFBackend:
     """Our decode loop on the training model (``model()`` returns it, wrapped or not). ``seed=None`` draws from
     the process's torch generator (checkpointed), as the trainer always has. ``context``: the runtime's
     ``generation_context`` (ZeRO-3: every rank steps until all are done); ``generate_fn``: the decode loop
-    (default `grpo.rollout.hf.generate`); ``desc``: the progress bar's label."""
+    (default `grpo.rollout.hf.generate`); ``desc``: the progress bar's label. ``seeded``: the trainer seeds every
+    rollout (`step_seed`) instead of drawing from the process's generator (the generator process of
+    ``rollout.max_staleness`` > 0, whose generator a checkpoint does not hold)."""
 
     name = "hf"
 
     def __init__(self, model, tokenizer, *, batch_size: int = 8, share_prompt: bool = True, progress: bool = False,
-                 context: Callable | None = None, generate_fn=None, desc: str = "rollout", keep_turns: bool = False):
+                 context: Callable | None = None, generate_fn=None, desc: str = "rollout", keep_turns: bool = False,
+                 seeded: bool = False):
         self._model, self.tokenizer = model, tokenizer
         self.batch_size, self.share_prompt, self.progress = batch_size, share_prompt, progress
-        self.context, self._generate, self.desc = context, generate_fn, desc
+        self.context, self._generate, self.desc, self.seeded = context, generate_fn, desc, seeded
         # multi-turn runs: each call keeps its rows' K/V for the next turn (`grpo.rollout.turn_cache`)
         self.turns = TurnCache() if keep_turns else None
 

@@ -30,6 +30,7 @@ from grpo.rollout.episodes.worker import ToolWorker
 from grpo.runtime.base import Runtime
 from grpo.trainer.checkpoint import resolve_resume
 from grpo.trainer.logger import interactive
+from grpo.trainer.pipeline import check as check_async
 from grpo.trainer.run import Run
 from grpo.trainer.settings import derive
 
@@ -86,6 +87,7 @@ def preflight(cfg: Config) -> list[RewardFunction]:
                          "rename the reward function")
     data.check_source(cfg.data)
     get_policy_loss(cfg.algorithm.policy_loss)  # a registered name, or a module:function that imports
+    check_async(cfg)  # rollout.max_staleness > 0: what the generator process does not run with yet
     return rewards
 
 

@@ -172,7 +172,7 @@ RUN_DEFINING = ["model.name_or_path", "model.lora", "data.source", "data.task_kw
                 "data.num_train", "data.num_eval", "data.split", "data.load_kwargs", "data.prompt_column",
                 "data.answer_column", "data.system_prompt", "data.prompt_template", "data.chat_template",
                 "data.max_prompt_tokens", "algorithm.group_size", "rollout.prompts_per_step", "trainer.seed",
-                "reward.functions"]
+                "reward.functions", "rollout.max_staleness"]
 
 
 def fingerprint(cfg: Config) -> dict:
@@ -206,7 +206,7 @@ def save_checkpoint(run: Run, state: LoopState, cfg: Config) -> Path:
                 "rng": rng_state(), "buffer": state.buffer, "skipped_steps": state.skipped_steps,
                 "bad_steps": state.bad_steps, "failed_reward_steps": state.failed_reward_steps,
                 "fingerprint": fingerprint(cfg), "config_hash": _hash(fingerprint(cfg)),
-                "schedule": schedule(cfg),
+                "schedule": schedule(cfg), "in_flight": state.in_flight,
             })
         rt.barrier()  # every rank has written its files before rank 0 marks the checkpoint complete
 
@@ -241,7 +241,8 @@ def restore(run: Run, cfg: Config) -> LoopState:
     run.sampler.load_state_dict(saved["sampler"])
     set_rng_state(saved["rng"])
     state = LoopState(step=saved["step"], buffer=saved["buffer"], bad_steps=saved["bad_steps"],
-                      skipped_steps=saved["skipped_steps"], failed_reward_steps=saved["failed_reward_steps"])
+                      skipped_steps=saved["skipped_steps"], failed_reward_steps=saved["failed_reward_steps"],
+                      in_flight=saved.get("in_flight"))
     own = ckpt / f"rank_{rt.rank}.pt"
     if rt.world_size > 1 and own.exists():
         mine = torch.load(own, map_location="cpu", weights_only=False)

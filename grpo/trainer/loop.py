@@ -13,7 +13,7 @@ from grpo import experience
 from grpo.config.schema import Config
 from grpo.errors import SetupError
 from grpo.rewards.score import first_failure
-from grpo.trainer import checkpoint, logger
+from grpo.trainer import checkpoint, logger, pipeline
 from grpo.trainer.build import build_run, close_run
 from grpo.trainer.checkpoint import abandon_after, restore, save_checkpoint, save_final
 from grpo.trainer.evaluate import evaluate
@@ -44,8 +44,8 @@ def _saved(cfg: Config) -> str:
 
 
 def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
-    state = restore(run, cfg)  # LoopState: step, counters, rollout buffer (step 0 when fresh)
-    start, mu = state.step, cfg.algorithm.num_iterations
+    state = restore(run, cfg)  # LoopState: step, counters, rollout buffer, batches in flight (step 0 when fresh)
+    start = state.step
     log = logger.MetricsLogger(cfg.trainer.output_dir, asdict(cfg), cfg.logging.wandb, enabled=run.runtime.is_main,
                                resumed=start > 0)
     if start >= cfg.trainer.max_steps and start > 0:
@@ -55,45 +55,61 @@ def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
     _say(run, _summary_line(run, cfg))
     signals.step = start + 1
     summary = {"eval_before": _eval_before(run, cfg, log, start)}
-    for step in range(start + 1, cfg.trainer.max_steps + 1):
-        t0, signals.step = time.time(), step
-        lr = run.scheduler.get_last_lr()[0]  # this step's (the update steps the scheduler on to the next one's)
-        # 1. experience: rollout -> rewards -> advantages -> old/ref log-probs (every mu steps; else the buffer's)
-        if state.buffer is None or (step - 1) % mu == 0:
-            state.buffer = experience.collect(run)
-            _count_reward_failures(state, run, cfg)  # counted here, the stop is after this step is logged
-        batch, t1 = state.buffer, time.time()
-        # 2. one optimizer step on it
-        stats = policy_update(run.runtime, batch, run.settings.update)
-        if not stats.get("empty_batch"):  # an empty batch (nothing to learn from) is skipped, but is not "bad"
-            state.bad_steps = state.bad_steps + 1 if stats["skipped"] else 0
-        state.skipped_steps += int(stats["skipped"])
-        # 3. metrics, held-out evaluation, samples
-        metrics = {"step": step, **batch.stats, **stats, "skipped_steps": state.skipped_steps,
-                   "lr": lr, "step_time_s": time.time() - t0,
-                   "time/experience_s": t1 - t0, "time/update_s": time.time() - t1}
-        metrics.setdefault("kl", batch.stats.get("kl"))  # None with beta = 0: there is no reference
-        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.max_steps:
-            metrics.update({f"eval/{k}": v for k, v in evaluate(run, f"step {step}").items()})
-        log.log(metrics, console=step % cfg.logging.log_every == 0)
-        if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
-            log.samples(step, experience.sample_rows(run, batch, cfg.logging.num_samples))
-            log.completions(step, experience.completion_rows(run, batch))  # wandb's completions table
-        # 4. the loop's state; checkpoint and stop when asked, or when steps keep going bad
-        state.step, state.buffer = step, batch if step % mu else None
-        state.stop_requested = run.runtime.any_rank(signals.requested)  # every rank stops after the same step
-        _stop_on_failed_rewards(state, run, cfg, batch.stats)
-        if state.bad_steps >= cfg.trainer.max_bad_steps:
-            save_checkpoint(run, state, cfg)  # weights are those of the last good step: bad steps change nothing
-            raise SetupError(f"{state.bad_steps} steps in a row had a non-finite loss or gradient; stopped. "
-                             "Lower trainer.lr or check the rewards; the last good state is checkpointed")
-        if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or state.stop_requested:
-            save_checkpoint(run, state, cfg)
-        if state.stop_requested:
-            _say(run, f"stopped by signal at step {step}; checkpoint written, resume with trainer.resume=auto")
-            log.finish()
-            return {"steps": step, "interrupted": True}
-    return _finish(run, state, cfg, log, summary)
+    batches = pipeline.batches(run, cfg, state)  # the batch for step t: collected now, or sampled ahead (K > 0)
+    try:
+        for step in range(start + 1, cfg.trainer.max_steps + 1):
+            if (stopped := _step(run, cfg, state, batches, log, signals, step)) is not None:
+                return stopped
+        return _finish(run, state, cfg, log, summary, batches)
+    finally:
+        batches.close()
+
+
+def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSignals, step: int) -> dict | None:
+    """One training step; returns the run's summary when it stops here (a signal)."""
+    t0, signals.step, mu = time.time(), step, cfg.algorithm.num_iterations
+    lr = run.scheduler.get_last_lr()[0]  # this step's (the update steps the scheduler on to the next one's)
+    # 1. experience: rollout -> rewards -> advantages -> old/ref log-probs (every mu steps; else the buffer's)
+    if state.buffer is None or (step - 1) % mu == 0:
+        state.buffer = batches.batch(step)
+        _count_reward_failures(state, run, cfg)  # counted here, the stop is after this step is logged
+    batch, t1 = state.buffer, time.time()
+    # 2. one optimizer step on it
+    stats = policy_update(run.runtime, batch, run.settings.update)
+    if not stats.get("empty_batch"):  # an empty batch (nothing to learn from) is skipped, but is not "bad"
+        state.bad_steps = state.bad_steps + 1 if stats["skipped"] else 0
+    state.skipped_steps += int(stats["skipped"])
+    # 3. metrics, held-out evaluation, samples
+    metrics = {"step": step, **batch.stats, **stats, "skipped_steps": state.skipped_steps,
+               "lr": lr, "step_time_s": time.time() - t0,
+               "time/experience_s": t1 - t0, "time/update_s": time.time() - t1}
+    metrics.setdefault("kl", batch.stats.get("kl"))  # None with beta = 0: there is no reference
+    if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.max_steps:
+        metrics.update({f"eval/{k}": v for k, v in evaluate(run, f"step {step}").items()})
+    log.log(metrics, console=step % cfg.logging.log_every == 0)
+    if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
+        log.samples(step, experience.sample_rows(run, batch, cfg.logging.num_samples))
+        log.completions(step, experience.completion_rows(run, batch))  # wandb's completions table
+    # 4. the loop's state; checkpoint (with the batches in flight) and stop when asked, or when steps keep going bad
+    state.step, state.buffer = step, batch if step % mu else None
+    state.stop_requested = run.runtime.any_rank(signals.requested)  # every rank stops after the same step
+    _stop_on_failed_rewards(state, run, cfg, batch.stats)
+    if state.bad_steps >= cfg.trainer.max_bad_steps:
+        _save(run, state, cfg, batches)  # weights are those of the last good step: bad steps change nothing
+        raise SetupError(f"{state.bad_steps} steps in a row had a non-finite loss or gradient; stopped. "
+                         "Lower trainer.lr or check the rewards; the last good state is checkpointed")
+    if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or state.stop_requested:
+        _save(run, state, cfg, batches)
+    if state.stop_requested:
+        _say(run, f"stopped by signal at step {step}; checkpoint written, resume with trainer.resume=auto")
+        log.finish()
+        return {"steps": step, "interrupted": True}
+    return None
+
+
+def _save(run: Run, state: LoopState, cfg: Config, batches) -> None:
+    state.in_flight = batches.in_flight()  # K > 0: the batches of the next K steps, finished and stored
+    save_checkpoint(run, state, cfg)
 
 
 def _eval_before(run: Run, cfg: Config, log: logger.MetricsLogger, start: int) -> dict:
@@ -137,7 +153,8 @@ def _summary_line(run: Run, cfg: Config) -> str:
     return (f"{cfg.model.name_or_path}: {len(run.splits.train)} train / {len(run.splits.eval)} held-out prompts, "
             f"{r.prompts_per_step} prompts x G={cfg.algorithm.group_size} per step, {t.max_steps} steps, "
             f"lr {t.lr:g} ({t.lr_schedule}, warmup {t.warmup_steps}), beta {cfg.algorithm.beta:g}, "
-            f"rewards {', '.join(rf.name for rf in run.rewards)}; output {t.output_dir}")
+            f"rewards {', '.join(rf.name for rf in run.rewards)}; output {t.output_dir}"
+            + (f"; asynchronous, max_staleness {r.max_staleness}" if r.max_staleness else ""))
 
 
 def _already_done(run: Run, cfg: Config, log: logger.MetricsLogger, start: int) -> dict:
@@ -163,12 +180,12 @@ def _already_done(run: Run, cfg: Config, log: logger.MetricsLogger, start: int) 
     return {"steps": start, "resumed": True, "final_saved": True}
 
 
-def _finish(run: Run, state: LoopState, cfg: Config, log: logger.MetricsLogger, summary: dict) -> dict:
+def _finish(run: Run, state: LoopState, cfg: Config, log: logger.MetricsLogger, summary: dict, batches) -> dict:
     """After the last step: held-out evaluation, the last checkpoint, final/, the console report."""
     state.step = max(cfg.trainer.max_steps, state.step)
     summary["eval_after"] = evaluate(run, "after")
     log.log({"step": state.step, **{f"eval/{k}": v for k, v in summary["eval_after"].items()}}, console=False)
-    save_checkpoint(run, state, cfg)
+    _save(run, state, cfg, batches)
     save_final(run, cfg)
     _report(run, cfg, summary, log)
     log.finish()

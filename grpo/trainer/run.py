@@ -76,3 +76,4 @@ class LoopState:
     skipped_steps: int = 0                # steps whose update was skipped, in all
     failed_reward_steps: dict[str, int] = field(default_factory=dict)  # per function: rollouts in a row it failed
     stop_requested: bool = False          # a signal seen on any rank: checkpoint and stop after this step
+    in_flight: dict | None = None         # rollout.max_staleness > 0: the batches sampled ahead (grpo.trainer.pipeline)

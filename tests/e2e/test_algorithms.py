@@ -367,6 +367,42 @@ def test_rollout_is_metrics_over_micro_batches_with_one_collective_of_their_own(
             assert out[k] == pytest.approx(v, rel=1e-5), k
 
 
+@pytest.mark.parametrize("mu", [1, 2], ids=["proximal=current", "proximal=old"])
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate"])
+def test_a_stale_batch_trains_on_the_oracles_decoupled_objective(fixed, monkeypatch, mode, mu):
+    """Asynchronous GRPO (docs/async.md#the-objective): a batch sampled by older weights (the behaviour policy: a
+    perturbed copy of the policy, its log-probs from the oracle's own per-sequence forward) trains on decoupled PPO
+    (AReaL, arXiv:2505.24298): the clipped ratio against the proximal policy (the weights when the step starts, or
+    with mu > 1 the old log-probs), times min(pi_prox / pi_behaviour, C). Loss and every gradient match the
+    oracle, with the cap acting on some tokens and not on others."""
+    from tests.helpers import nest_like
+    from tests.oracle import assert_grads_close, close, flat, hf_logprobs, old_and_reference_logprobs, oracle_grads
+
+    run, cfg, batch = fixed
+    T, gen = cfg.rollout.temperature, torch.Generator().manual_seed(3)
+    stale = copy.deepcopy(run.model)
+    with torch.no_grad():
+        for p in stale.parameters():
+            p.add_(2.0 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+        rows = [p for p, g in zip(batch.prompt_ids, batch.completion_ids) for _ in g]
+        behaviour = hf_logprobs(stale, rows, flat(batch.completion_ids), T)
+    old = None if mu == 1 else old_and_reference_logprobs(run.model, run.model, batch, T, gen)[0]
+    stale_batch = dataclasses.replace(batch, sampling_logps=nest_like(batch, behaviour),
+                                      old_logps=None if old is None else nest_like(batch, old))
+    acfg = dataclasses.replace(cfg.algorithm, epsilon=0.1, rollout_is=mode, rollout_is_cap=1.5)
+    grads = _capture_grads(monkeypatch, run)
+    from grpo.trainer.settings import derive
+    from grpo.update import policy_update
+
+    settings = dataclasses.replace(derive(cfg).update, algorithm=acfg, rollout_is=mode, rollout_is_cap=1.5)
+    out = policy_update(run.runtime, stale_batch, settings)
+    loss, want, _ = oracle_grads(run.model, batch, acfg, temperature=T, max_len=settings.max_len,
+                                 mask_truncated=False, old=old, behaviour=behaviour, is_mode=mode, is_cap=1.5)
+    assert 0 < out["rollout_is/capped_frac"] < 1  # the cap acts on some, not all
+    assert close(out["loss"], loss, rel=1e-5, abs_=1e-6), (out["loss"], loss)
+    assert_grads_close(grads[0], want, rel=1e-4)
+
+
 def test_mask_truncated_equals_dropping_the_truncated_completions(fixed, monkeypatch):
     from grpo.batch import Batch
 

@@ -212,6 +212,33 @@ def test_bench_multiturn_prefills_each_prompt_once_per_later_turn():
     assert shared["decode_later_s"] > 0 and shared["cpu_s"] > 0
 
 
+def test_bench_gpu_async_dry_run_plans_both_cases_on_cuda():
+    """scripts/bench_gpu.sh async: bench_async.py on the quickstart shape (inline, K=0/1/2) and with the slow reward,
+    both on CUDA, under their timeouts (< 6 min in all)."""
+    lines = _gpu_dry("async").stdout.splitlines()
+    assert [ln.split()[:4] for ln in lines] == [["timeout", "200", sys.executable, "scripts/bench_async.py"],
+                                                 ["timeout", "150", sys.executable, "scripts/bench_async.py"]]
+    assert all("--override trainer.device=cuda" in ln for ln in lines)
+    assert "--slow-reward 0.25 --variants inline,K=0,K=1" in lines[1]
+
+
+def test_bench_async_quick_measures_every_variant(tmp_path):
+    """bench_async.py --quick (the smoke recipe's tiny model; docs/benchmarks.md runs the quickstart shape): the
+    inline loop and the generator process at K=1, each with its step time and idle fractions, and the slow reward
+    only on the side that scores."""
+    out = tmp_path / "async.json"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_async.py"), "--quick", "--variants",
+                        "inline,K=1", "--slow-reward", "0.05", "--json", str(out)], capture_output=True, text=True,
+                       cwd=ROOT, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert sorted(rows) == ["K=1", "inline"] and all(r["steps"] == 2 and r["step_s_median"] > 0 for r in rows.values())
+    assert rows["inline"]["trainer_idle_frac"] == 0 and rows["inline"]["generator_idle_frac"] is None
+    assert 0 <= rows["K=1"]["trainer_idle_frac"] < 1 and 0 <= rows["K=1"]["generator_idle_frac"] < 1
+    assert rows["K=1"]["publish_s_mean"] > 0 and rows["inline"]["sample_s_mean"] >= 0.05 * 2  # 2 groups asleep
+
+
 def test_bench_gpu_server_dry_run_plans_the_three_backends_on_cuda():
     """scripts/bench_gpu.sh server: bench_server.py on CUDA in bf16 (the server backend first: its nccl push), under
     8 minutes, with options its parser has; bench_server.py's own plan: one grpo-serve and a run per backend."""

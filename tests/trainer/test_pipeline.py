@@ -1,0 +1,119 @@
+"""grpo/trainer/pipeline.py: the fixed-lag schedule, the in-flight bookkeeping against a recording generator (no
+process), what a checkpoint stores and what a resume asks for, and the one-line refusals."""
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo.batch import Batch
+from grpo.errors import SetupError
+from grpo.rollout.generator import Generated
+from grpo.trainer import pipeline
+from grpo.trainer.pipeline import AsyncBatches, sampled_with
+
+
+def test_the_schedule_is_a_fixed_lag_and_k0_is_the_synchronous_loop():
+    assert [sampled_with(t, 0) for t in range(1, 6)] == [0, 1, 2, 3, 4]  # step t: the weights step t-1 left
+    assert [sampled_with(t, 1) for t in range(1, 6)] == [0, 0, 1, 2, 3]
+    assert [sampled_with(t, 2) for t in range(1, 7)] == [0, 0, 0, 1, 2, 3]
+
+
+class Recorder:
+    """A generator that records what it is told and answers each request at once (in order)."""
+
+    def __init__(self):
+        self.calls, self.queue, self.held = [], [], None
+
+    def publish(self, version, weights):
+        self.calls.append(("publish", version, sorted(weights)))
+        self.held = version
+
+    def submit(self, step, version):
+        assert version == self.held, "a request must come after the weights it samples with"
+        self.calls.append(("submit", step, version))
+        batch = Batch([{}], [[1]], [[[2], [3]]], [[False, False]], torch.zeros(2), torch.zeros(2), stats={},
+                      versions=[version])
+        self.queue.append(Generated(step, version, batch, sampler={"drawn_for": step}, wait_s=0.5))
+
+    def receive(self, timeout=None):
+        return self.queue.pop(0)
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+def _run():
+    policy = torch.nn.Linear(2, 2)
+    policy.bias.requires_grad_(False)  # a frozen weight (LoRA's base): sent once, to a new generator only
+    sampler = SimpleNamespace(state=None)
+    sampler.load_state_dict = lambda s: setattr(sampler, "state", s)
+    return SimpleNamespace(policy=policy, sampler=sampler, runtime=SimpleNamespace(is_main=False))
+
+
+@pytest.fixture
+def no_finish(monkeypatch):
+    monkeypatch.setattr(pipeline.experience, "finish", lambda run, batch: batch)
+
+
+def test_every_step_is_asked_once_with_its_version_after_those_weights(no_finish):
+    gen, run = Recorder(), _run()
+    src = AsyncBatches(run, gen, lag=2, max_steps=6)
+    stats = {t: src.batch(t).stats for t in range(1, 7)}
+    submits = [c for c in gen.calls if c[0] == "submit"]
+    assert [(s, v) for _, s, v in submits] == [(t, sampled_with(t, 2)) for t in range(1, 7)]
+    publishes = [c for c in gen.calls if c[0] == "publish"]
+    assert [v for _, v, _ in publishes] == [0, 1, 2, 3]  # version 4 and 5 would sample steps 7, 8: none
+    assert publishes[0][2] == ["bias", "weight"] and all(p[2] == ["weight"] for p in publishes[1:])
+    assert [stats[t]["async/staleness_max"] for t in range(1, 7)] == [0, 1, 2, 2, 2, 2]
+    assert [stats[t]["async/in_flight"] for t in range(1, 7)] == [2, 2, 2, 2, 1, 0]
+    assert all(stats[t]["time/generator_wait_s"] == 0.5 and stats[t]["time/trainer_wait_s"] >= 0 for t in stats)
+    assert "trainer waited" in src.bottleneck() and "the generator 0.50 s" in src.bottleneck()
+
+
+def test_a_checkpoint_stores_the_next_k_batches_and_a_resume_asks_only_for_the_rest(no_finish):
+    gen, run = Recorder(), _run()
+    src = AsyncBatches(run, gen, lag=2, max_steps=8)
+    for t in (1, 2, 3):
+        src.batch(t)
+    saved = src.in_flight()
+    assert sorted(saved["batches"]) == [4, 5] and saved["lag"] == 2
+    assert [saved["batches"][s].version for s in (4, 5)] == [1, 2]  # versions older than the checkpoint's (3)
+    assert run.sampler.state == {"drawn_for": 5}  # the checkpoint's sampler: after the stored batches' prompts
+    again = Recorder()
+    resumed = AsyncBatches(run, again, lag=2, max_steps=8, saved=saved)
+    assert resumed.batch(4).versions == [1]  # the stored batch, not a new one
+    assert again.calls == [("publish", 3, ["bias", "weight"]), ("submit", 6, 3)]
+    assert resumed.batch(5).versions == [2] and resumed.batch(6).versions == [3]
+    assert [c[1:] for c in again.calls if c[0] == "submit"] == [(6, 3), (7, 4), (8, 5)]
+
+
+def test_a_checkpoint_at_the_end_holds_nothing_in_flight(no_finish):
+    src = AsyncBatches(_run(), Recorder(), lag=1, max_steps=2)
+    src.batch(1), src.batch(2)
+    assert src.in_flight()["batches"] == {}
+
+
+def test_a_resume_with_another_lag_is_refused():
+    state = SimpleNamespace(in_flight={"lag": 2, "batches": {}})
+    cfg = SimpleNamespace(rollout=SimpleNamespace(max_staleness=1))
+    with pytest.raises(SetupError, match="rollout.max_staleness=2; resume with that value"):
+        pipeline.batches(SimpleNamespace(), cfg, state)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"distributed": {"backend": "deepspeed"}}, "one trainer process"),
+    ({"algorithm": {"num_iterations": 2}}, "num_iterations=1"),
+    ({"rollout": {"backend": "vllm"}}, "rollout.backend"),
+])
+def test_what_async_does_not_run_with_is_one_line(cfg_factory, change, match):
+    cfg = cfg_factory({"rollout": {"max_staleness": 1}})
+    for section, values in change.items():
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)})
+    try:
+        pipeline.check(cfg)
+    except SetupError as e:
+        assert match in str(e) and "\n" not in str(e) and str(e).startswith("rollout.max_staleness=1")
+    else:
+        pytest.fail("not refused")
+    pipeline.check(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_staleness=0)))
