@@ -8,7 +8,6 @@ from grpo.models import char_tokenizer, tiny_model
 from grpo.rollout.base import Sampling
 from grpo.rollout.server.backend import GlooTransfer, ServerBackend, model_facts
 from grpo.rollout.server.client import ServerError, ServerPool
-from tests.rollout.server.fake_server import FakeServer
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
 CHECK = [1, 40, 41, 42, 43, 44, 45]
@@ -17,19 +16,6 @@ CHECK = [1, 40, 41, 42, 43, 44, 45]
 @pytest.fixture
 def tok():
     return char_tokenizer()
-
-
-@pytest.fixture
-def fakes():
-    made = []
-
-    def make(**kw):
-        made.append(FakeServer(**kw).start())
-        return made[-1]
-
-    yield make
-    for f in made:
-        f.stop()
 
 
 def _backend(model, servers, **kw):

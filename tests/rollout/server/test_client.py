@@ -11,19 +11,6 @@ from grpo.runtime.transfer import free_port
 from tests.rollout.server.fake_server import FakeServer
 
 
-@pytest.fixture
-def fakes():
-    made = []
-
-    def make(**kw):
-        made.append(FakeServer(**kw).start())
-        return made[-1]
-
-    yield make
-    for f in made:
-        f.stop()
-
-
 def test_a_group_is_one_request_of_token_ids_with_n_samples():
     body = group_request("m", [3, 4, 5], 8, Sampling(16, temperature=0.7, top_p=0.9, top_k=5), [2, 9], seed=11)
     assert body["prompt"] == [3, 4, 5] and body["n"] == 8 and body["max_tokens"] == 16
