@@ -22,6 +22,7 @@ TOGETHER = {
                     "tests/e2e/test_docs_commands.py::"),
     "report_sweep": ("tests/trainer/test_report.py::",),           # `sweep`: a two-run smoke sweep
     "run_output_first_run": ("tests/e2e/test_run_output.py::",),  # `first_run`: a smoke run
+    "server": ("tests/e2e/test_server.py::",),  # `ctx`: one grpo-serve process the walkthrough starts late
 }
 
 

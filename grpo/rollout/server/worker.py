@@ -46,21 +46,12 @@ class GRPOWorkerExtension:
         channel = getattr(self, "_grpo_channel", None)
         if channel is None:
             raise RuntimeError("no trainer has joined this server's weight channel (grpo_join)")
-        count = 0
-
-        def items():
-            nonlocal count
-            for name, t in channel.receive():
-                count += 1
-                yield name, t
-
-        weights = items()
-        try:
-            with CaptureNotLoaded() as missing:
-                self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-            for _ in weights:  # a stream vLLM stopped reading early is drained, so the channel stays in step
-                pass
-        finally:
-            weights.close()
+        # the whole stream first, then the reload: vLLM's in-place reload cut off half way (a trainer killed during
+        # its push) would leave the model half swapped and unloadable; so a lost push changes nothing
+        received = list(channel.receive())
+        with CaptureNotLoaded() as missing:
+            self.model_runner.reload_weights(weights_iterator=iter(received), is_checkpoint_format=True)
+        count = len(received)
+        del received
         self._grpo_pushes = getattr(self, "_grpo_pushes", 0) + 1  # weight streams loaded since the server started
         return {"received": count, "missing": missing.messages[:1]}
