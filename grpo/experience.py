@@ -244,8 +244,7 @@ def completion_rows(run: Run, batch: Batch) -> list[dict]:
         for j, ids in enumerate(comps):
             k = batch.flat_index(g, j)
             scores = batch.scores[g][j] if batch.scores is not None else {}
-            prompt = batch.rows[g]["prompt"]
-            out.append({"prompt": prompt if isinstance(prompt, str) else str(prompt),
+            out.append({"prompt": str(batch.rows[g]["prompt"]),  # a conversation: its messages as text
                         "completion": tok.decode(ids, skip_special_tokens=True),
                         **{f"reward/{n}": scores.get(n) for n in names}, "reward": float(batch.rewards[k]),
                         "advantage": float(batch.advantages[k])})

@@ -61,7 +61,7 @@ def policy_update(runtime: Runtime, batch: Batch, settings: UpdateSettings) -> d
     counts = batch_counts(batch, keep, settings.max_len, runtime)
     if counts.num_seqs == 0:  # nothing to learn from on any rank (all filtered or masked): no forward, no step
         return dict(EMPTY)
-    totals: dict[str, float] = {"loss": 0.0, "entropy": 0.0}
+    totals: dict[str, float] = {}  # every micro-batch (idle ones too) reports loss, entropy and tokens
     mbs = plan(batch, settings.engine, runtime.model)
     n_micro = most_micro_batches(runtime, len(mbs))
     # a sampler with its own log-probs (vLLM): each token re-weighted by pi_old / pi_sampler (grpo.algorithm.rollout_is)

@@ -1,5 +1,7 @@
 """grpo/experience.py: collect(run) with a backend injected in the run (no module global patched): the batch's
-rewards are those of the completions the backend returned, its advantages group-normalised."""
+rewards are those of the completions the backend returned, its advantages group-normalised; `finish`'s log-prob
+passes, KL and advantages (the engine's log-probs replaced by fixed ones); the batch-wide std; the rows shown."""
+import pytest
 import torch
 
 from grpo.experience import collect
@@ -94,3 +96,130 @@ def test_completion_rows_list_every_completion_with_each_functions_score():
     bare = completion_rows(_Run(), _two_groups())  # no per-function scores recorded
     assert [(r["reward/fmt"], r["reward/acc"]) for r in bare] == [(None, None)] * 4
     assert list(bare[0]) == ["prompt", "completion", "reward/fmt", "reward/acc", "reward", "advantage"]
+
+
+def test_batch_std_is_the_unbiased_std_of_every_reward_and_zero_for_one():
+    from grpo.experience import _batch_std, _std
+    from grpo.runtime.base import Runtime
+
+    rt = Runtime()
+    assert _batch_std(rt, torch.tensor([2.0])) == 0.0  # one reward: no spread
+    assert _batch_std(rt, torch.tensor([1.0, 3.0])) == pytest.approx(2 ** 0.5)
+    assert _batch_std(rt, torch.tensor([1.0, 2.0, 6.0])) == pytest.approx(float(torch.tensor([1.0, 2.0, 6.0]).std()))
+    assert _std(2.5, 3.25, 2) == pytest.approx(0.125 ** 0.5) and _std(1.0, 1.0, 1) == 0.0  # 1 and 1.5
+
+
+def test_a_refill_takes_only_the_groups_that_fit():
+    from grpo.batch import Batch
+    from grpo.experience import _concat
+
+    one = Batch([{"prompt": "a"}], [[1]], [[[1]]], [[False]], torch.ones(1), torch.zeros(1))
+    assert _concat(one, _two_groups(), 2).completion_ids == [[[1]], [[1, 0], [2]]]  # room for one more
+    assert _concat(one, _two_groups(), 1).completion_ids == [[[1]]]  # full: none taken
+    assert len(_concat(one, _two_groups(), 5).completion_ids) == 3  # room for more than there is
+
+
+class _FinishRun:
+    """What `finish` reads of a run, with `nested_logprobs` answering -1 per token for the reference and -2 for the
+    policy (monkeypatched by the tests below)."""
+
+    def __init__(self, **algorithm):
+        from types import SimpleNamespace
+
+        from grpo.config.schema import AlgorithmConfig, EngineConfig
+        from grpo.runtime.base import Runtime
+
+        self.runtime, self.runtime.model = Runtime(), "policy"
+        self.settings = SimpleNamespace(collect=SimpleNamespace(
+            algorithm=AlgorithmConfig(**algorithm), engine=EngineConfig(), sampling=SimpleNamespace(temperature=1.0)))
+        self.passes = []
+
+    def reference_context(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def reference_model(self):
+        return "reference"
+
+    def logprobs(self, rt, model, batch, ecfg, temperature):
+        self.passes.append(model)
+        return [[torch.full((len(c),), -1.0 if model == "reference" else -2.0) for c in g] for g in batch.completion_ids]
+
+
+def _finish(monkeypatch, batch, **algorithm):
+    import grpo.experience as experience
+
+    run = _FinishRun(**algorithm)
+    monkeypatch.setattr(experience, "nested_logprobs", run.logprobs)
+    return experience.finish(run, batch), run.passes
+
+
+def _one_token():
+    from grpo.batch import Batch
+
+    return Batch([{"prompt": "p"}], [[9]], [[[4]]], [[False]], torch.tensor([1.0]), torch.zeros(1))
+
+
+@pytest.mark.parametrize("kl_in_reward", [False, True])
+def test_finish_runs_only_the_log_prob_passes_its_settings_need(monkeypatch, kl_in_reward):
+    batch, passes = _finish(monkeypatch, _one_token(), beta=0.0, kl_in_reward=kl_in_reward)
+    assert passes == [] and batch.ref_logps is None and batch.old_logps is None and "kl" not in batch.stats
+    batch, passes = _finish(monkeypatch, _one_token(), beta=0.04, kl_in_reward=False)
+    assert passes == ["reference"] and batch.old_logps is None  # the update measures the KL itself
+    assert "kl" not in batch.stats and batch.rewards.tolist() == [1.0]
+    batch, passes = _finish(monkeypatch, _one_token(), beta=0.04, num_iterations=2)
+    assert passes == ["reference", "policy"] and batch.old_logps[0][0].tolist() == [-2.0]
+
+
+def test_the_kl_in_the_reward_lowers_each_reward_by_beta_times_its_sequence_kl(monkeypatch):
+    """One token, log pi = -2, log pi_ref = -1: k2 = (log pi_ref - log pi)^2 / 2 = 0.5 (k3 would be e - 2)."""
+    batch, passes = _finish(monkeypatch, _one_token(), beta=0.5, kl_in_reward=True, kl_estimator="k2")
+    assert passes == ["reference", "policy"] and batch.old_logps is None  # one pass over the batch: ratio 1
+    assert batch.stats["kl"] == pytest.approx(0.5) and batch.rewards.tolist() == [pytest.approx(1.0 - 0.5 * 0.5)]
+
+
+def test_finish_scales_the_advantages_with_the_configured_eps(monkeypatch):
+    from grpo.batch import Batch
+
+    two = Batch([{"prompt": "p"}], [[9]], [[[4], [5]]], [[False] * 2], torch.tensor([0.0, 1.0]), torch.zeros(2))
+    batch, _ = _finish(monkeypatch, two, adv_eps=1.0)
+    std = 0.5 ** 0.5
+    assert batch.advantages.tolist() == pytest.approx([-0.5 / (std + 1.0), 0.5 / (std + 1.0)])
+
+
+class RecordingBackend(FixedBackend):
+    """FixedBackend with the sampler's own log-probs and truncation flags, recording the seed of every call."""
+
+    def __init__(self, tokenizer, texts, name="vllm", seeded=None):
+        super().__init__(tokenizer, texts)
+        self.name, self.seeds = name, []
+        if seeded is not None:
+            self.seeded = seeded
+
+    def generate(self, prompt_ids, group_size, sampling, seed=None, suffixes=None):
+        self.seeds.append(seed)
+        out = super().generate(prompt_ids, group_size, sampling)
+        self.logprobs = [[torch.full((len(c),), -0.5 - i) for i, c in enumerate(g)] for g in out.ids]
+        return Completions(out.ids, [[False, True] * (group_size // 2) for _ in prompt_ids], self.logprobs)
+
+
+@pytest.mark.parametrize("name,seeded", [("vllm", None), ("hf", True), ("hf", False), ("hf", None)])
+def test_collect_seeds_a_seeded_backend_per_step_and_keeps_what_it_returned(cfg_factory, name, seeded):
+    from grpo.rollout.backends import step_seed
+
+    run = build_run(cfg_factory({"reward": {"functions": {"format": {"fn": "number_only", "weight": 1.0}}}}))
+    try:
+        run.rollout.backend = fake = RecordingBackend(run.tokenizer, ["1", "x", "22", "yy"], name, seeded)
+        batch = collect(run)
+        want = step_seed(run.settings.collect.seed, 0, run.sampler.epoch, run.sampler.position)
+        assert fake.seeds == [want if name != "hf" or seeded else None]  # unseeded hf: torch's own RNG
+        assert batch.truncated == [[False, True, False, True]] * 2 and batch.sampling_logps is fake.logprobs
+        assert batch.episodes is None and batch.completion_masks is None
+        assert batch.scores == [[{"accuracy": 0.0, "format": v} for v in (1.0, 0.0, 1.0, 0.0)]] * 2
+        lens = [len(c) for c in fake.ids]
+        assert batch.stats["completion_len_mean"] == pytest.approx(sum(lens) / 4)
+        assert batch.stats["truncated_frac"] == 0.5
+        assert 0 <= batch.stats["time/rollout_s"] < 60 and 0 <= batch.stats["time/reward_s"] < 60
+    finally:
+        close_run(run)

@@ -237,8 +237,10 @@ def test_a_rank_with_fewer_micro_batches_runs_idle_ones_through_the_same_path(se
     got = policy_update(rt, b, settings)
     idle = [c for c in calls if c[0] == [[0]]]
     assert rt.announced == len(calls) == len(idle) + len(_plan_of(b, engine)) and len(idle) == 3
-    assert all(c[2]["return_entropy"] and c[2]["temperature"] == TEMP for c in idle)
-    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6, abs=1e-9)
+    assert all(c[2] == {"shared_prefix": False, "temperature": TEMP, "return_entropy": True,
+                        "attention_kernel": "grouped"} for c in calls)  # the real micro-batches' and the idle ones
+    for k in ("loss", "entropy", "kl", "ratio_mean", "clip_ratio"):  # an idle token weighs nothing, counts nowhere
+        assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-9), k
     assert_grads_close(rt.grads, one.grads)
 
 
@@ -246,3 +248,62 @@ def _plan_of(batch, engine):
     from grpo.engine.batch_logprobs import plan as _plan
 
     return _plan(batch, engine)
+
+
+class _StepRuntime(CaptureRuntime):
+    """CaptureRuntime whose optimizer step reports a gradient norm and whether it stepped."""
+
+    def __init__(self, model, stepped):
+        super().__init__(model)
+        self.stepped, self.asked = stepped, []
+
+    def step(self, max_grad_norm):
+        self.asked.append(max_grad_norm)
+        super().step(max_grad_norm)
+        return 1.25, self.stepped
+
+
+@pytest.mark.parametrize("stepped", [True, False])
+def test_the_metrics_are_means_over_the_loss_tokens(setup, stepped):
+    """Entropy of softmax(logits / T) and the ratio pi / pi_old, each the mean over every completion token (a plain
+    forward of each sequence computes them here); the clip fractions add up; the step's norm and outcome."""
+    from grpo.update import UpdateSettings, policy_update
+
+    policy, batch, old, _ = setup
+    b = dataclasses.replace(batch, old_logps=nest_like(batch, old))
+    rt = _StepRuntime(policy, stepped)
+    settings = UpdateSettings(_algo(beta=0.0), SPLIT, temperature=TEMP, max_len=MAX_LEN, mask_truncated=False,
+                              max_grad_norm=0.5)
+    stats = policy_update(rt, b, settings)
+    assert rt.asked == [0.5] and stats["grad_norm"] == 1.25 and stats["skipped"] is (not stepped)
+    assert stats["empty_batch"] is False
+    entropies, ratios = [], []
+    with torch.no_grad():
+        for g, (p, comps) in enumerate(zip(b.prompt_ids, b.completion_ids)):
+            for j, c in enumerate(comps):
+                logits = policy(torch.tensor([p + c])).logits[0, len(p) - 1:len(p) + len(c) - 1].float() / TEMP
+                lp = logits.log_softmax(-1)
+                entropies.append(-(lp.exp() * lp).sum(-1))
+                ratios.append(torch.exp(lp.gather(-1, torch.tensor(c)[:, None])[:, 0] - b.old_logps[g][j]))
+    assert stats["entropy"] == pytest.approx(float(torch.cat(entropies).mean()), rel=1e-4)
+    assert stats["ratio_mean"] == pytest.approx(float(torch.cat(ratios).mean()), rel=1e-4)
+    low, high = stats["clip_ratio_low"], stats["clip_ratio_high"]
+    assert 0 < low < 1 and 0 < high < 1 and stats["clip_ratio"] == pytest.approx(low + high)
+
+
+def test_one_token_and_a_policy_loss_without_statistics(setup, monkeypatch):
+    """One loss token: the means divide by 1 (one pass: the ratio is exactly 1). A registered policy loss that
+    reports no clip fractions or ratio gets None for them."""
+    import grpo.algorithm.policy_loss as pl
+    from grpo.batch import Batch
+    from grpo.update import UpdateSettings, policy_update
+
+    policy = setup[0]
+    one = Batch([{}], [[5, 6]], [[[7]]], [[False]], torch.zeros(1), torch.tensor([1.0]))
+    settings = UpdateSettings(_algo(beta=0.0), SPLIT, temperature=TEMP, max_len=MAX_LEN, mask_truncated=False,
+                              max_grad_norm=1.0)
+    assert policy_update(CaptureRuntime(policy), one, settings)["ratio_mean"] == 1.0
+    monkeypatch.setitem(pl._REGISTRY, "plain", lambda logp, old, adv, mask, a: (-adv[:, None] * logp, {}))
+    stats = policy_update(CaptureRuntime(policy), one, dataclasses.replace(settings, algorithm=_algo(
+        beta=0.0, policy_loss="plain")))
+    assert stats["clip_ratio_low"] is None and stats["clip_ratio"] is None and stats["ratio_mean"] is None

@@ -22,3 +22,23 @@ def test_micro_batched_log_probs_equal_the_whole_batch_forward():
         for j in range(len(comps[g])):
             assert not got[g][j].requires_grad
             torch.testing.assert_close(got[g][j], want[g][j], rtol=1e-5, atol=1e-6)
+
+
+def test_every_forward_uses_the_configured_engine_settings_and_temperature(monkeypatch):
+    """The log-probs of a temperature-0.7 rollout are those of softmax(logits / 0.7); the engine section's
+    shared_prefix and attention_kernel (a user's choice of kernel: speed, or a kernel bug to avoid) reach the
+    engine."""
+    import grpo.engine.batch_logprobs as bl
+
+    model = tiny_model("llama", 50, seed=1)
+    prompts, comps = [[5, 6, 7]], [[[1, 2], [3]]]
+    batch = Batch([{}], prompts, comps, [[False] * 2], torch.zeros(2), torch.zeros(2))
+    ecfg = EngineConfig(max_tokens_per_micro_batch=64, shared_prefix=False, attention_kernel="flex")
+    seen, real = [], bl.token_logprobs
+    monkeypatch.setattr(bl, "token_logprobs", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    got = nested_logprobs(LocalRuntime("cpu"), model, batch, ecfg, temperature=0.7)
+    assert seen == [{"shared_prefix": False, "temperature": 0.7, "attention_kernel": "flex"}]
+    with torch.no_grad():
+        want = real(model, prompts, comps, temperature=0.7)
+    for j in range(2):
+        torch.testing.assert_close(got[0][j], want[0][j], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,119 @@
+"""grpo/trainer/checkpoint.py past its main path (tests/trainer/test_checkpoint.py holds that): what a save flushes
+before the rename, a save or a resume racing another process that removed a directory first, a stale copy of the
+same step, partial checkpoint directories named by trainer.resume, the loop's in-flight batches, the configured
+keep_last, a process that does not own the directory, and the ranks' agreement inside ``restore``."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from grpo.runtime.local import WEIGHTS
+from grpo.trainer import checkpoint
+from grpo.trainer.run import LoopState
+from tests.trainer.test_checkpoint import _cfg, _fake_run, _Log, _names, _save, _with, built  # noqa: F401
+
+
+def test_a_save_flushes_every_file_and_both_directories_before_the_rename(tmp_path, monkeypatch):
+    synced, real = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+
+    def write(tmp):
+        (tmp / "w").write_text("w")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "x").write_text("x")
+
+    checkpoint.save(tmp_path, 3, write)
+    tmp, root = tmp_path / "checkpoints" / ".tmp-step_3", tmp_path / "checkpoints"
+    assert sorted(synced) == sorted(str(p) for p in (tmp / checkpoint.MARKER, tmp / "sub" / "x", tmp / "w", tmp,
+                                                     root))  # then renamed: step_3 holds them
+
+
+def _racing(monkeypatch, names):
+    """shutil.rmtree as it goes when another process removed one of ``names`` just before (a user cleaning up,
+    another node on a shared filesystem): the removal finds nothing there."""
+    real = shutil.rmtree
+
+    def rmtree(path, ignore_errors=False, **kw):
+        if os.path.basename(path) in names:
+            real(path)
+        return real(path, ignore_errors=ignore_errors, **kw)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+
+
+def test_a_save_and_a_resume_go_on_when_another_process_removed_a_directory_first(tmp_path, monkeypatch, capsys):
+    for step in (1, 2):
+        _save(tmp_path, step)
+    (tmp_path / "checkpoints" / ".tmp-step_0").mkdir()  # a save that crashed earlier
+    _racing(monkeypatch, {"step_1", ".tmp-step_0", "step_4", "final"})
+    checkpoint.save(tmp_path, 3, lambda tmp: None)  # prunes step_1 (keep_last 2 by default) and .tmp-step_0
+    assert _names(tmp_path) == ["step_2", "step_3"] and os.listdir(tmp_path / "checkpoints") == ["step_2", "step_3"]
+    _save(tmp_path, 4, keep_last=5)
+    (tmp_path / "final").mkdir()
+    checkpoint.abandon_after(_fake_run()[0], _cfg(tmp_path), _Log(0), 3)
+    assert _names(tmp_path) == ["step_2", "step_3"] and not (tmp_path / "final").exists()
+    assert "removed step_4, final/" in capsys.readouterr().err
+
+
+def test_a_stale_copy_of_the_same_step_is_replaced_not_merged(tmp_path):
+    stale = tmp_path / "checkpoints" / ".tmp-step_5"
+    stale.mkdir(parents=True)
+    (stale / "old").write_text("a save of step 5 that crashed")
+    _save(tmp_path, 5)
+    assert sorted(os.listdir(tmp_path / "checkpoints" / "step_5")) == [checkpoint.MARKER, "w"]
+
+
+def test_resume_refuses_a_directory_missing_its_marker_or_its_state(tmp_path):
+    p = tmp_path / "ckpt"
+    p.mkdir()
+    (p / checkpoint.MARKER).write_text("1\n")
+    with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
+        checkpoint.resolve_resume(str(p), tmp_path)  # marked complete, no trainer_state.pt
+    (p / checkpoint.MARKER).unlink()
+    (p / checkpoint.STATE).write_text("")
+    with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
+        checkpoint.resolve_resume(str(p), tmp_path)  # a state, never marked complete
+    (p / checkpoint.MARKER).write_text("1\n")
+    assert checkpoint.resolve_resume(str(p), tmp_path) == p
+
+
+def test_a_single_process_save_keeps_the_configured_number_and_the_in_flight_batches(built, tmp_path):
+    run, cfg = built
+    cfg = _with(cfg, output_dir=str(tmp_path), keep_last=1)
+    for step in (1, 2):
+        path = checkpoint.save_checkpoint(run, LoopState(step=step, in_flight={"step": step, "batches": ["b"]}), cfg)
+    assert _names(tmp_path) == ["step_2"] and not list(path.glob("rank_*.pt"))  # one process: no rank files
+    state = checkpoint.restore(run, _with(cfg, resume="auto"))
+    assert state.step == 2 and state.in_flight == {"step": 2, "batches": ["b"]}
+
+
+def test_a_process_that_does_not_own_the_directory_writes_its_files_only(built, tmp_path):
+    run, cfg = built
+    cfg = _with(cfg, output_dir=str(tmp_path))
+    run.owns_output_dir = False  # another rank on a shared filesystem: rank 0 created the directory
+    tmp = tmp_path / "checkpoints" / ".tmp-step_3"
+    tmp.mkdir(parents=True)
+    assert checkpoint.save_checkpoint(run, LoopState(step=3), cfg) == tmp_path / "checkpoints" / "step_3"
+    assert not (tmp_path / "checkpoints" / "step_3").exists() and os.listdir(tmp) == [WEIGHTS]
+
+
+def test_restore_resumes_the_newest_step_every_rank_holds(built, tmp_path):
+    """Two ranks, one output_dir each: the other rank's node died before completing step_4."""
+    run, cfg = built
+    cfg = _with(cfg, output_dir=str(tmp_path))
+    for step in (2, 4):
+        checkpoint.save_checkpoint(run, LoopState(step=step), cfg)
+    rt = run.runtime
+    rt.world_size = 2
+    rt.gather = lambda obj: [obj, ("step_2", ["step_2"])]
+    assert checkpoint.restore(run, _with(cfg, resume="auto")).step == 2
+
+
+def test_a_resume_reports_a_changed_warmup_and_schedule(built, tmp_path, capsys):
+    run, cfg = built
+    cfg = _with(cfg, output_dir=str(tmp_path))
+    checkpoint.save_checkpoint(run, LoopState(step=1), cfg)
+    checkpoint.restore(run, _with(cfg, resume="auto", warmup_steps=2, lr_schedule="constant"))
+    assert "trainer.warmup_steps 4 -> 2, trainer.lr_schedule cosine -> constant" in capsys.readouterr().err
