@@ -144,7 +144,8 @@ class _FinishRun:
 
     def logprobs(self, rt, model, batch, ecfg, temperature):
         self.passes.append(model)
-        return [[torch.full((len(c),), -1.0 if model == "reference" else -2.0) for c in g] for g in batch.completion_ids]
+        lp = -1.0 if model == "reference" else -2.0
+        return [[torch.full((len(c),), lp) for c in g] for g in batch.completion_ids]
 
 
 def _finish(monkeypatch, batch, **algorithm):

@@ -307,3 +307,18 @@ def test_one_token_and_a_policy_loss_without_statistics(setup, monkeypatch):
     stats = policy_update(CaptureRuntime(policy), one, dataclasses.replace(settings, algorithm=_algo(
         beta=0.0, policy_loss="plain")))
     assert stats["clip_ratio_low"] is None and stats["clip_ratio"] is None and stats["ratio_mean"] is None
+
+
+def test_with_the_kl_in_the_reward_the_loss_has_no_kl_term(setup):
+    """algorithm.kl_in_reward: the KL was paid in the reward (grpo.experience), the update adds none."""
+    from grpo.batch import Batch
+    from grpo.update import UpdateSettings, policy_update
+
+    policy = setup[0]
+    one = Batch([{}], [[5, 6]], [[[7, 8]]], [[False]], torch.zeros(1), torch.tensor([1.0]),
+                ref_logps=[[torch.tensor([-9.0, -9.0])]])  # far from the policy: a large KL
+    settings = UpdateSettings(_algo(beta=0.5, kl_in_reward=True), SPLIT, temperature=TEMP, max_len=MAX_LEN,
+                              mask_truncated=False, max_grad_norm=1.0)
+    with_ref = policy_update(CaptureRuntime(policy), one, settings)
+    without = policy_update(CaptureRuntime(policy), dataclasses.replace(one, ref_logps=None), settings)
+    assert "kl" not in with_ref and with_ref["loss"] == pytest.approx(without["loss"], rel=1e-6)

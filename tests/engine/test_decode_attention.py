@@ -73,3 +73,19 @@ def test_mla_expands_the_prompts_latents_once_per_layer():
         got, _ = prefix_decode_attention_forward(layer, q, k, v, None, scaling=0.3, **{DECODE_KWARG: prefix})
     assert layer.expansions == 1 and prefix.calls == 2
     torch.testing.assert_close(got, _eager(q, kp * 2.0, vp * 3.0, k, v, valid, 0.3), rtol=1e-5, atol=1e-5)
+
+
+class _WindowedLayer(_Layer):
+    sliding_window = 4  # a family that windows through the mask alone: the layer's attribute
+
+
+def test_a_layers_own_window_and_bfloat16():
+    q, kp, vp, k, v, valid = _case(2)
+    got, _ = prefix_decode_attention_forward(_WindowedLayer(), q, k, v, None, **{DECODE_KWARG: SharedPrefixKV(
+        [kp], [vp], valid, G)})
+    torch.testing.assert_close(got, _eager(q, kp, vp, k, v, valid, D ** -0.5, window=4), rtol=1e-5, atol=1e-5)
+    half = [t.bfloat16() for t in (q, kp, vp, k, v)]
+    got, _ = prefix_decode_attention_forward(_Layer(), half[0], half[3], half[4], None, **{
+        DECODE_KWARG: SharedPrefixKV([half[1]], [half[2]], valid, G)})
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), _eager(q, kp, vp, k, v, valid, D ** -0.5), rtol=3e-2, atol=3e-2)

@@ -12,7 +12,10 @@ import pytest
 from grpo.runtime.local import WEIGHTS
 from grpo.trainer import checkpoint
 from grpo.trainer.run import LoopState
-from tests.trainer.test_checkpoint import _cfg, _fake_run, _Log, _names, _save, _with, built  # noqa: F401
+from tests.trainer import test_checkpoint
+from tests.trainer.test_checkpoint import _cfg, _fake_run, _Log, _names, _save, _with
+
+built = test_checkpoint.built  # the run's checkpointed parts (a fixture)
 
 
 def test_a_save_flushes_every_file_and_both_directories_before_the_rename(tmp_path, monkeypatch):
