@@ -23,3 +23,11 @@ def test_micro_batches_with_batch_counts_sum_to_the_whole_batch():
     assert float(parts) == pytest.approx(float(whole)) == pytest.approx((2.0 + 4.0) / 2)
     with pytest.raises(ValueError, match="loss_agg"):
         token_weights(MASK, "mean", COUNTS)
+
+
+@pytest.mark.parametrize("agg,weight", [("token_mean", 1.0), ("seq_mean_token_mean", 1.0),
+                                        ("seq_mean_token_sum", 1.0), ("dr_grpo", 1 / 4)])
+def test_a_batch_of_one_token_in_one_sequence_weighs_it_by_the_counts_alone(agg, weight):
+    """The counts' floor of 1 (an empty batch) must not touch a batch of exactly one."""
+    w = token_weights(torch.tensor([[1.0, 0.0]]), agg, BatchCounts(num_seqs=1, num_tokens=1, max_len=4))
+    assert w.tolist() == [[pytest.approx(weight), 0.0]]

@@ -18,3 +18,36 @@ def test_the_window_softcap_and_sinks_come_from_the_call_or_the_layer():
     assert layer_extras(_Windowed(), {}, 4).window is None  # it sees at most 3 back: inactive
     assert layer_extras(_Windowed(), {}).window == 4  # decoding: no longest sequence known
     assert layer_extras(object(), {"sliding_window": None}, 10) == ScoreExtras()
+
+
+def _forward(module, scaling=None, layout_kw=True, **kw):
+    import torch
+
+    from grpo.engine.layout import ACTIVE, build_layout
+    from grpo.engine.prefix_attention import LAYOUT_KWARG, prefix_attention_forward
+
+    layout = build_layout([[1, 2, 3], [4, 5]], [[[6, 7], [8]], [[9, 10, 11]]], "cpu")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, layout.n_tokens, 8, generator=gen) for h in (4, 2, 2))
+    token = None if layout_kw else ACTIVE.set(layout)
+    try:
+        out, _ = prefix_attention_forward(module, q, k, v, None, scaling, **kw,
+                                          **({LAYOUT_KWARG: layout} if layout_kw else {}))
+    finally:
+        if token is not None:
+            ACTIVE.reset(token)
+    return out
+
+
+def test_the_forward_takes_its_layout_either_way_and_scales_by_the_head_dim_by_default():
+    from types import SimpleNamespace
+
+    import torch
+
+    plain, windowed = SimpleNamespace(training=False), SimpleNamespace(training=False, sliding_window=2)
+    want = _forward(plain, scaling=8 ** -0.5)
+    torch.testing.assert_close(_forward(plain), want)  # scaling None: 1 / sqrt(head dim)
+    torch.testing.assert_close(_forward(plain, layout_kw=False), want)  # the layout from the context
+    train = SimpleNamespace(training=True)
+    torch.testing.assert_close(_forward(train), want)  # no dropout asked: none applied
+    assert (_forward(windowed) - want).abs().max() > 1e-3  # the layer's own window (2 < the longest, 5) acts
