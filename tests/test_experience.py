@@ -224,3 +224,55 @@ def test_collect_seeds_a_seeded_backend_per_step_and_keeps_what_it_returned(cfg_
         assert 0 <= batch.stats["time/rollout_s"] < 60 and 0 <= batch.stats["time/reward_s"] < 60
     finally:
         close_run(run)
+
+
+def test_the_reward_functions_get_the_rows_columns_but_the_prompts_own(monkeypatch):
+    """The prompt in its forms (text, ids, messages, turns) reaches a reward function as its prompt argument, not
+    again as a column; every other column of the row, the completion ids, the truncation flags and the extra ones
+    do, and the run's completion_format picks the completions' form."""
+    import grpo.experience as experience
+    from grpo.rewards.score import Scores
+    from grpo.runtime.base import Runtime
+
+    seen = {}
+    monkeypatch.setattr(experience, "reward_inputs", lambda rows, texts, g, fmt: seen.update(fmt=fmt) or (["p"] * 2,
+                                                                                                        texts))
+
+    def score(functions, prompts, completions, columns):
+        seen["columns"] = columns
+        return Scores([1.0, 0.0], {"fmt": [1.0, 0.0], "acc": [None, None]}, {"fmt": 0, "acc": 0})
+
+    monkeypatch.setattr(experience, "score", score)
+    run = _Run()
+    run.runtime, run.completion_format = Runtime(), "messages"
+    row = {"prompt": "p", "prompt_ids": [9], "prompt_messages": [], "prompt_turns": [], "answer": 7, "level": 2}
+    experience.score_groups(run, [row], [[[1], [2]]], [[False, True]], {"turns": [1, 2]})
+    assert seen["fmt"] == "messages"
+    assert seen["columns"] == {"answer": [7, 7], "level": [2, 2], "completion_ids": [[1], [2]],
+                               "truncated": [False, True], "turns": [1, 2]}
+
+
+class _RefillRun(_FinishRun):
+    """A run whose rollouts come from ``rounds`` (each a Batch), for sample's filtering and refill."""
+
+    def __init__(self, rounds, **algorithm):
+        super().__init__(**algorithm)
+        self.rounds = list(rounds)
+
+
+def test_sample_reports_the_zero_std_share_and_sums_the_refill_rounds_times(monkeypatch):
+    import grpo.experience as experience
+    from grpo.batch import Batch
+
+    def group(rewards):
+        return Batch([{"prompt": "p"}], [[9]], [[[1]] * len(rewards)], [[False] * len(rewards)],
+                     torch.tensor(rewards), torch.zeros(len(rewards)), stats={"time/rollout_s": 2.0,
+                                                                               "time/reward_s": 0.5})
+
+    run = _RefillRun([group([1.0, 1.0]), group([0.0, 0.0]), group([0.0, 1.0])], filter_zero_std_groups=True,
+                     resample_zero_std=3)
+    monkeypatch.setattr(experience, "_rollout", lambda r: r.rounds.pop(0))
+    batch = experience.sample(run)  # one group of no signal, refilled in two more rounds
+    assert batch.stats["zero_std_frac"] == 1.0 and batch.stats["resample_rounds"] == 2
+    assert batch.stats["time/rollout_s"] == 6.0 and batch.stats["time/reward_s"] == 1.5
+    assert batch.rewards.tolist() == [0.0, 1.0]

@@ -62,3 +62,29 @@ def test_dr_grpo_constant_counts_sampled_tokens_not_tool_output(cfg_factory):
     assert (counts.num_seqs, counts.num_tokens, counts.max_len) == (2, 4, 12)
     mask = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
     assert torch.equal(token_weights(mask, "dr_grpo", counts), mask / (2 * 12))
+
+
+def test_collect_seeds_every_turn_and_hands_the_episodes_to_the_rewards_and_the_batch(cfg_factory, monkeypatch):
+    """A seeded backend gets the step's seed on the first turn and a seed of its own on every later one (a resumed
+    run samples each turn as the uninterrupted one did); the reward functions get the episode columns, the batch
+    the episodes."""
+    from grpo import experience
+    from grpo.rollout.backends import step_seed
+    from grpo.trainer.build import build_run, close_run
+
+    run = build_run(cfg_factory(ECHO))
+    seeds, columns = [], {}
+    real_score = experience.score
+    monkeypatch.setattr(experience, "score", lambda f, p, c, cols: columns.update(cols) or real_score(f, p, c, cols))
+    try:
+        backend = run.rollout.ready()  # built on first use; collect gets this one
+        backend.seeded, real = True, backend.generate
+        backend.generate = lambda ids, g, sampling, seed=None, **kw: seeds.append(seed) or real(ids, g, sampling,
+                                                                                                seed=seed, **kw)
+        batch = experience.collect(run)
+        base = (run.settings.collect.seed, 0, run.sampler.epoch, run.sampler.position)
+    finally:
+        close_run(run)
+    assert len(seeds) >= 2 and seeds == [step_seed(*base)] + [step_seed(*base, t) for t in range(2, len(seeds) + 1)]
+    assert {"turns", "tool_calls", "episode"} <= set(columns) and len(columns["turns"]) == len(columns["truncated"])
+    assert batch.episodes is not None and len(batch.episodes) == len(batch.completion_ids)
