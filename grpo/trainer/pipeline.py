@@ -7,6 +7,9 @@ loop (step t samples with the weights step t-1 left), and with K = 2 step 5 trai
 version 2 while the generator samples steps 6 and 7 with versions 3 and 4. Which version samples which step never
 depends on timing, so the same config and seed give the same run. Before step t trains (`AsyncBatches.batch`),
 version t-1 is published to the generator, and with it the request for step t+K, the first step that uses it.
+With ``algorithm.num_iterations=mu`` > 1 a batch trains mu loop steps and the lag counts batches: the batch first
+trained at step t is sampled with version ``max(0, t-1-K*mu)``. With many processes every rank drives a generator of
+its own, which samples the rank's share (the ranks publish and ask in step, the same versions for the same steps).
 
 What is in flight at a checkpoint after step t: the batches of steps t+1..t+K. Their versions (t-K..t-1) are all
 older than the checkpoint's weights, so regenerating them after a resume would need K old copies of the weights

@@ -239,7 +239,6 @@ def test_the_commands_of_docs_async_md(tmp_path):
     import re
     import shlex
 
-
     from tests.e2e.test_docs_commands import SCALE
     from tests.helpers import ROOT
 

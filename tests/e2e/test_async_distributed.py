@@ -10,6 +10,8 @@ phases separated by ``--then`` as in tests/e2e/test_distributed.py, whose ``trai
 """
 from __future__ import annotations
 
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -75,10 +77,21 @@ import importlib.util  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.e2e.test_async import same_numbers, steps  # noqa: E402
-from tests.e2e.test_distributed import SMOKE, THEN, ZERO3, torchrun  # noqa: E402
+from tests.e2e.test_distributed import THEN, ZERO3, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="distributed tests need deepspeed (pip install 'grpo[deepspeed]')")
+
+
+def doc_command() -> dict[str, str]:
+    """The overrides of the torchrun command of docs/async.md (2 processes)."""
+    text = (ROOT / "docs" / "async.md").read_text()
+    lines = [line.strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()
+             if line.strip().startswith("torchrun")]
+    assert len(lines) == 1, lines
+    words = shlex.split(lines[0], comments=True)
+    assert words[:5] == ["torchrun", "--nproc_per_node", "2", "-m", "grpo.train"], words
+    return dict(w.split("=", 1) for w in words[5:])
 
 
 def _launch(*args, cwd: Path):
@@ -92,11 +105,17 @@ def test_zero2_and_zero3_on_two_processes_with_a_generator_per_rank(tmp_path):
     """One launch: ZeRO-3 through the generator processes at K = 0 (the published weights are gathered whole: every
     rank's behaviour log-probs equal its trainer's bit for bit, step after step; each rank samples its own prompts;
     the logged statistics are over both ranks); then ZeRO-2 with K = 1 for 3 steps, twice (the same metrics), and
-    resumed from its step-2 checkpoint, which holds each rank's batch of step 3 (version 1): step 3 as uninterrupted."""
+    resumed from its step-2 checkpoint, which holds each rank's batch of step 3 (version 1): step 3 as uninterrupted.
+    The ZeRO-2 runs are the torchrun command of docs/async.md, scaled down (the tiny model, 3 steps)."""
+    from tests.e2e.test_docs_commands import SCALE
+
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    run = [*SMOKE, "distributed=zero2", "rollout.max_staleness=1", "trainer.max_steps=3", "trainer.save_every=2",
-           "trainer.keep_last=3", "data.num_eval=0"]
-    p = _launch("pipeline", tmp_path / "zero3", *ZERO3,
+    given = doc_command()
+    assert given["distributed"] == "zero2" and given["rollout.max_staleness"] == "1"
+    scaled = {**given, **SCALE, "trainer.max_steps": "3", "trainer.save_every": "2", "trainer.keep_last": "3",
+              "logging.sample_every": "0", "logging.plot": "false"}
+    run = [f"{k}={v}" for k, v in scaled.items()]
+    p = _launch("pipeline", tmp_path / "zero3", *ZERO3, "logging.sample_every=0",
             THEN, "train", a, *run, f"trainer.output_dir={a}",
             THEN, "train", b, *run, f"trainer.output_dir={b}",
             THEN, "resume", a, *run, f"trainer.output_dir={c}", f"trainer.resume={c / 'checkpoints' / 'step_2'}",
