@@ -94,3 +94,42 @@ def test_completion_rows_list_every_completion_with_each_functions_score():
     bare = completion_rows(_Run(), _two_groups())  # no per-function scores recorded
     assert [(r["reward/fmt"], r["reward/acc"]) for r in bare] == [(None, None)] * 4
     assert list(bare[0]) == ["prompt", "completion", "reward/fmt", "reward/acc", "reward", "advantage"]
+
+
+def test_reduce_stats_makes_a_generators_statistics_again_over_every_rank(cfg_factory):
+    """A batch sampled apart from the trainer's collectives (asynchronous GRPO, one generator per rank) keeps the
+    local sums of its statistics; `reduce_stats` sums them over every rank: with one process the same numbers, with
+    two ranks that sampled alike the counts double and the means stay."""
+    import dataclasses
+
+    from grpo.experience import reduce_stats, sample
+    from grpo.runtime.local import LocalRuntime
+
+    class TwoAlike(LocalRuntime):
+        seen: list = []
+
+        def all_reduce(self, values):
+            self.seen.append(sorted(values))
+            return {k: 2 * v for k, v in values.items()}
+
+    run = build_run(cfg_factory({"algorithm": {"filter_zero_std_groups": True},
+                                 "reward": {"functions": {"format": {"fn": "number_only", "weight": 1.0},
+                                                          "accuracy": {"fn": "arithmetic", "weight": 0.0}}}}))
+    try:
+        run.rollout.backend = FixedBackend(run.tokenizer, ["1", "1", "22", "22"])  # every group: zero std
+        batch = sample(run)
+        local = dict(batch.stats)
+        assert local["dropped_groups"] == 2 and local["num_groups"] == 0 and local["zero_std_frac"] == 1.0
+        reduce_stats(run, batch)
+        assert batch.stats == local
+        twice = TwoAlike("cpu")
+        reduce_stats(dataclasses.replace(run, runtime=twice), batch)
+        assert [k for k in twice.seen if "reward" in k] and ["groups", "zero_std"] in twice.seen
+        assert ["dropped", "groups"] in twice.seen and len(twice.seen) == 3  # the first round's rewards, once
+        doubled = {"dropped_groups", "num_groups", "reward/format_errors", "reward/accuracy_errors"}
+        assert {k: batch.stats[k] for k in doubled} == {k: 2 * local[k] for k in doubled}
+        for k in ("reward_mean", "zero_std_frac", "completion_len_mean", "truncated_frac", "reward/format"):
+            assert batch.stats[k] == local[k], k
+        assert batch.stats["reward_std"] == local["reward_std"] == 0.0
+    finally:
+        close_run(run)
