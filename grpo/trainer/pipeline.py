@@ -44,12 +44,30 @@ def check(cfg: Config) -> None:
     if cfg.distributed.backend != "none":
         why = "runs one trainer process for now (the generator holds a full copy of the policy); use " \
               "distributed.backend=none"
-    elif (cfg.rollout.backend if cfg.rollout.backend != "auto" else resolve_backend("auto", device)) != "hf":
-        why = f"drives the hf generator process for now (rollout.backend={cfg.rollout.backend}); use rollout.backend=hf"
+    elif _backend(cfg, device) not in ("hf", "server"):
+        why = f"drives the hf generator process or the rollout servers (rollout.backend={cfg.rollout.backend}); use " \
+              "rollout.backend=hf or server"
+    elif _backend(cfg, device) == "server":
+        why = server_refusal(cfg.rollout.server, device)
     elif cfg.algorithm.num_iterations > 1:
         why = "trains each batch once (algorithm.num_iterations=1); the lag is counted in optimizer steps"
     if why:
         raise SetupError(f"rollout.max_staleness={K} {why}")
+
+
+def _backend(cfg: Config, device: str) -> str:
+    return cfg.rollout.backend if cfg.rollout.backend != "auto" else resolve_backend("auto", device)
+
+
+def server_refusal(s, device: str) -> str | None:
+    """What the server generator does not run with yet (``s``: rollout.server)."""
+    if s.sync_every != 1:
+        return f"pushes every version the schedule samples with (rollout.server.sync_every={s.sync_every}); the lag " \
+               "is rollout.max_staleness: use rollout.server.sync_every=1"
+    if s.weight_transfer == "nccl" or (s.weight_transfer == "auto" and device == "cuda"):
+        return "pushes a snapshot of each version through the gloo channel (vLLM's nccl engine reads the live " \
+               "model); use rollout.server.weight_transfer=gloo"
+    return None
 
 
 def batches(run: Run, cfg: Config, state: LoopState, process: bool | None = None):
@@ -62,6 +80,10 @@ def batches(run: Run, cfg: Config, state: LoopState, process: bool | None = None
                          f"resume with that value (it is {K})")
     if not (K > 0 if process is None else process):
         return InlineBatches(run)
+    if _backend(cfg, torch.device(run.runtime.device).type) == "server":  # the servers sample (in this process)
+        from grpo.trainer.server_side import server_generator
+
+        return AsyncBatches(run, server_generator(run, cfg), K, cfg.trainer.max_steps, saved)
     from grpo.trainer.generator_side import GeneratorSpec, build
 
     spec = GeneratorSpec(cfg, run.settings, run.splits.train, run.sampler.state_dict(), torch.get_num_threads())

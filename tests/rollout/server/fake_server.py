@@ -5,7 +5,8 @@ It speaks the few endpoints the server backend uses (``/health``, ``/v1/models``
 the trainer streams through the real gloo channel (`grpo.runtime.transfer`) are loaded into it, and the
 prompt log-probs of the sync check are that model's. ``stale=True``: it receives the weights but keeps its old
 ones (the silent failure the sync check exists for). Generation is canned: ``n`` choices of ``tokens`` (the
-seed added to the first one), each token's log-prob -0.5. Every request body is recorded in ``requests``.
+seed added to the first one), each token's log-prob -0.5. Every request body is recorded in ``requests``, and each
+answered request in ``spans`` as (path, body, start, end, the weight version held at its start).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class FakeServer:
         self.tokens, self.delay_s, self.drop_first = list(tokens), delay_s, drop_first
         self.facts = facts
         self.requests: list[tuple[str, dict]] = []
+        self.spans: list[tuple[str, dict, float, float, str]] = []
         self.version, self.channel, self.received = "default", None, 0
         self.lock = threading.Lock()
         fake = self
@@ -61,9 +63,12 @@ class FakeServer:
                 h.close_connection = True
                 h.connection.close()
                 return
+        t0, held = time.monotonic(), self.version
         if self.delay_s:
             time.sleep(self.delay_s)
         out = self._route(h.path, body)
+        with self.lock:
+            self.spans.append((h.path, body, t0, time.monotonic(), held))
         data = json.dumps(out).encode()
         h.send_response(200)
         h.send_header("Content-Type", "application/json")
