@@ -1,8 +1,9 @@
-"""Asynchronous GRPO on the server backend (grpo/trainer/server_side.py), whole training runs in process against two
+"""Asynchronous GRPO on the server backend (grpo/trainer/server_side.py): whole training runs in process against two
 fake servers that hold a real tiny model (the pushed weights go through the real gloo channel; completions are
-canned by seed, their log-probs the held model's): K = 1 logs its staleness, the servers' version lag and the sync check's gap every step; the
-servers are asked for the same prompts with the same seeds as the synchronous server run (refill rounds
-included); a checkpoint stores the batch in flight and a resume from it gives the uninterrupted run's metrics."""
+canned by seed, their log-probs the held model's). K = 1 logs its staleness, the servers' version lag and the sync
+check's gap every step; the servers are asked for the same prompts with the same seeds as the synchronous server
+run (refill rounds included); a checkpoint stores the batch in flight and a resume from it gives the uninterrupted
+run's metrics."""
 import shutil
 from collections import Counter
 
