@@ -97,15 +97,18 @@ class ServerGenerator:
                                  f"{str(payload).splitlines()[0] if str(payload) else ''}")
         return payload
 
-    def close(self) -> None:
-        """Stop the worker after the task it is on (its requests come back or time out), then the closers."""
+    def close(self, wait_s: float = 10.0) -> None:
+        """Stop the worker after the task it is on, then the closers. Nothing is in flight at the end of a run or
+        at a checkpoint (they wait for every batch asked for); after a failure the task under way is given
+        ``wait_s`` to end, then left to its daemon thread (a half-sent push leaves a server's weights as they were:
+        it loads a stream only once it is whole)."""
         while True:  # what was asked and not started is dropped
             try:
                 self.todo.get_nowait()
             except queue.Empty:
                 break
         self.todo.put(("stop",))
-        self.thread.join(timeout=self.backend.pool.servers[0].timeout_s if self.backend.pool.servers else 5)
+        self.thread.join(timeout=wait_s)
         for close in self.closers:
             close()
 
