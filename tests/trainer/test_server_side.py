@@ -104,3 +104,39 @@ def test_a_checkpoint_stores_the_batch_in_flight_and_a_resume_continues_exactly(
     again = _asked(servers)
     assert again and not again - everything  # only step 4 is asked again: step 3's batch came from the checkpoint
     assert sum(again.values()) < sum(everything.values()) / 2
+
+
+STEPS_ENV = '''
+class Steps:
+    def reset(self, row):
+        self.turns = 0
+        return "Think in steps."
+
+    def step(self, text):
+        self.turns += 1
+        return None if self.turns >= 2 else "\\n[observation]\\n"
+'''
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("lora", {"model": {"lora": {"enabled": True, "r": 4, "alpha": 8}}}),
+    ("multi-turn", {"rollout": {"environment": "srv_steps:Steps", "max_turns": 2, "max_new_tokens": 8}}),
+])
+def test_lora_and_multi_turn_episodes_run_on_the_servers_at_a_lag(setup, tmp_path, name, extra):
+    """LoRA: the servers get the merged weights of each version (the check passes against the snapshot's
+    log-probs); multi-turn: the episodes run on the generator's thread with its own tool worker."""
+    from omegaconf import OmegaConf
+
+    from grpo.config.schema import load
+
+    (tmp_path / "srv_steps.py").write_text(STEPS_ENV)
+    make, servers = setup
+    out = tmp_path / name
+    base = OmegaConf.structured(make(out, 1, max_steps=3, save_every=0))
+    train(load(OmegaConf.to_container(OmegaConf.merge(base, extra), resolve=True)))
+    got = steps(out)
+    assert [m["async/staleness_max"] for m in got.values()] == [0, 1, 1]
+    assert all(m["server/sync_logprob_gap"] < 1e-5 for m in got.values())
+    assert got[1]["rollout_is/logp_diff_abs_max"] < 1e-4  # the servers' log-probs: the trainer's own weights
+    if name == "multi-turn":
+        assert all(m["episode/turns_mean"] > 1 for m in got.values())
