@@ -123,22 +123,29 @@ def side_by_side(args) -> list[dict]:
 
 
 def curve(args) -> None:
-    """The quickstart recipe trained at K = 0 and K = 1 by grpo-train, both at once (the same load on both);
-    reward_mean by cumulative step time."""
+    """The quickstart recipe trained at K = 0 and K = 1 by grpo-train, one thread per process, one run after the
+    other (``--together``: both at once, so that both see the same load on a busy machine); reward_mean by
+    cumulative step time."""
     runs, procs, root = {}, {}, Path(tempfile.mkdtemp())
     for K in (0, 1):
         cmd = [sys.executable, "-m", "grpo.train", f"recipe={args.recipe}", f"rollout.max_staleness={K}",
                f"trainer.output_dir={root / f'k{K}'}", "logging.plot=false", "logging.sample_every=0",
                "logging.wandb.mode=disabled", *args.override]
+        print(f"K={K}: load before {os.getloadavg()[0]:.2f}", file=sys.stderr)
         procs[K] = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                                     stdout=subprocess.DEVNULL, stderr=open(root / f"k{K}.log", "w"))
+        if not args.together:
+            procs[K].wait()
+            print(f"K={K}: load after {os.getloadavg()[0]:.2f}", file=sys.stderr)
     for K, p in procs.items():
         assert p.wait() == 0, (root / f"k{K}.log").read_text()[-2000:]
         lines = [json.loads(line) for line in (root / f"k{K}" / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in lines if "loss" in r]
         clock = [sum(r["step_time_s"] for r in rows[:i + 1]) for i in range(len(rows))]
         runs[K] = {"time_s": clock, "reward_mean": [r["reward_mean"] for r in rows]}
-        print(json.dumps({"K": K, "total_s": clock[-1], "rewards": runs[K]["reward_mean"], "eval_after": lines[-1]}))
+        print(json.dumps({"K": K, "total_s": clock[-1], "rewards": runs[K]["reward_mean"],
+                          "staleness_max": max(r.get("async/staleness_max", 0) for r in rows),
+                          "eval_after": lines[-1]}))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -167,6 +174,7 @@ def main(argv=None) -> list[dict] | None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="the smoke recipe, 1 round of 2 + 1 steps")
     p.add_argument("--curve", default="", help="train K=0 and K=1 and write their learning curves to this PNG")
+    p.add_argument("--together", action="store_true", help="--curve: run K=0 and K=1 at the same time")
     p.add_argument("--json", default="", help="also write the results here")
     args = p.parse_args(argv)
     if args.quick:

@@ -208,11 +208,13 @@ def test_two_training_processes_push_once_per_step(ctx, zero):
 
 
 def test_a_killed_server_ends_the_run_in_one_line_and_resume_completes_after_its_restart(ctx):
-    run = ctx["tmp"] / "faulty"
-    trainer = train(ctx, "faulty", "trainer.max_steps=4", "trainer.save_every=1", "rollout.server.retries=1",
-                    popen=True)
-    _wait_for(lambda: (run / "checkpoints" / "step_2" / "COMPLETE").exists() or trainer.poll() is not None, 900,
-              "no checkpoint of step 2")
+    # A tiny step takes 0.1 s: the run is long enough (60 steps) that the kill lands while it trains, and it is
+    # killed as soon as step 2 is saved.
+    run, last_step = ctx["tmp"] / "faulty", 60
+    trainer = train(ctx, "faulty", f"trainer.max_steps={last_step}", "trainer.save_every=1",
+                    "rollout.server.retries=1", popen=True)
+    while not ((run / "checkpoints" / "step_2" / "COMPLETE").exists() or trainer.poll() is not None):
+        time.sleep(0.02)
     ctx["server"].kill()
     _, err = trainer.communicate(timeout=600)
     assert trainer.returncode == 2, err[-3000:]
@@ -220,12 +222,12 @@ def test_a_killed_server_ends_the_run_in_one_line_and_resume_completes_after_its
     assert last.startswith("error: rollout server " + ctx["server"].url) and "trainer.resume=auto" in last, last
     assert "Traceback" not in err
     done = sorted(int(d.name.split("_")[1]) for d in (run / "checkpoints").iterdir() if (d / "COMPLETE").exists())
-    assert done and done[-1] >= 2 and done[-1] < 4
+    assert done and 2 <= done[-1] < last_step
     ctx["server"].start().wait()
-    p = train(ctx, "faulty", "trainer.max_steps=4", "trainer.save_every=1", "trainer.resume=auto")
+    p = train(ctx, "faulty", f"trainer.max_steps={last_step}", "trainer.save_every=100", "trainer.resume=auto")
     assert p.returncode == 0, p.stderr[-4000:]
     assert f"resumed from {run / 'checkpoints' / f'step_{done[-1]}'}" in p.stderr
-    assert steps(run)[-1]["step"] == 4
+    assert steps(run)[-1]["step"] == last_step
 
 
 def test_k1_with_the_server_as_the_generator_logs_its_staleness_and_the_sync_gap(ctx):
