@@ -48,7 +48,6 @@ class ServerGenerator:
         self.todo: queue.Queue = queue.Queue()     # trainer -> worker: ("push", v, snapshot, mine), ("sample", t, v)
         self.done: queue.Queue = queue.Queue()     # worker -> trainer: ("batch", Generated) or ("error", exception)
         self.free: queue.Queue = queue.Queue()     # snapshots pushed, their buffers free for the next publication
-        self.publish_s = 0.0
         self.thread = threading.Thread(target=self._work, name="grpo-server-generator", daemon=True)
         self.thread.start()
 
@@ -58,7 +57,6 @@ class ServerGenerator:
         """Snapshot version ``version`` (the trainer's model now) for the worker to push. ``weights`` (the
         trainer's parameters, as the hf generator takes them) is not used: the servers need every weight under
         its Hugging Face name, LoRA merged, each time."""
-        t0 = time.time()
         try:
             snapshot = self.free.get_nowait()
         except queue.Empty:
@@ -72,7 +70,6 @@ class ServerGenerator:
                 mine.copy_(w)
         check = trainer_logprobs(self.model, self.backend.check_ids, self.backend.device)
         self.todo.put(("push", version, snapshot, check))
-        self.publish_s = time.time() - t0
 
     def submit(self, step: int, version: int) -> None:
         self.todo.put(("sample", step, version))
