@@ -47,10 +47,10 @@ def check(cfg: Config) -> None:
     elif _backend(cfg, device) not in ("hf", "server"):
         why = f"drives the hf generator process or the rollout servers (rollout.backend={cfg.rollout.backend}); use " \
               "rollout.backend=hf or server"
-    elif _backend(cfg, device) == "server":
-        why = server_refusal(cfg.rollout.server, device)
     elif cfg.algorithm.num_iterations > 1:
         why = "trains each batch once (algorithm.num_iterations=1); the lag is counted in optimizer steps"
+    elif _backend(cfg, device) == "server":
+        why = server_refusal(cfg.rollout.server, device)
     if why:
         raise SetupError(f"rollout.max_staleness={K} {why}")
 
@@ -71,7 +71,8 @@ def server_refusal(s, device: str) -> str | None:
 
 
 def batches(run: Run, cfg: Config, state: LoopState, process: bool | None = None):
-    """The run's source of batches: `InlineBatches` (K = 0) or `AsyncBatches` with a `GeneratorProcess`.
+    """The run's source of batches: `InlineBatches` (K = 0) or `AsyncBatches` with a `GeneratorProcess` (hf) or a
+    `grpo.rollout.server.generator.ServerGenerator` (rollout.backend=server).
     ``process=True`` drives the generator process at K = 0 too (benchmarks and tests: every batch then samples
     with the trainer's current weights, one side idle while the other works)."""
     K, saved = cfg.rollout.max_staleness, state.in_flight

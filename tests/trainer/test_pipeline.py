@@ -122,10 +122,12 @@ def test_what_async_does_not_run_with_is_one_line(cfg_factory, change, match):
 @pytest.mark.parametrize("server,match", [
     ({"sync_every": 2}, "rollout.server.sync_every=1"),
     ({"weight_transfer": "nccl"}, "rollout.server.weight_transfer=gloo"),
+    ({}, "num_iterations=1"),
 ])
 def test_the_server_generator_refuses_what_it_does_not_run_with_in_one_line(cfg_factory, server, match):
     cfg = cfg_factory({"rollout": {"max_staleness": 1, "backend": "server",
-                                   "server": {"urls": ["http://127.0.0.1:9"], **server}}})
+                                   "server": {"urls": ["http://127.0.0.1:9"], **server}},
+                       "algorithm": {"num_iterations": 1 if server else 2}})
     with pytest.raises(SetupError, match=match) as e:
         pipeline.check(cfg)
     assert "\n" not in str(e.value) and str(e.value).startswith("rollout.max_staleness=1")
