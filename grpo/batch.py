@@ -27,11 +27,14 @@ class Batch:
     episodes: list | None = None              # nested: each episode's turns and tool counts (samples.jsonl)
     scores: list | None = None                # nested: each completion's {reward function: score or None}
     versions: list | None = None              # per group: the policy version that sampled it (asynchronous GRPO)
+    # this rank's sums that ``stats`` were made of, by kind (`grpo.experience.reduce_stats` makes them again over
+    # every rank, for a batch sampled apart from the trainer's collectives)
+    sums: dict | None = None
 
     # how `select` and `concat` treat each field: nested per group (the default), per completion (a flat tensor
     # over every completion), or kept from the first batch
     _FLAT = ("rewards", "advantages")
-    _KEPT = ("stats",)
+    _KEPT = ("stats", "sums")
 
     def select(self, keep: list[bool]) -> Batch:
         """The groups whose ``keep`` is true, every per-group and per-completion field cut alike."""
@@ -41,7 +44,7 @@ class Batch:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in self._KEPT:
-                out[f.name] = dict(value)
+                out[f.name] = None if value is None else dict(value)
             elif f.name in self._FLAT:
                 out[f.name] = value[idx]
             else:

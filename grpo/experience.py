@@ -57,8 +57,8 @@ def sample(run: Run) -> Batch:
     rt, a = run.runtime, s.algorithm
     batch = _rollout(run)                                                               # 1.
     zero = zero_std_groups(batch.rewards, batch.group_sizes)                            # 2.
-    z = rt.all_reduce({"zero_std": float(sum(zero)), "groups": float(len(zero))})
-    batch.stats["zero_std_frac"] = z["zero_std"] / max(z["groups"], 1)
+    batch.sums["zero_std"] = {"zero_std": float(sum(zero)), "groups": float(len(zero))}
+    batch.stats.update(_zero_std_stats(rt.all_reduce(batch.sums["zero_std"])))
     if a.filter_zero_std_groups:  # before any log-prob forward: dropped groups cost nothing more
         batch = _filter_and_refill(run, batch, zero)
     return batch
@@ -124,14 +124,16 @@ def _rollout(run: Run) -> Batch:
     t1 = time.time()
     # 4. every reward function on every completion
     scores: list[dict] = []
-    rewards, stats = score_groups(run, rows, completion_ids, truncated, extra, scores_out=scores)
+    sums: dict[str, dict] = {}
+    rewards, stats = score_groups(run, rows, completion_ids, truncated, extra, scores_out=scores, sums_out=sums)
     if run.turn_loop is not None:
-        stats.update(episode_metrics(rt.all_reduce(eps.sums())))
+        sums["episode"] = eps.sums()
+        stats.update(episode_metrics(rt.all_reduce(sums["episode"])))
     stats["time/rollout_s"], stats["time/reward_s"] = t1 - t0, time.time() - t1
     stats.update(run.rollout.stats())  # rollout.backend=server: the sync check's gap, the push's time
     return Batch(rows, prompt_ids, completion_ids, truncated, rewards, torch.zeros_like(rewards), stats=stats,
                  sampling_logps=sampling_logps, completion_masks=masks, episodes=episodes,
-                 scores=_nest(scores, completion_ids) if scores else None)
+                 scores=_nest(scores, completion_ids) if scores else None, sums=sums)
 
 
 def _nest(flat: list, like: list[list]) -> list[list]:
@@ -155,17 +157,42 @@ def _filter_and_refill(run: Run, batch: Batch, zero: list[bool]) -> Batch:
         kept = _concat(kept, extra.select([not x for x in z]), target)
         for k in ("time/rollout_s", "time/reward_s"):
             batch.stats[k] += extra.stats[k]
-    n = rt.all_reduce({"dropped": float(dropped), "groups": float(len(kept.completion_ids))})
-    kept.stats = {**batch.stats, "dropped_groups": int(n["dropped"]), "resample_rounds": rounds,
-                  "num_groups": int(n["groups"])}
+    kept.sums["refill"] = {"dropped": float(dropped), "groups": float(len(kept.completion_ids))}
+    kept.stats = {**batch.stats, **_refill_stats(rt.all_reduce(kept.sums["refill"])), "resample_rounds": rounds}
     return kept
 
 
-def score_groups(run: Run, rows, completion_ids, truncated, extra: dict | None = None, scores_out: list | None = None):
+def reduce_stats(run: Run, batch: Batch) -> None:
+    """The batch's sampling statistics (the first round's rewards, episodes, the zero-std share, refill rounds) made
+    again from the local sums it kept, summed over every rank now: for a batch sampled apart from the trainer's
+    collectives (asynchronous GRPO's generator of one rank among several). A collective: every rank calls it at the
+    same step. One process: the statistics the batch already has, the same numbers."""
+    rt, sums, stats = run.runtime, batch.sums, batch.stats
+    if not sums:
+        return
+    stats.update(_score_stats(rt.all_reduce(sums["score"]), [rf.name for rf in run.rewards]))
+    if "episode" in sums:
+        stats.update(episode_metrics(rt.all_reduce(sums["episode"])))
+    stats.update(_zero_std_stats(rt.all_reduce(sums["zero_std"])))
+    if "refill" in sums:
+        stats.update(_refill_stats(rt.all_reduce(sums["refill"])))
+
+
+def _zero_std_stats(z: dict) -> dict:
+    return {"zero_std_frac": z["zero_std"] / max(z["groups"], 1)}
+
+
+def _refill_stats(n: dict) -> dict:
+    return {"dropped_groups": int(n["dropped"]), "num_groups": int(n["groups"])}
+
+
+def score_groups(run: Run, rows, completion_ids, truncated, extra: dict | None = None, scores_out: list | None = None,
+                 sums_out: dict | None = None):
     """Decode, score with every reward function, and summarise (all-reduced across ranks). ``reward/<name>_errors``
     counts the samples a function failed on (the loop's reward.max_failed_steps check reads it). ``extra``: more
     per-sample columns for the reward functions (multi-turn episodes: turns, tool counts, the episode's turns).
-    ``scores_out`` receives each completion's ``{function name: score or None}`` (the completions table)."""
+    ``scores_out`` receives each completion's ``{function name: score or None}`` (the completions table),
+    ``sums_out["score"]`` this rank's sums the summary is made of (`reduce_stats`)."""
     rt, tok = run.runtime, run.tokenizer
     G = len(completion_ids[0]) if completion_ids else 0
     texts = [tok.decode(c, skip_special_tokens=True) for g in completion_ids for c in g]
@@ -187,16 +214,22 @@ def score_groups(run: Run, rows, completion_ids, truncated, extra: dict | None =
         vals = [v for v in s.per_fn[rf.name] if v is not None]
         sums.update({f"fn/{rf.name}/sum": sum(vals), f"fn/{rf.name}/sum2": sum(v * v for v in vals),
                      f"fn/{rf.name}/count": float(len(vals)), f"fn/{rf.name}/errors": float(s.errors[rf.name])})
-    sums = rt.all_reduce(sums)
+    if sums_out is not None:
+        sums_out["score"] = dict(sums)
+    return rewards, _score_stats(rt.all_reduce(sums), [rf.name for rf in run.rewards])
+
+
+def _score_stats(sums: dict, names: list[str]) -> dict:
+    """`score_groups`' metrics from its sums over every rank."""
     n_all = sums["n"]
     stats = {"reward_mean": sums["reward"] / n_all, "reward_std": _std(sums["reward"], sums["reward2"], n_all),
              "completion_len_mean": sums["len"] / n_all, "truncated_frac": sums["truncated"] / n_all}
-    for rf in run.rewards:
-        v, v2, cnt = (sums[f"fn/{rf.name}/{k}"] for k in ("sum", "sum2", "count"))
-        stats[f"reward/{rf.name}"] = v / cnt if cnt else None
-        stats[f"reward/{rf.name}_std"] = _std(v, v2, cnt) if cnt else None
-        stats[f"reward/{rf.name}_errors"] = int(sums[f"fn/{rf.name}/errors"])
-    return rewards, stats
+    for name in names:
+        v, v2, cnt = (sums[f"fn/{name}/{k}"] for k in ("sum", "sum2", "count"))
+        stats[f"reward/{name}"] = v / cnt if cnt else None
+        stats[f"reward/{name}_std"] = _std(v, v2, cnt) if cnt else None
+        stats[f"reward/{name}_errors"] = int(sums[f"fn/{name}/errors"])
+    return stats
 
 
 def _batch_std(rt: Runtime, rewards: torch.Tensor) -> float:

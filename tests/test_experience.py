@@ -267,7 +267,7 @@ def test_sample_reports_the_zero_std_share_and_sums_the_refill_rounds_times(monk
     def group(rewards):
         return Batch([{"prompt": "p"}], [[9]], [[[1]] * len(rewards)], [[False] * len(rewards)],
                      torch.tensor(rewards), torch.zeros(len(rewards)), stats={"time/rollout_s": 2.0,
-                                                                               "time/reward_s": 0.5})
+                                                                               "time/reward_s": 0.5}, sums={})
 
     run = _RefillRun([group([1.0, 1.0]), group([0.0, 0.0]), group([0.0, 1.0])], filter_zero_std_groups=True,
                      resample_zero_std=3)
@@ -276,3 +276,42 @@ def test_sample_reports_the_zero_std_share_and_sums_the_refill_rounds_times(monk
     assert batch.stats["zero_std_frac"] == 1.0 and batch.stats["resample_rounds"] == 2
     assert batch.stats["time/rollout_s"] == 6.0 and batch.stats["time/reward_s"] == 1.5
     assert batch.rewards.tolist() == [0.0, 1.0]
+
+
+def test_reduce_stats_makes_a_generators_statistics_again_over_every_rank(cfg_factory):
+    """A batch sampled apart from the trainer's collectives (asynchronous GRPO, one generator per rank) keeps the
+    local sums of its statistics; `reduce_stats` sums them over every rank: with one process the same numbers, with
+    two ranks that sampled alike the counts double and the means stay."""
+    import dataclasses
+
+    from grpo.experience import reduce_stats, sample
+    from grpo.runtime.local import LocalRuntime
+
+    class TwoAlike(LocalRuntime):
+        seen: list = []
+
+        def all_reduce(self, values):
+            self.seen.append(sorted(values))
+            return {k: 2 * v for k, v in values.items()}
+
+    run = build_run(cfg_factory({"algorithm": {"filter_zero_std_groups": True},
+                                 "reward": {"functions": {"format": {"fn": "number_only", "weight": 1.0},
+                                                          "accuracy": {"fn": "arithmetic", "weight": 0.0}}}}))
+    try:
+        run.rollout.backend = FixedBackend(run.tokenizer, ["1", "1", "22", "22"])  # every group: zero std
+        batch = sample(run)
+        local = dict(batch.stats)
+        assert local["dropped_groups"] == 2 and local["num_groups"] == 0 and local["zero_std_frac"] == 1.0
+        reduce_stats(run, batch)
+        assert batch.stats == local
+        twice = TwoAlike("cpu")
+        reduce_stats(dataclasses.replace(run, runtime=twice), batch)
+        assert [k for k in twice.seen if "reward" in k] and ["groups", "zero_std"] in twice.seen
+        assert ["dropped", "groups"] in twice.seen and len(twice.seen) == 3  # the first round's rewards, once
+        doubled = {"dropped_groups", "num_groups", "reward/format_errors", "reward/accuracy_errors"}
+        assert {k: batch.stats[k] for k in doubled} == {k: 2 * local[k] for k in doubled}
+        for k in ("reward_mean", "zero_std_frac", "completion_len_mean", "truncated_frac", "reward/format"):
+            assert batch.stats[k] == local[k], k
+        assert batch.stats["reward_std"] == local["reward_std"] == 0.0
+    finally:
+        close_run(run)

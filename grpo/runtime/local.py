@@ -20,8 +20,10 @@ def pick_device(name: str = "auto") -> torch.device:
 
 
 class LocalRuntime(Runtime):
-    def __init__(self, device: str = "auto"):
-        self.device = pick_device(device)
+    def __init__(self, device: str = "auto", rank: int = 0, world_size: int = 1):
+        """``rank`` of ``world_size``: a process that does one rank's share of a run of many on its own (asynchronous
+        GRPO's generator of that rank samples the rank's prompts with its seeds); its collectives are over itself."""
+        self.device, self.rank, self.world_size = pick_device(device), rank, world_size
         if self.device.type == "cpu":
             # transformers' save_pretrained imports deepspeed when it is installed (accelerate's unwrap), and
             # deepspeed then prints "Setting accelerator to CPU" into the run's summary; name it up front.

@@ -6,7 +6,7 @@ directory holding the ``COMPLETE`` marker is ever resumed from, so a crash at an
 during a save included) leaves the previous checkpoint usable. Older checkpoints are removed only
 after the new one is complete, keeping the last ``keep_last``. The model's files are the runtime's
 (`Runtime.save_model_state`); ``trainer_state.pt`` holds the loop's state, the schedule, the sampler and
-the RNG; ``rank_<r>.pt`` each rank's own RNG and rollouts when there are many processes.
+the RNG; ``rank_<r>.pt`` each rank's own RNG, rollouts and batches in flight when there are many processes.
 """
 from __future__ import annotations
 
@@ -197,7 +197,8 @@ def save_checkpoint(run: Run, state: LoopState, cfg: Config) -> Path:
     def write(tmp: Path) -> None:
         if rt.world_size > 1:  # each rank's own sampling stream and rollouts (rank 0's are also below)
             rt.barrier()       # rank 0 has created tmp
-            torch.save({"rng": rng_state(), "buffer": state.buffer}, tmp / f"rank_{rt.rank}.pt")
+            torch.save({"rng": rng_state(), "buffer": state.buffer, "in_flight": state.in_flight},
+                       tmp / f"rank_{rt.rank}.pt")
         optimizer_state = rt.save_model_state(tmp)
         if run.owns_output_dir:  # every node's copy holds the state (the same on every rank)
             save_state(tmp, {
@@ -248,6 +249,7 @@ def restore(run: Run, cfg: Config) -> LoopState:
         mine = torch.load(own, map_location="cpu", weights_only=False)
         set_rng_state(mine["rng"])
         state.buffer = mine["buffer"]
+        state.in_flight = mine.get("in_flight", state.in_flight)  # asynchronous GRPO: this rank's share
     changed = apply_schedule(run, cfg, saved)
     if rt.is_main:
         print(f"[grpo] resumed from {ckpt} (step {state.step})", file=sys.stderr, flush=True)

@@ -7,6 +7,10 @@ prompts come in the synchronous run's order) and with a seed per rollout round (
 of the sampler's position, so that a resume samples the same). Then it computes the behaviour log-probs of what it
 sampled with the trainer's own engine (`grpo.engine.batch_logprobs.nested_logprobs`, the same micro-batches): when
 its weights equal the trainer's, they equal the trainer's log-probs bit for bit and the correction's ratio is 1.
+
+With many training processes (ZeRO-2/3) every rank has a generator of its own: it samples that rank's share of each
+step's prompts with that rank's seeds, as the rank's trainer would (a `LocalRuntime` of that rank, its collectives
+over itself), and keeps the sums its statistics come from, which the trainers reduce (`grpo.experience.reduce_stats`).
 """
 from __future__ import annotations
 
@@ -39,6 +43,9 @@ class GeneratorSpec:
     train_rows: list[dict]     # the training split as the trainer built it
     sampler: dict              # the prompt sampler's state to start from (a resume: after the stored batches)
     threads: int = 1           # torch threads of the generator
+    rank: int = 0              # the trainer's rank: the generator samples its share of each step's prompts
+    world_size: int = 1
+    device: str = "cpu"        # the trainer's device (one GPU per rank)
 
 
 class GeneratorSide:
@@ -70,7 +77,7 @@ def build(spec: GeneratorSpec) -> GeneratorSide:
     torch.set_num_threads(spec.threads)
     cfg = spec.cfg
     tokenizer = load_tokenizer(cfg.model.name_or_path)
-    runtime = LocalRuntime(cfg.trainer.device)
+    runtime = LocalRuntime(spec.device, spec.rank, spec.world_size)
     policy = runtime.setup(load_model(cfg.model, len(tokenizer), seed=cfg.trainer.seed), None, None)
     policy.train()  # as the trainer's: the behaviour log-probs are taken in the same mode
     rewards = in_worker(build_rewards(cfg.reward.functions), cfg.reward.timeout_s)

@@ -7,6 +7,9 @@ loop (step t samples with the weights step t-1 left), and with K = 2 step 5 trai
 version 2 while the generator samples steps 6 and 7 with versions 3 and 4. Which version samples which step never
 depends on timing, so the same config and seed give the same run. Before step t trains (`AsyncBatches.batch`),
 version t-1 is published to the generator, and with it the request for step t+K, the first step that uses it.
+With ``algorithm.num_iterations=mu`` > 1 a batch trains mu loop steps and the lag counts batches: the batch first
+trained at step t is sampled with version ``max(0, t-1-K*mu)``. With many processes every rank drives a generator of
+its own, which samples the rank's share (the ranks publish and ask in step, the same versions for the same steps).
 
 What is in flight at a checkpoint after step t: the batches of steps t+1..t+K. Their versions (t-K..t-1) are all
 older than the checkpoint's weights, so regenerating them after a resume would need K old copies of the weights
@@ -30,9 +33,12 @@ from grpo.rollout.generator import Generated, Generator, GeneratorError, Generat
 from grpo.trainer.run import LoopState, Run
 
 
-def sampled_with(step: int, lag: int) -> int:
-    """The weights version that samples the batch of ``step`` (1-based) with ``rollout.max_staleness=lag``."""
-    return max(0, step - 1 - lag)
+def sampled_with(step: int, lag: int, passes: int = 1) -> int:
+    """The weights version that samples the batch of ``step`` (1-based) with ``rollout.max_staleness=lag``.
+    ``passes``: algorithm.num_iterations, the loop steps each batch trains (a new batch at steps 1, 1 + passes, ...):
+    the lag counts batches, so the batch first trained at ``step`` is sampled with the weights ``lag`` batches
+    earlier, when that batch's first pass started."""
+    return max(0, step - 1 - lag * passes)
 
 
 def check(cfg: Config) -> None:
@@ -41,19 +47,44 @@ def check(cfg: Config) -> None:
     if K == 0:
         return
     device = cfg.trainer.device if cfg.trainer.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if cfg.distributed.backend != "none":
-        why = "runs one trainer process for now (the generator holds a full copy of the policy); use " \
-              "distributed.backend=none"
-    elif (cfg.rollout.backend if cfg.rollout.backend != "auto" else resolve_backend("auto", device)) != "hf":
-        why = f"drives the hf generator process for now (rollout.backend={cfg.rollout.backend}); use rollout.backend=hf"
-    elif cfg.algorithm.num_iterations > 1:
-        why = "trains each batch once (algorithm.num_iterations=1); the lag is counted in optimizer steps"
+    a, backend, dist = cfg.algorithm, _backend(cfg, device), cfg.distributed.backend
+    if backend not in ("hf", "server"):
+        why = f"drives the hf generator process or the rollout servers (rollout.backend={cfg.rollout.backend}); use " \
+              "rollout.backend=hf or server"
+    elif dist != "none" and a.filter_zero_std_groups and a.resample_zero_std > 0:
+        why = (f"with distributed.backend={dist} samples in one generator per rank, which cannot "
+               f"agree on refill rounds (algorithm.resample_zero_std={a.resample_zero_std}); use "
+               "algorithm.resample_zero_std=0 (the zero-std filter alone works) or distributed.backend=none")
+    elif backend == "server" and dist != "none":
+        why = f"with rollout.backend=server runs one trainer process for now (distributed.backend={dist}); use " \
+              "distributed.backend=none, or rollout.backend=hf (a generator per rank)"
+    elif backend == "server" and a.num_iterations > 1:
+        why = f"with rollout.backend=server trains each batch once for now (algorithm.num_iterations=" \
+              f"{a.num_iterations}); use algorithm.num_iterations=1, or rollout.backend=hf"
+    elif backend == "server":
+        why = server_refusal(cfg.rollout.server, device)
     if why:
         raise SetupError(f"rollout.max_staleness={K} {why}")
 
 
+def _backend(cfg: Config, device: str) -> str:
+    return cfg.rollout.backend if cfg.rollout.backend != "auto" else resolve_backend("auto", device)
+
+
+def server_refusal(s, device: str) -> str | None:
+    """What the server generator does not run with yet (``s``: rollout.server)."""
+    if s.sync_every != 1:
+        return f"pushes every version the schedule samples with (rollout.server.sync_every={s.sync_every}); the lag " \
+               "is rollout.max_staleness: use rollout.server.sync_every=1"
+    if s.weight_transfer == "nccl" or (s.weight_transfer == "auto" and device == "cuda"):
+        return "pushes a snapshot of each version through the gloo channel (vLLM's nccl engine reads the live " \
+               "model); use rollout.server.weight_transfer=gloo"
+    return None
+
+
 def batches(run: Run, cfg: Config, state: LoopState, process: bool | None = None):
-    """The run's source of batches: `InlineBatches` (K = 0) or `AsyncBatches` with a `GeneratorProcess`.
+    """The run's source of batches: `InlineBatches` (K = 0) or `AsyncBatches` with a `GeneratorProcess` (hf) or a
+    `grpo.rollout.server.generator.ServerGenerator` (rollout.backend=server).
     ``process=True`` drives the generator process at K = 0 too (benchmarks and tests: every batch then samples
     with the trainer's current weights, one side idle while the other works)."""
     K, saved = cfg.rollout.max_staleness, state.in_flight
@@ -62,10 +93,17 @@ def batches(run: Run, cfg: Config, state: LoopState, process: bool | None = None
                          f"resume with that value (it is {K})")
     if not (K > 0 if process is None else process):
         return InlineBatches(run)
+    if _backend(cfg, torch.device(run.runtime.device).type) == "server":  # the servers sample (in this process)
+        from grpo.trainer.server_side import server_generator
+
+        return AsyncBatches(run, server_generator(run, cfg), K, cfg.trainer.max_steps, saved)
     from grpo.trainer.generator_side import GeneratorSpec, build
 
-    spec = GeneratorSpec(cfg, run.settings, run.splits.train, run.sampler.state_dict(), torch.get_num_threads())
-    return AsyncBatches(run, GeneratorProcess(build, spec), K, cfg.trainer.max_steps, saved)
+    rt = run.runtime  # one generator per rank: it samples that rank's share of every step
+    spec = GeneratorSpec(cfg, run.settings, run.splits.train, run.sampler.state_dict(), torch.get_num_threads(),
+                         rt.rank, rt.world_size, str(rt.device))
+    return AsyncBatches(run, GeneratorProcess(build, spec, name=f"grpo-generator-{rt.rank}"), K, cfg.trainer.max_steps,
+                        saved, passes=cfg.algorithm.num_iterations)
 
 
 class InlineBatches:
@@ -85,10 +123,12 @@ class InlineBatches:
 
 
 class AsyncBatches:
-    """K > 0: batches sampled ahead by ``generator`` on the fixed lag; ``saved``: a checkpoint's `in_flight`."""
+    """K > 0: batches sampled ahead by ``generator`` on the fixed lag; ``saved``: a checkpoint's `in_flight`;
+    ``passes``: algorithm.num_iterations (`batch` is called at steps 1, 1 + passes, ...)."""
 
-    def __init__(self, run: Run, generator: Generator, lag: int, max_steps: int, saved: dict | None = None):
-        self.run, self.gen, self.lag, self.max_steps = run, generator, lag, max_steps
+    def __init__(self, run: Run, generator: Generator, lag: int, max_steps: int, saved: dict | None = None,
+                 passes: int = 1):
+        self.run, self.gen, self.lag, self.max_steps, self.passes = run, generator, lag, max_steps, passes
         self.ready: dict[int, Generated] = dict(saved["batches"]) if saved else {}
         self.submitted = set(self.ready)    # steps asked of the generator (or stored by the checkpoint)
         self.published: int | None = None   # the last version this generator has
@@ -102,6 +142,7 @@ class AsyncBatches:
         t1 = time.time()
         got = self._take(step)
         t2 = time.time()
+        experience.reduce_stats(self.run, got.batch)  # the generators' statistics, over every rank
         batch = experience.finish(self.run, got.batch)
         stale = [step - 1 - v for v in batch.versions or [got.version]]
         batch.stats.update({
@@ -120,13 +161,16 @@ class AsyncBatches:
         """Hand the generator ``version`` (the policy now) and the requests that sample with it."""
         if self.published is not None and version <= self.published:
             return
-        # the steps up to the first that samples with this version (a fresh start: steps 1..K+1 use version 0)
-        later = range(version + 1, min(version + self.lag + 1, self.max_steps) + 1)
+        # the batch steps up to the first that samples with this version (a fresh start: steps 1, 1 + mu, ...,
+        # 1 + K mu use version 0)
+        later = range(version + 1, min(version + self.lag * self.passes + 1, self.max_steps) + 1, self.passes)
         steps = [s for s in later if s not in self.submitted]
         if not steps:
             return
         full = self.published is None  # a new generator gets every weight; after that only the trained ones
-        self.gen.publish(version, {n: p for n, p in self.run.policy.named_parameters() if full or p.requires_grad})
+        params = {n: p for n, p in self.run.policy.named_parameters() if full or p.requires_grad}
+        with self.run.runtime.full_weights(list(params.values())):  # ZeRO-3: gathered on every rank, then copied
+            self.gen.publish(version, params)
         self.published = version
         for s in steps:
             self.gen.submit(s, version)

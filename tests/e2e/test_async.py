@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo.trainer import checkpoint, pipeline
 from grpo.trainer.loop import train
@@ -79,7 +80,6 @@ def test_k2_logs_staleness_every_step_and_the_same_config_gives_the_same_run(k2,
 def test_a_resume_from_a_checkpoint_trains_what_was_in_flight(k2, tmp_path):
     """The checkpoint after step 2 stores the batches of steps 3 and 4 (sampled with version 0 and 1); resuming
     from it gives steps 3-5 exactly as the uninterrupted run had them."""
-    import torch
 
     make, out = k2
     ckpt = tmp_path / "step_2"
@@ -124,6 +124,56 @@ def test_kill_9_after_a_checkpoint_and_resume_give_the_uninterrupted_metrics(k2,
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed from {out / 'checkpoints' / 'step_2'} (step 2)" in done.stderr
     same_numbers(steps(ref), steps(out))
+
+
+def test_several_passes_per_batch_clip_against_the_proximal_policy_and_weight_against_the_behaviour(cfg_factory,
+                                                                                                    tmp_path):
+    """num_iterations = 2 through the generator process at K = 0: a batch at steps 1 and 3, each trained twice. The
+    old log-probs (pi_prox: the trainer's weights when the batch's first pass starts) equal the behaviour log-probs
+    bit for bit, so the behaviour weight is 1 on both passes, while the second pass's PPO ratio moves off 1."""
+    from grpo.trainer.build import build_run, close_run
+    from grpo.trainer.run import LoopState
+    from grpo.update import policy_update
+
+    cfg = cfg_factory({"algorithm": {"num_iterations": 2, "beta": 0.0}, "data": {"num_eval": 0},
+                       "trainer": {"output_dir": str(tmp_path / "r"), "max_steps": 4, "lr": 1e-2}})
+    run = build_run(cfg)
+    src = pipeline.batches(run, cfg, LoopState(), process=True)
+    try:
+        for step in (1, 3):
+            batch = src.batch(step)
+            assert batch.versions == [step - 1] * len(batch.completion_ids) and batch.old_logps is not None
+            assert all(torch.equal(a, b) for ga, gb in zip(batch.old_logps, batch.sampling_logps)
+                       for a, b in zip(ga, gb))
+            first, second = (policy_update(run.runtime, batch, run.settings.update) for _ in range(2))
+            assert first["rollout_is/logp_diff_abs_max"] == second["rollout_is/logp_diff_abs_max"] == 0.0
+            assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+            assert abs(second["ratio_mean"] - 1.0) > 1e-5, second  # off-policy against pi_prox, not pi_behav
+    finally:
+        src.close()
+        close_run(run)
+
+
+def test_k1_with_two_passes_per_batch_logs_its_lag_and_resumes_mid_batch(cfg_factory, tmp_path):
+    """num_iterations = 2, K = 1: the batch of step 3 is sampled with version 0 (while steps 1-2 train), that of
+    step 5 with version 2; staleness in loop steps, K x 2 once the pipeline is full. A checkpoint after step 3 (mid
+    batch: the buffer and the batch of step 5 in flight) resumes into the uninterrupted run's steps 4 and 5."""
+    def make(out, **trainer):
+        return cfg_factory({"algorithm": {"num_iterations": 2}, "rollout": {"max_staleness": 1},
+                            "logging": {"sample_every": 0}, "data": {"num_eval": 0},
+                            "trainer": {"max_steps": 5, "save_every": 3, "output_dir": str(out), **trainer}})
+
+    train(make(tmp_path / "full"))
+    got = steps(tmp_path / "full")
+    assert [got[t]["async/version"] for t in range(1, 6)] == [0, 0, 0, 0, 2]
+    assert [got[t]["async/staleness_max"] for t in range(1, 6)] == [0, 0, 2, 2, 2]
+    assert all(got[t]["ratio_mean"] != 1.0 for t in (2, 4))  # the second pass of each batch
+    saved = torch.load(tmp_path / "full" / "checkpoints" / "step_3" / "trainer_state.pt", weights_only=False)
+    assert saved["buffer"] is not None and {s: g.version for s, g in saved["in_flight"]["batches"].items()} == {5: 2}
+    train(make(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoints" / "step_3")))
+    back = steps(tmp_path / "resumed")
+    assert sorted(back) == [4, 5]
+    same_numbers({t: got[t] for t in back}, back)
 
 
 ENV = '''
@@ -188,8 +238,6 @@ def test_the_commands_of_docs_async_md(tmp_path):
     promises, and with trainer.save_every the checkpoint holds the next K batches, finished."""
     import re
     import shlex
-
-    import torch
 
     from tests.e2e.test_docs_commands import SCALE
     from tests.helpers import ROOT

@@ -1,5 +1,6 @@
 """grpo/trainer/pipeline.py: the fixed-lag schedule, the in-flight bookkeeping against a recording generator (no
 process), what a checkpoint stores and what a resume asks for, and the one-line refusals."""
+import contextlib
 import dataclasses
 from types import SimpleNamespace
 
@@ -9,6 +10,7 @@ import torch
 from grpo.batch import Batch
 from grpo.errors import SetupError
 from grpo.rollout.generator import Generated
+from grpo.runtime.base import Runtime
 from grpo.trainer import pipeline
 from grpo.trainer.pipeline import AsyncBatches, sampled_with
 
@@ -17,15 +19,19 @@ def test_the_schedule_is_a_fixed_lag_and_k0_is_the_synchronous_loop():
     assert [sampled_with(t, 0) for t in range(1, 6)] == [0, 1, 2, 3, 4]  # step t: the weights step t-1 left
     assert [sampled_with(t, 1) for t in range(1, 6)] == [0, 0, 1, 2, 3]
     assert [sampled_with(t, 2) for t in range(1, 7)] == [0, 0, 0, 1, 2, 3]
+    # num_iterations = 2: a batch at steps 1, 3, 5, ...; the lag counts batches (K = 1: the previous batch's start)
+    assert [sampled_with(t, 1, passes=2) for t in (1, 3, 5, 7)] == [0, 0, 2, 4]
+    assert [sampled_with(t, 0, passes=2) for t in (1, 3, 5)] == [0, 2, 4]
 
 
 class Recorder:
     """A generator that records what it is told and answers each request at once (in order)."""
 
-    def __init__(self):
-        self.calls, self.queue, self.held = [], [], None
+    def __init__(self, runtime=None):
+        self.calls, self.queue, self.held, self.runtime = [], [], None, runtime
 
     def publish(self, version, weights):
+        assert self.runtime is None or self.runtime.gathered, "weights published outside Runtime.full_weights"
         self.calls.append(("publish", version, sorted(weights)))
         self.held = version
 
@@ -43,12 +49,23 @@ class Recorder:
         self.calls.append(("close",))
 
 
+class Gathering(Runtime):
+    """A runtime whose weights are whole only inside `full_weights` (as ZeRO-3's)."""
+    is_main, gathered = False, False
+
+    @contextlib.contextmanager
+    def full_weights(self, params):
+        self.gathered = True
+        yield True
+        self.gathered = False
+
+
 def _run():
     policy = torch.nn.Linear(2, 2)
     policy.bias.requires_grad_(False)  # a frozen weight (LoRA's base): sent once, to a new generator only
     sampler = SimpleNamespace(state=None)
     sampler.load_state_dict = lambda s: setattr(sampler, "state", s)
-    return SimpleNamespace(policy=policy, sampler=sampler, runtime=SimpleNamespace(is_main=False))
+    return SimpleNamespace(policy=policy, sampler=sampler, runtime=Gathering())
 
 
 @pytest.fixture
@@ -57,7 +74,8 @@ def no_finish(monkeypatch):
 
 
 def test_every_step_is_asked_once_with_its_version_after_those_weights(no_finish):
-    gen, run = Recorder(), _run()
+    run = _run()
+    gen = Recorder(run.runtime)  # the weights are read whole (gathered, under ZeRO-3) while they are published
     src = AsyncBatches(run, gen, lag=2, max_steps=6)
     stats = {t: src.batch(t).stats for t in range(1, 7)}
     submits = [c for c in gen.calls if c[0] == "submit"]
@@ -88,6 +106,25 @@ def test_a_checkpoint_stores_the_next_k_batches_and_a_resume_asks_only_for_the_r
     assert [c[1:] for c in again.calls if c[0] == "submit"] == [(6, 3), (7, 4), (8, 5)]
 
 
+def test_with_several_passes_per_batch_only_batch_steps_are_asked_for_and_the_lag_counts_batches(no_finish):
+    """num_iterations = 2, K = 1: a batch at steps 1, 3, 5, 7; the batch of step 5 is sampled with the weights when
+    the batch of step 3 started (version 2) while steps 3 and 4 train; a checkpoint mid-batch (after step 3) stores
+    the batch of step 5 and a resume asks for step 7 with version 4."""
+    run = _run()
+    gen = Recorder(run.runtime)
+    src = AsyncBatches(run, gen, lag=1, max_steps=8, passes=2)
+    stats = {t: src.batch(t).stats for t in (1, 3)}
+    assert [c[1:] for c in gen.calls if c[0] == "submit"] == [(1, 0), (3, 0), (5, 2)]
+    assert [c[1] for c in gen.calls if c[0] == "publish"] == [0, 2]
+    assert [stats[t]["async/staleness_max"] for t in (1, 3)] == [0, 2]  # in loop steps: K x num_iterations
+    saved = src.in_flight()
+    assert {s: g.version for s, g in saved["batches"].items()} == {5: 2}
+    again = Recorder(run.runtime)
+    resumed = AsyncBatches(run, again, lag=1, max_steps=8, saved=saved, passes=2)
+    assert resumed.batch(5).versions == [2] and resumed.batch(7).versions == [4]
+    assert [c[1:] for c in again.calls] == [(4, ["bias", "weight"]), (7, 4)]  # step 9 is past max_steps
+
+
 def test_a_checkpoint_at_the_end_holds_nothing_in_flight(no_finish):
     src = AsyncBatches(_run(), Recorder(), lag=1, max_steps=2)
     src.batch(1), src.batch(2)
@@ -102,8 +139,8 @@ def test_a_resume_with_another_lag_is_refused():
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"distributed": {"backend": "deepspeed"}}, "one trainer process"),
-    ({"algorithm": {"num_iterations": 2}}, "num_iterations=1"),
+    ({"distributed": {"backend": "deepspeed"}, "algorithm": {"filter_zero_std_groups": True, "resample_zero_std": 2}},
+     "algorithm.resample_zero_std=0"),
     ({"rollout": {"backend": "vllm"}}, "rollout.backend"),
 ])
 def test_what_async_does_not_run_with_is_one_line(cfg_factory, change, match):
@@ -117,3 +154,34 @@ def test_what_async_does_not_run_with_is_one_line(cfg_factory, change, match):
     else:
         pytest.fail("not refused")
     pipeline.check(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_staleness=0)))
+
+
+def test_zero_and_several_passes_run_asynchronously(cfg_factory):
+    """What async now composes with: ZeRO-2/3 (one generator per rank), the zero-std filter on many ranks,
+    num_iterations > 1."""
+    for change in ({"distributed": {"backend": "deepspeed", "zero_stage": 3}},
+                   {"distributed": {"backend": "deepspeed"}, "algorithm": {"filter_zero_std_groups": True}},
+                   {"algorithm": {"num_iterations": 3}},
+                   {"algorithm": {"filter_zero_std_groups": True, "resample_zero_std": 2}}):  # one process: refills
+        pipeline.check(cfg_factory({"rollout": {"max_staleness": 2}, **change}))
+
+
+@pytest.mark.parametrize("server,match", [
+    ({"sync_every": 2}, "rollout.server.sync_every=1"),
+    ({"weight_transfer": "nccl"}, "rollout.server.weight_transfer=gloo"),
+    ({}, "num_iterations=1"),
+])
+def test_the_server_generator_refuses_what_it_does_not_run_with_in_one_line(cfg_factory, server, match):
+    cfg = cfg_factory({"rollout": {"max_staleness": 1, "backend": "server",
+                                   "server": {"urls": ["http://127.0.0.1:9"], **server}},
+                       "algorithm": {"num_iterations": 1 if server else 2}})
+    with pytest.raises(SetupError, match=match) as e:
+        pipeline.check(cfg)
+    assert "\n" not in str(e.value) and str(e.value).startswith("rollout.max_staleness=1")
+    pipeline.check(cfg_factory({"rollout": {"max_staleness": 1, "backend": "server",
+                                            "server": {"urls": ["http://127.0.0.1:9"]}}}))  # gloo, every step: runs
+    with pytest.raises(SetupError, match="distributed.backend=none, or rollout.backend=hf") as e:
+        pipeline.check(cfg_factory({"rollout": {"max_staleness": 1, "backend": "server",
+                                                "server": {"urls": ["http://127.0.0.1:9"]}},
+                                    "distributed": {"backend": "deepspeed"}}))
+    assert "\n" not in str(e.value)
