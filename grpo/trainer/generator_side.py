@@ -27,7 +27,7 @@ from grpo.rewards.score import build as build_rewards
 from grpo.rewards.score import in_worker
 from grpo.rollout.backends import HFBackend, SyncedBackend
 from grpo.rollout.episodes.runs import environment_reward, turn_loop_maker
-from grpo.rollout.episodes.spec import build_toolset, choose_format
+from grpo.rollout.episodes.spec import build_toolset, choose_format, multi_turn
 from grpo.rollout.episodes.worker import ToolWorker
 from grpo.rollout.generator import Generated
 from grpo.runtime.local import LocalRuntime
@@ -84,7 +84,7 @@ def build(spec: GeneratorSpec) -> GeneratorSide:
     sampler = PromptSampler(len(spec.train_rows), seed=cfg.trainer.seed)
     sampler.load_state_dict(spec.sampler)
     backend = HFBackend(policy, tokenizer, batch_size=cfg.rollout.batch_size, share_prompt=cfg.rollout.share_prompt,
-                        context=runtime.generation_context, seeded=True)
+                        context=runtime.generation_context, seeded=True, keep_turns=multi_turn(cfg.rollout))
     toolset = build_toolset(cfg.rollout.tools, cfg.rollout.environment)
     worker = turn_loop = None
     if toolset is not None:  # multi-turn episodes: the tools run in a worker of this process
