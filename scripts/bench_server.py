@@ -4,6 +4,7 @@ and server (vLLM's server started by grpo-serve, weights pushed every step), alt
 
     python scripts/bench_server.py                         # quickstart on CPU: hf, vllm, server, twice, 3 steps each
     python scripts/bench_server.py --backends hf,server --rounds 1 --steps 2
+    python scripts/bench_server.py --backends server,server-K1 --steps 4   # synchronous vs rollout.max_staleness=1
     python scripts/bench_server.py --device cuda --server-gpu-util 0.35 --json server.json   # bench_gpu.sh server
     python scripts/bench_server.py --dry-run               # the plan only
 
@@ -11,6 +12,8 @@ Runs in the environment that has vLLM (``.venv-vllm``). One server (``grpo-serve
 overrides) serves every server run; its start-up time is reported apart. Each run is ``grpo.train`` with
 ``data.num_eval=0``; a row is the median ``step_time_s`` of its steps after the first (the first holds the vLLM
 engine's start, or the server's first push), with ``time/sync_s`` (push + sync check) for the server backend.
+``server-K<n>`` is the server backend with ``rollout.max_staleness=<n>`` (docs/async.md): its push overlaps the
+update (``time/weights_load_s``), and ``time/trainer_wait_s`` is the trainer idle, waiting for its batch.
 Prints one JSON line per run and (--json) writes them all.
 """
 from __future__ import annotations
@@ -72,8 +75,10 @@ def commands(a, port: int, out: Path) -> tuple[list[str], list[tuple[str, list[s
     runs = []
     for r in range(a.rounds):
         for b in a.backends.split(","):
-            extra = [f"rollout.server.urls=[http://127.0.0.1:{port}]"] if b == "server" else []
-            runs.append((b, [sys.executable, "-m", "grpo.train", *common, f"rollout.backend={b}", *extra,
+            kind, _, lag = b.partition("-K")
+            extra = [f"rollout.server.urls=[http://127.0.0.1:{port}]"] if kind == "server" else []
+            extra += [f"rollout.max_staleness={lag}"] if lag else []
+            runs.append((b, [sys.executable, "-m", "grpo.train", *common, f"rollout.backend={kind}", *extra,
                              f"trainer.max_steps={a.steps}", "data.num_eval=0", "logging.plot=false",
                              "logging.sample_every=0", f"trainer.output_dir={out / f'{b}-{r}'}"]))
     return serve, runs
@@ -112,6 +117,11 @@ def measure(backend: str, cmd: list[str], out: Path, timeout: int) -> dict:
            "update_s": statistics.median(r["time/update_s"] for r in rows)}
     if backend == "server":
         row["sync_s"] = statistics.median(r["time/sync_s"] for r in rows)
+    if backend.startswith("server-K"):  # the push runs on the generator's thread, the trainer waits for batches
+        row["push_s"] = statistics.median(r["time/weights_load_s"] for r in rows)
+        row["trainer_wait_s"] = statistics.median(r["time/trainer_wait_s"] for r in rows)
+        row["staleness_max"] = max(r["async/staleness_max"] for r in rows)
+    if backend.startswith("server"):
         row["sync_logprob_gap_max"] = max(r["server/sync_logprob_gap"] for r in rows)
     return row
 
@@ -128,7 +138,7 @@ def main(argv=None) -> None:
         return
     results, proc = [], None
     try:
-        if any(b == "server" for b, _ in runs):
+        if any(b.startswith("server") for b, _ in runs):
             proc, start_s = start_server(serve, port, out / "server.log", a.timeout)
             results.append({"server_start_s": round(start_s, 1)})
             print(json.dumps(results[-1]), flush=True)

@@ -117,7 +117,7 @@ class RolloutConfig:
     max_turns: int = 4               # model turns per episode at most (tools/environment); each up to max_new_tokens
     tool_timeout_s: float = 10.0     # a tool/environment call running longer is killed; the model sees an error
     max_tool_tokens: int = 256       # a tool result or observation longer than this many tokens is cut
-    max_staleness: int = 0           # K > 0: generators (one per rank) sample step t with the weights of step t-1-K
+    max_staleness: int = 0           # K > 0: generators (one per rank, or the servers) sample step t with version t-1-K
 
 
 @dataclass

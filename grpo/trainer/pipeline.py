@@ -47,19 +47,44 @@ def check(cfg: Config) -> None:
     if K == 0:
         return
     device = cfg.trainer.device if cfg.trainer.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    a = cfg.algorithm
-    if (cfg.rollout.backend if cfg.rollout.backend != "auto" else resolve_backend("auto", device)) != "hf":
-        why = f"drives the hf generator process for now (rollout.backend={cfg.rollout.backend}); use rollout.backend=hf"
-    elif cfg.distributed.backend != "none" and a.filter_zero_std_groups and a.resample_zero_std > 0:
-        why = (f"with distributed.backend={cfg.distributed.backend} samples in one generator per rank, which cannot "
+    a, backend, dist = cfg.algorithm, _backend(cfg, device), cfg.distributed.backend
+    if backend not in ("hf", "server"):
+        why = f"drives the hf generator process or the rollout servers (rollout.backend={cfg.rollout.backend}); use " \
+              "rollout.backend=hf or server"
+    elif dist != "none" and a.filter_zero_std_groups and a.resample_zero_std > 0:
+        why = (f"with distributed.backend={dist} samples in one generator per rank, which cannot "
                f"agree on refill rounds (algorithm.resample_zero_std={a.resample_zero_std}); use "
                "algorithm.resample_zero_std=0 (the zero-std filter alone works) or distributed.backend=none")
+    elif backend == "server" and dist != "none":
+        why = f"with rollout.backend=server runs one trainer process for now (distributed.backend={dist}); use " \
+              "distributed.backend=none, or rollout.backend=hf (a generator per rank)"
+    elif backend == "server" and a.num_iterations > 1:
+        why = f"with rollout.backend=server trains each batch once for now (algorithm.num_iterations=" \
+              f"{a.num_iterations}); use algorithm.num_iterations=1, or rollout.backend=hf"
+    elif backend == "server":
+        why = server_refusal(cfg.rollout.server, device)
     if why:
         raise SetupError(f"rollout.max_staleness={K} {why}")
 
 
+def _backend(cfg: Config, device: str) -> str:
+    return cfg.rollout.backend if cfg.rollout.backend != "auto" else resolve_backend("auto", device)
+
+
+def server_refusal(s, device: str) -> str | None:
+    """What the server generator does not run with yet (``s``: rollout.server)."""
+    if s.sync_every != 1:
+        return f"pushes every version the schedule samples with (rollout.server.sync_every={s.sync_every}); the lag " \
+               "is rollout.max_staleness: use rollout.server.sync_every=1"
+    if s.weight_transfer == "nccl" or (s.weight_transfer == "auto" and device == "cuda"):
+        return "pushes a snapshot of each version through the gloo channel (vLLM's nccl engine reads the live " \
+               "model); use rollout.server.weight_transfer=gloo"
+    return None
+
+
 def batches(run: Run, cfg: Config, state: LoopState, process: bool | None = None):
-    """The run's source of batches: `InlineBatches` (K = 0) or `AsyncBatches` with a `GeneratorProcess`.
+    """The run's source of batches: `InlineBatches` (K = 0) or `AsyncBatches` with a `GeneratorProcess` (hf) or a
+    `grpo.rollout.server.generator.ServerGenerator` (rollout.backend=server).
     ``process=True`` drives the generator process at K = 0 too (benchmarks and tests: every batch then samples
     with the trainer's current weights, one side idle while the other works)."""
     K, saved = cfg.rollout.max_staleness, state.in_flight
@@ -68,6 +93,10 @@ def batches(run: Run, cfg: Config, state: LoopState, process: bool | None = None
                          f"resume with that value (it is {K})")
     if not (K > 0 if process is None else process):
         return InlineBatches(run)
+    if _backend(cfg, torch.device(run.runtime.device).type) == "server":  # the servers sample (in this process)
+        from grpo.trainer.server_side import server_generator
+
+        return AsyncBatches(run, server_generator(run, cfg), K, cfg.trainer.max_steps, saved)
     from grpo.trainer.generator_side import GeneratorSpec, build
 
     rt = run.runtime  # one generator per rank: it samples that rank's share of every step

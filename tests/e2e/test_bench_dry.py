@@ -272,3 +272,16 @@ def test_bench_gpu_server_dry_run_plans_the_three_backends_on_cuda():
     backends = [next(w for w in ln.split() if w.startswith("rollout.backend=")) for ln in plan[1:]]
     assert backends == ["rollout.backend=server", "rollout.backend=vllm", "rollout.backend=hf"]
     assert all("trainer.device=cuda" in ln and "model.dtype=bfloat16" in ln for ln in plan)
+
+
+def test_bench_server_plans_the_server_backend_at_a_lag():
+    """bench_server.py's ``server-K1``: the server backend with rollout.max_staleness=1, against the one server."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_server.py"), "--backends", "server,server-K1", "--rounds", "1",
+           "--dry-run"]
+    plan = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(plan) == 3 and plan[0].split()[1:3] == ["-m", "grpo.serve"]
+    sync, lagged = (ln.split() for ln in plan[1:])
+    assert "rollout.backend=server" in sync and not any(w.startswith("rollout.max_staleness") for w in sync)
+    assert "rollout.backend=server" in lagged and "rollout.max_staleness=1" in lagged
+    assert [w for w in sync if w.startswith("rollout.server.urls")] == \
+        [w for w in lagged if w.startswith("rollout.server.urls")]

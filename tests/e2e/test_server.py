@@ -8,7 +8,8 @@ it is killed and restarted once, by the fault test that needs it. The tests run 
 3. a trainer killed mid-run leaves the server serving, and a new trainer takes it over;
 4. two training processes (ZeRO-2, ZeRO-3) against the one server: one push per step;
 5. a server killed mid-run ends the run with one line naming it, no traceback, the last checkpoint intact; after
-   the server's restart `trainer.resume=auto` completes the run.
+   the server's restart `trainer.resume=auto` completes the run;
+6. asynchronous GRPO (``rollout.max_staleness=1``, docs/async.md) with the server as the generator.
 
 Runs where vLLM imports (``make test-vllm``); elsewhere skipped, saying why.
 """
@@ -94,6 +95,13 @@ class Server:
                                      headers={"Content-Type": "application/json"}, method="POST")
         with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read())["results"][0]
+
+    def serving(self) -> "Server":
+        """Started (and up) if it is not: a test run on its own."""
+        if getattr(self, "proc", None) is None or self.proc.poll() is not None:
+            self.start()
+        self.wait()
+        return self
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -220,3 +228,22 @@ def test_a_killed_server_ends_the_run_in_one_line_and_resume_completes_after_its
     assert p.returncode == 0, p.stderr[-4000:]
     assert f"resumed from {run / 'checkpoints' / f'step_{done[-1]}'}" in p.stderr
     assert steps(run)[-1]["step"] == last_step
+
+
+def test_k1_with_the_server_as_the_generator_logs_its_staleness_and_the_sync_gap(ctx):
+    """K = 1: the server samples step t with version max(0, t-2) while the trainer trains; one push per version
+    (0 and 1 for 3 steps), each checked against the trainer's log-probs of the snapshot it pushed."""
+    before = ctx["server"].serving().info()["pushes"]
+    run = ctx["tmp"] / "async"
+    p = train(ctx, "async", "rollout.max_staleness=1", "trainer.max_steps=3", "trainer.lr=1e-3")
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = steps(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        t = r["step"]
+        assert r["async/staleness_max"] == r["server/version_lag"] == min(1, t - 1), r
+        assert r["async/version"] == max(0, t - 2) and r["time/trainer_wait_s"] >= 0
+        assert r["server/sync_logprob_gap"] < 1e-3
+    assert rows[0]["rollout_is/logp_diff_abs_max"] < 1e-3  # step 1: the server's log-probs on the trainer's weights
+    assert "is the bottleneck" in p.stderr
+    assert ctx["server"].info()["pushes"] - before == 2

@@ -164,3 +164,24 @@ def test_zero_and_several_passes_run_asynchronously(cfg_factory):
                    {"algorithm": {"num_iterations": 3}},
                    {"algorithm": {"filter_zero_std_groups": True, "resample_zero_std": 2}}):  # one process: refills
         pipeline.check(cfg_factory({"rollout": {"max_staleness": 2}, **change}))
+
+
+@pytest.mark.parametrize("server,match", [
+    ({"sync_every": 2}, "rollout.server.sync_every=1"),
+    ({"weight_transfer": "nccl"}, "rollout.server.weight_transfer=gloo"),
+    ({}, "num_iterations=1"),
+])
+def test_the_server_generator_refuses_what_it_does_not_run_with_in_one_line(cfg_factory, server, match):
+    cfg = cfg_factory({"rollout": {"max_staleness": 1, "backend": "server",
+                                   "server": {"urls": ["http://127.0.0.1:9"], **server}},
+                       "algorithm": {"num_iterations": 1 if server else 2}})
+    with pytest.raises(SetupError, match=match) as e:
+        pipeline.check(cfg)
+    assert "\n" not in str(e.value) and str(e.value).startswith("rollout.max_staleness=1")
+    pipeline.check(cfg_factory({"rollout": {"max_staleness": 1, "backend": "server",
+                                            "server": {"urls": ["http://127.0.0.1:9"]}}}))  # gloo, every step: runs
+    with pytest.raises(SetupError, match="distributed.backend=none, or rollout.backend=hf") as e:
+        pipeline.check(cfg_factory({"rollout": {"max_staleness": 1, "backend": "server",
+                                                "server": {"urls": ["http://127.0.0.1:9"]}},
+                                    "distributed": {"backend": "deepspeed"}}))
+    assert "\n" not in str(e.value)

@@ -70,29 +70,36 @@ class ServerBackend:
         if self.version is not None and v - self.version < self.sync_every:
             self.stats["time/sync_s"] = 0.0
             return
+        self.push(hf_weights(model, self.full_weights) if self.full_weights else hf_weights(model), v)
+        self.check(model)
+
+    def push(self, weights, version: int) -> None:
+        """Stream ``weights`` ((HF name, tensor) pairs) into every server and label them ``version``. The
+        asynchronous generator (`grpo.rollout.server.generator`) calls it with a snapshot, then `check` with the
+        trainer's log-probs of that snapshot."""
         t0 = time.time()
-        weights = hf_weights(model, self.full_weights) if self.full_weights else hf_weights(model)
         try:
             if self.transfer is not None:
                 self.transfer.send(weights, self.pool.servers)
                 for s in self.pool.servers:
                     s.post("/reset_prefix_cache")  # cached prompt K/V belong to the old weights
-                    s.post("/update_weight_version", {"new_version": str(v)})
+                    s.post("/update_weight_version", {"new_version": str(version)})
             else:  # another rank sends; ZeRO-3 gathers each weight on every rank together
                 for _ in weights:
                     pass
         finally:
-            weights.close()
+            if hasattr(weights, "close"):
+                weights.close()
         self.barrier()  # no rank samples before rank 0's push is done
-        self.version = v
+        self.version = version
         self.stats.update({"time/sync_s": time.time() - t0, "server/version_lag": 0.0})
-        self.check(model)
 
-    def check(self, model) -> float:
+    def check(self, model=None, mine: torch.Tensor | None = None) -> float:
         """The largest |log p_server - log p_trainer| over the check sequence's tokens and every server; above
-        ``tol``: `ServerError` (the run stops with one line)."""
+        ``tol``: `ServerError` (the run stops with one line). ``mine``: the trainer's log-probs of the pushed
+        weights (`trainer_logprobs`) when ``model`` no longer holds them."""
         ids = self.check_ids
-        mine = trainer_logprobs(model, ids, self.device)
+        mine = trainer_logprobs(model, ids, self.device) if mine is None else mine
         gap, worst = 0.0, self.pool.servers[0].url
         for s in self.pool.servers:
             body = {"model": self.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
@@ -107,7 +114,7 @@ class ServerBackend:
         if gap > self.tol:
             raise ServerError(f"weight sync check failed: rollout server {worst} scores the check sequence "
                               f"{gap:.3g} away from the trainer (rollout.server.sync_check_tol={self.tol:g}) after "
-                              f"pushing weight version {self.next_version}: it does not sample from the trainer's "
+                              f"pushing weight version {self.version}: it does not sample from the trainer's "
                               "policy")
         return gap
 

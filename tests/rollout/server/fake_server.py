@@ -5,7 +5,9 @@ It speaks the few endpoints the server backend uses (``/health``, ``/v1/models``
 the trainer streams through the real gloo channel (`grpo.runtime.transfer`) are loaded into it, and the
 prompt log-probs of the sync check are that model's. ``stale=True``: it receives the weights but keeps its old
 ones (the silent failure the sync check exists for). Generation is canned: ``n`` choices of ``tokens`` (the
-seed added to the first one), each token's log-prob -0.5. Every request body is recorded in ``requests``.
+seed added to the first one), each token's log-prob -0.5; with ``vocab`` (a training run) the first token is taken
+modulo it and the log-probs are the held model's. Every request body is recorded in ``requests``, and each
+answered request in ``spans`` as (path, body, start, end, the weight version held at its start).
 """
 from __future__ import annotations
 
@@ -19,11 +21,13 @@ import torch
 
 class FakeServer:
     def __init__(self, model=None, name: str = "tiny:llama", max_model_len: int = 256, stale: bool = False,
-                 tokens=(5, 6, 7), delay_s: float = 0.0, drop_first: int = 0, facts: dict | None = None):
+                 tokens=(5, 6, 7), delay_s: float = 0.0, drop_first: int = 0, facts: dict | None = None,
+                 vocab: int | None = None):
         self.model, self.name, self.max_model_len, self.stale = model, name, max_model_len, stale
         self.tokens, self.delay_s, self.drop_first = list(tokens), delay_s, drop_first
-        self.facts = facts
+        self.facts, self.vocab = facts, vocab  # vocab: the first token is taken modulo it (a training run's seeds)
         self.requests: list[tuple[str, dict]] = []
+        self.spans: list[tuple[str, dict, float, float, str]] = []
         self.version, self.channel, self.received = "default", None, 0
         self.lock = threading.Lock()
         fake = self
@@ -61,9 +65,12 @@ class FakeServer:
                 h.close_connection = True
                 h.connection.close()
                 return
+        t0, held = time.monotonic(), self.version
         if self.delay_s:
             time.sleep(self.delay_s)
         out = self._route(h.path, body)
+        with self.lock:
+            self.spans.append((h.path, body, t0, time.monotonic(), held))
         data = json.dumps(out).encode()
         h.send_response(200)
         h.send_header("Content-Type", "application/json")
@@ -106,6 +113,13 @@ class FakeServer:
             self.model.load_state_dict(weights, strict=False)
         return {"received": len(weights), "missing": []}
 
+    def _scored(self, prompt, toks, temperature: float) -> list[float]:
+        """The model's log-prob of each canned token after ``prompt``, at ``temperature`` (vLLM's processed
+        log-probs): the behaviour log-probs of the weights the server holds."""
+        x = torch.tensor([list(prompt) + toks])
+        logits = self.model(input_ids=x).logits[0, len(prompt) - 1:-1].float() / max(temperature, 1e-6)
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(toks)[:, None])[:, 0].tolist()
+
     @torch.no_grad()
     def _completions(self, body):
         prompt = body["prompt"]
@@ -117,6 +131,8 @@ class FakeServer:
         seed = body.get("seed") or 0
         choices = []
         for i in range(body["n"]):
-            toks = [self.tokens[0] + seed + i] + self.tokens[1:]
-            choices.append({"index": i, "token_ids": toks, "logprobs": {"token_logprobs": [-0.5] * len(toks)}})
+            first = self.tokens[0] + seed + i
+            toks = [first % self.vocab if self.vocab else first] + self.tokens[1:]
+            lps = self._scored(prompt, toks, body["temperature"]) if self.vocab else [-0.5] * len(toks)
+            choices.append({"index": i, "token_ids": toks, "logprobs": {"token_logprobs": lps}})
         return {"choices": choices[::-1]}  # out of order, as a server may answer

@@ -1,0 +1,128 @@
+"""grpo/rollout/server/generator.py against fake servers holding a real tiny model (the weights go through the real
+gloo channel), driven by the trainer's real schedule (`AsyncBatches`) while the trainer's weights change between
+steps: no push while a request of an older version is out, on every server; each step's requests are answered by
+servers holding the schedule's version; every push carries the weights of the version published (the sync check
+against the trainer's log-probs at publication passes, and the servers end with the last version's weights)."""
+import pytest
+import torch
+
+from grpo.batch import Batch
+from grpo.models import char_tokenizer, tiny_model
+from grpo.rollout.base import Sampling
+from grpo.rollout.generator import Generated
+from grpo.rollout.server.client import ServerError
+from grpo.rollout.server.generator import ServerGenerator
+from grpo.runtime.local import LocalRuntime
+from grpo.trainer import pipeline
+from grpo.trainer.pipeline import AsyncBatches, sampled_with
+from tests.rollout.server.test_backend import TINY, _backend
+
+
+class _Runtime:
+    is_main = False
+    full_weights = LocalRuntime.full_weights   # one process: the parameters as they are
+
+
+class _Run:
+    def __init__(self, policy):
+        self.policy, self.runtime, self.state = policy, _Runtime(), None
+        self.sampler = self
+
+    def load_state_dict(self, s):
+        self.state = s
+
+
+def _sample(backend):
+    """A step's batch: two groups whose prompts name the step, from the servers."""
+    def sample(step: int, version: int) -> Generated:
+        out = backend.generate([[1, 3, step], [1, 4, step]], 2, Sampling(4), seed=step)
+        batch = Batch([{}, {}], [[1, 3, step], [1, 4, step]], out.ids, out.truncated, torch.zeros(4),
+                      torch.zeros(4), stats={}, sampling_logps=out.logprobs, versions=out.versions)
+        return Generated(step, version, batch, sampler={"after": step})
+    return sample
+
+
+def _train(trainer, fakes_, lag: int, steps: int):
+    """The trainer's loop without a loss: take each step's batch, then change the weights (the optimizer)."""
+    backend = _backend(trainer, fakes_)
+    gen = ServerGenerator(backend, trainer, _sample(backend))
+    src, got, published = AsyncBatches(_Run(trainer), gen, lag, steps), {}, {}
+    try:
+        for t in range(1, steps + 1):
+            published[t - 1] = {k: v.clone() for k, v in trainer.state_dict().items()}
+            got[t] = src.batch(t)
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(torch.randn_like(p) * 1e-2)
+    finally:
+        src.close()
+    return backend, got, published
+
+
+@pytest.fixture
+def no_finish(monkeypatch):
+    monkeypatch.setattr(pipeline.experience, "finish", lambda run, batch: batch)
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_no_push_while_an_older_request_is_out_on_any_server(fakes, no_finish, lag):
+    tok = char_tokenizer()
+    trainer = tiny_model("llama", len(tok), seed=1, **TINY)
+    servers = [fakes(model=tiny_model("llama", len(tok), seed=2, **TINY), delay_s=0.02) for _ in range(2)]
+    steps = 6
+    backend, got, published = _train(trainer, servers, lag, steps)
+    versions = sorted({sampled_with(t, lag) for t in range(1, steps + 1)})
+    for fake in servers:
+        pushes = [(a, b) for path, body, a, b, _ in fake.spans
+                  if path == "/collective_rpc" and body["method"] == "grpo_receive"]
+        samples = [(body["prompt"][-1], a, b, held) for path, body, a, b, held in fake.spans
+                   if path == "/v1/completions" and "n" in body]
+        assert len(pushes) == len(versions) and fake.received == len(versions)  # every server, every version
+        assert samples, "a server got no request"  # the groups are spread over both servers
+        for step, a, b, held in samples:
+            assert held == str(sampled_with(step, lag)), (step, held)
+            assert not any(pa < b and a < pb for pa, pb in pushes), f"a push overlapped a request of step {step}"
+        last = published[versions[-1]]  # the servers hold the weights of the last version published, exactly
+        assert all(torch.equal(fake.model.state_dict()[k], last[k]) for k in last)
+    assert backend.stats["server/sync_logprob_gap"] < 1e-5
+    for t, batch in got.items():
+        assert batch.versions == [sampled_with(t, lag)] * 2, t
+        assert batch.stats["async/staleness_max"] == t - 1 - sampled_with(t, lag)
+        assert batch.stats["time/weights_load_s"] >= 0 and batch.stats["time/generator_busy_s"] > 0
+
+
+def test_a_server_that_keeps_old_weights_stops_the_run_in_one_line(fakes, no_finish):
+    tok = char_tokenizer()
+    trainer = tiny_model("llama", len(tok), seed=1, **TINY)
+    stale = fakes(model=tiny_model("llama", len(tok), seed=1, **TINY), stale=True)
+    with pytest.raises(ServerError) as e:
+        _train(trainer, [stale], lag=1, steps=4)
+    assert "weight sync check failed" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_failure_on_the_worker_thread_comes_back_in_one_line(fakes):
+    tok = char_tokenizer()
+    trainer = tiny_model("llama", len(tok), seed=1, **TINY)
+    backend = _backend(trainer, [fakes(model=tiny_model("llama", len(tok), seed=1, **TINY))])
+
+    def broken(step, version):
+        raise ValueError("reward exploded\nsecond line")
+
+    gen = ServerGenerator(backend, trainer, broken)
+    gen.publish(0)
+    gen.submit(1, 0)
+    with pytest.raises(pipeline.GeneratorError, match="ValueError: reward exploded$"):
+        gen.receive(timeout=30)
+    gen.close()
+
+
+def test_a_request_before_its_weights_is_refused(fakes):
+    tok = char_tokenizer()
+    trainer = tiny_model("llama", len(tok), seed=1, **TINY)
+    backend = _backend(trainer, [fakes(model=tiny_model("llama", len(tok), seed=1, **TINY))])
+    gen = ServerGenerator(backend, trainer, _sample(backend))
+    gen.publish(0)
+    gen.submit(1, 1)  # version 1 was never published
+    with pytest.raises(pipeline.GeneratorError, match="published out of order"):
+        gen.receive(timeout=30)
+    gen.close()
