@@ -110,3 +110,15 @@ class Briefing:
 
     def step(self, text: str):
         return "ok"
+
+
+class TwoTurns:
+    """An environment: an observation after the model's first turn, the episode ends after its second."""
+
+    def reset(self, row):
+        self.turns = 0
+        return "Think in steps."
+
+    def step(self, text):
+        self.turns += 1
+        return None if self.turns >= 2 else "\n[observation]\n"

@@ -177,16 +177,6 @@ def test_k1_with_two_passes_per_batch_logs_its_lag_and_resumes_mid_batch(cfg_fac
 
 
 ENV = '''
-class Steps:
-    def reset(self, row):
-        self.turns = 0
-        return "Think in steps."
-
-    def step(self, text):
-        self.turns += 1
-        return None if self.turns >= 2 else "\\n[observation]\\n"
-
-
 def half_flat(prompts, completions, **columns):
     """The same reward for every sample of a group whose prompt has an even length (zero std), else the length."""
     return [0.0 if len(str(p)) % 2 == 0 else float(len(str(c))) for p, c in zip(prompts, completions)]
@@ -197,7 +187,7 @@ COMPOSED = {
     "zero-std refill": {"algorithm": {"filter_zero_std_groups": True, "resample_zero_std": 2},
                         "reward": {"functions": {"half": {"fn": "async_env:half_flat"},  # the recipe's two: weight 0
                                                  "accuracy": {"weight": 0.0}, "format": {"weight": 0.0}}}},
-    "multi-turn": {"rollout": {"environment": "async_env:Steps", "max_turns": 2, "max_new_tokens": 8}},
+    "multi-turn": {"rollout": {"environment": "tests.tool_fixtures:TwoTurns", "max_turns": 2, "max_new_tokens": 8}},
 }
 
 

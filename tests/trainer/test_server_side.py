@@ -106,21 +106,9 @@ def test_a_checkpoint_stores_the_batch_in_flight_and_a_resume_continues_exactly(
     assert sum(again.values()) < sum(everything.values()) / 2
 
 
-STEPS_ENV = '''
-class Steps:
-    def reset(self, row):
-        self.turns = 0
-        return "Think in steps."
-
-    def step(self, text):
-        self.turns += 1
-        return None if self.turns >= 2 else "\\n[observation]\\n"
-'''
-
-
 @pytest.mark.parametrize("name,extra", [
     ("lora", {"model": {"lora": {"enabled": True, "r": 4, "alpha": 8}}}),
-    ("multi-turn", {"rollout": {"environment": "srv_steps:Steps", "max_turns": 2, "max_new_tokens": 8}}),
+    ("multi-turn", {"rollout": {"environment": "tests.tool_fixtures:TwoTurns", "max_turns": 2, "max_new_tokens": 8}}),
 ])
 def test_lora_and_multi_turn_episodes_run_on_the_servers_at_a_lag(setup, tmp_path, name, extra):
     """LoRA: the servers get the merged weights of each version (the check passes against the snapshot's
@@ -129,7 +117,6 @@ def test_lora_and_multi_turn_episodes_run_on_the_servers_at_a_lag(setup, tmp_pat
 
     from grpo.config.schema import load
 
-    (tmp_path / "srv_steps.py").write_text(STEPS_ENV)
     make, servers = setup
     out = tmp_path / name
     base = OmegaConf.structured(make(out, 1, max_steps=3, save_every=0))
