@@ -72,6 +72,23 @@ class GeneratorSide:
         return Generated(step, version, batch, run.sampler.state_dict())
 
 
+def own_sampling_parts(cfg: Config, settings: RunSettings, tokenizer, toolset, runtime, train_size: int,
+                       sampler_state: dict):
+    """What a generator samples with of its own, never shared with the trainer: the reward functions (and their
+    worker; with episodes, the environment's reward), a prompt sampler started from ``sampler_state``, and for
+    multi-turn episodes a tool worker and the turn loop. Returns ``(rewards, sampler, tool_worker, turn_loop)``."""
+    rewards = in_worker(build_rewards(cfg.reward.functions), cfg.reward.timeout_s)
+    sampler = PromptSampler(train_size, seed=cfg.trainer.seed)
+    sampler.load_state_dict(sampler_state)
+    worker = turn_loop = None
+    if toolset is not None:  # multi-turn episodes: the tools run in a worker of the generator's own
+        if toolset.env_reward:
+            rewards.append(environment_reward(toolset))
+        worker = ToolWorker(toolset.environment, cfg.rollout.tool_timeout_s)
+        turn_loop = turn_loop_maker(settings.episodes, tokenizer, toolset, worker, cfg.data, runtime)
+    return rewards, sampler, worker, turn_loop
+
+
 def build(spec: GeneratorSpec) -> GeneratorSide:
     """The generator's run: tokenizer, policy copy, rewards (and their worker), tools, sampler, seeded backend."""
     torch.set_num_threads(spec.threads)
@@ -80,19 +97,13 @@ def build(spec: GeneratorSpec) -> GeneratorSide:
     runtime = LocalRuntime(spec.device, spec.rank, spec.world_size)
     policy = runtime.setup(load_model(cfg.model, len(tokenizer), seed=cfg.trainer.seed), None, None)
     policy.train()  # as the trainer's: the behaviour log-probs are taken in the same mode
-    rewards = in_worker(build_rewards(cfg.reward.functions), cfg.reward.timeout_s)
-    sampler = PromptSampler(len(spec.train_rows), seed=cfg.trainer.seed)
-    sampler.load_state_dict(spec.sampler)
     backend = HFBackend(policy, tokenizer, batch_size=cfg.rollout.batch_size, share_prompt=cfg.rollout.share_prompt,
                         context=runtime.generation_context, seeded=True, keep_turns=multi_turn(cfg.rollout))
     toolset = build_toolset(cfg.rollout.tools, cfg.rollout.environment)
-    worker = turn_loop = None
-    if toolset is not None:  # multi-turn episodes: the tools run in a worker of this process
+    if toolset is not None:
         toolset, _ = choose_format(toolset, cfg.rollout.tool_format, tokenizer, cfg.data.chat_template)
-        if toolset.env_reward:
-            rewards.append(environment_reward(toolset))
-        worker = ToolWorker(toolset.environment, cfg.rollout.tool_timeout_s)
-        turn_loop = turn_loop_maker(spec.settings.episodes, tokenizer, toolset, worker, cfg.data, runtime)
+    rewards, sampler, worker, turn_loop = own_sampling_parts(cfg, spec.settings, tokenizer, toolset, runtime,
+                                                             len(spec.train_rows), spec.sampler)
     run = Run(runtime, tokenizer, policy, None, Splits(spec.train_rows, []), rewards, sampler, spec.settings,
               SyncedBackend(lambda: backend, runtime), backend, completion_format=cfg.reward.completion_format,
               toolset=toolset, tool_worker=worker, turn_loop=turn_loop)

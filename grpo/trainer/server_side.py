@@ -16,13 +16,9 @@ import dataclasses
 
 from grpo import experience
 from grpo.config.schema import Config
-from grpo.data import PromptSampler
-from grpo.rewards.score import build as build_rewards
-from grpo.rewards.score import in_worker
-from grpo.rollout.episodes.runs import environment_reward, turn_loop_maker
-from grpo.rollout.episodes.worker import ToolWorker
 from grpo.rollout.generator import Generated
 from grpo.rollout.server.generator import ServerGenerator
+from grpo.trainer.generator_side import own_sampling_parts
 from grpo.trainer.run import Run
 
 
@@ -52,15 +48,9 @@ def server_generator(run: Run, cfg: Config) -> ServerGenerator:
     """Connect to the servers (rollout.server) and build the generator of this run (its weights: the first
     ``publish``)."""
     backend = run.rollout.make()
-    rewards = in_worker(build_rewards(cfg.reward.functions), cfg.reward.timeout_s)
-    worker = turn_loop = None
-    if run.toolset is not None:  # multi-turn episodes: the tools run in a worker of the generator's own
-        if run.toolset.env_reward:
-            rewards.append(environment_reward(run.toolset))
-        worker = ToolWorker(run.toolset.environment, cfg.rollout.tool_timeout_s)
-        turn_loop = turn_loop_maker(run.settings.episodes, run.tokenizer, run.toolset, worker, cfg.data, run.runtime)
-    sampler = PromptSampler(len(run.splits.train), seed=cfg.trainer.seed)
-    sampler.load_state_dict(run.sampler.state_dict())
+    rewards, sampler, worker, turn_loop = own_sampling_parts(cfg, run.settings, run.tokenizer, run.toolset,
+                                                             run.runtime, len(run.splits.train),
+                                                             run.sampler.state_dict())
     held = _Held(backend)
     mine = dataclasses.replace(run, tokenizer=copy.deepcopy(run.tokenizer), rewards=rewards, sampler=sampler,
                                rollout=held, tool_worker=worker, turn_loop=turn_loop)
