@@ -58,7 +58,7 @@ def variant(name: str, args, steps: int) -> dict:
     import torch
 
     from grpo.trainer import pipeline
-    from grpo.trainer.build import build_run, close_run
+    from grpo.trainer.build import build_run
     from grpo.trainer.run import LoopState
     from grpo.update import policy_update
 
@@ -83,7 +83,7 @@ def variant(name: str, args, steps: int) -> dict:
                              "publish_s": s.get("time/weights_publish_s"), "load_s": s.get("time/weights_load_s")})
         finally:
             src.close()
-            close_run(run)
+            run.close()
     return {"variant": name, "rows": rows}
 
 

@@ -29,6 +29,22 @@ def smoke_raw():
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
 
 
+THEN = "--then"  # between the phases of one launch of a worker file
+
+
+def run_phases(argv: list[str], phases: dict) -> None:
+    """The main of a worker file that torchrun runs (tests/e2e/test_distributed.py, test_async_distributed.py):
+    ``MODE OUT_DIR args...`` phases separated by `THEN`, each run in turn as ``phases[MODE](args, OUT_DIR)`` in
+    this process, so that the processes start, import and join the group once for all of them."""
+    import torch
+
+    torch.set_num_threads(1)
+    while argv:
+        n = argv.index(THEN) if THEN in argv else len(argv)
+        mode, out, args, argv = argv[0], Path(argv[1]), argv[2:n], argv[n + 1:]
+        phases[mode](args, out)
+
+
 def vllm_problem() -> str | None:
     """Why the vLLM tests cannot run here (None: they can): not installed, or it does not import (e.g. an
     instruction set its CPU build needs)."""

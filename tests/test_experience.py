@@ -6,7 +6,7 @@ import torch
 
 from grpo.experience import collect
 from grpo.rollout.base import Completions
-from grpo.trainer.build import build_run, close_run
+from grpo.trainer.build import build_run
 
 
 class FixedBackend:
@@ -43,7 +43,7 @@ def test_collect_scores_what_the_injected_backend_returned(cfg_factory):
         assert torch.allclose(batch.advantages[:4].sum(), torch.tensor(0.0), atol=1e-5)
         assert batch.advantages[0] > 0 > batch.advantages[1]
     finally:
-        close_run(run)
+        run.close()
 
 
 class _Tok:
@@ -223,7 +223,7 @@ def test_collect_seeds_a_seeded_backend_per_step_and_keeps_what_it_returned(cfg_
         assert batch.stats["truncated_frac"] == 0.5
         assert 0 <= batch.stats["time/rollout_s"] < 60 and 0 <= batch.stats["time/reward_s"] < 60
     finally:
-        close_run(run)
+        run.close()
 
 
 def test_the_reward_functions_get_the_rows_columns_but_the_prompts_own(monkeypatch):
@@ -314,4 +314,4 @@ def test_reduce_stats_makes_a_generators_statistics_again_over_every_rank(cfg_fa
             assert batch.stats[k] == local[k], k
         assert batch.stats["reward_std"] == local["reward_std"] == 0.0
     finally:
-        close_run(run)
+        run.close()

@@ -211,11 +211,3 @@ def lr_lambda(tcfg: TrainerConfig):
 
     return f
 
-
-def close_run(run: Run) -> None:
-    """Give back what the run holds outside Python's reach: the rollout engine, the tool and reward workers."""
-    run.rollout.close()
-    if run.tool_worker is not None:
-        run.tool_worker.kill()
-    for worker in {id(rf.worker): rf.worker for rf in run.rewards if rf.worker is not None}.values():
-        worker.kill()

@@ -14,7 +14,7 @@ from grpo.config.schema import Config
 from grpo.errors import SetupError
 from grpo.rewards.score import first_failure
 from grpo.trainer import checkpoint, logger, pipeline
-from grpo.trainer.build import build_run, close_run
+from grpo.trainer.build import build_run
 from grpo.trainer.checkpoint import abandon_after, restore, save_checkpoint, save_final
 from grpo.trainer.evaluate import evaluate
 from grpo.trainer.run import LoopState, Run
@@ -32,7 +32,7 @@ def train(cfg: Config) -> dict:
                     run.runtime.peer_failures_as_errors():
                 return _train(run, cfg, signals)
         finally:
-            close_run(run)
+            run.close()
 
 
 def _saved(cfg: Config) -> str:

@@ -66,6 +66,14 @@ class Run:
     def reference_model(self) -> torch.nn.Module:
         return self.reference if self.reference is not None else self.model
 
+    def close(self) -> None:
+        """Give back what the run holds outside Python's reach: the rollout engine, the tool and reward workers."""
+        self.rollout.close()
+        if self.tool_worker is not None:
+            self.tool_worker.kill()
+        for worker in {id(rf.worker): rf.worker for rf in self.rewards if rf.worker is not None}.values():
+            worker.kill()
+
 
 @dataclass
 class LoopState:

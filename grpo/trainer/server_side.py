@@ -65,12 +65,5 @@ def server_generator(run: Run, cfg: Config) -> ServerGenerator:
         batch.stats["server/version_lag"] = float(step - 1 - version)  # the trainer's weights when it trains
         return Generated(step, version, batch, sampler.state_dict())
 
-    def close() -> None:
-        for w in {id(r.worker): r.worker for r in rewards if r.worker is not None}.values():
-            w.kill()
-        if worker is not None:
-            worker.kill()
-        backend.close()
-
     return ServerGenerator(backend, run.runtime.model, sample, full_weights=run.runtime.full_weights,
-                           closers=[close])
+                           closers=[mine.close])

@@ -131,7 +131,7 @@ def test_several_passes_per_batch_clip_against_the_proximal_policy_and_weight_ag
     """num_iterations = 2 through the generator process at K = 0: a batch at steps 1 and 3, each trained twice. The
     old log-probs (pi_prox: the trainer's weights when the batch's first pass starts) equal the behaviour log-probs
     bit for bit, so the behaviour weight is 1 on both passes, while the second pass's PPO ratio moves off 1."""
-    from grpo.trainer.build import build_run, close_run
+    from grpo.trainer.build import build_run
     from grpo.trainer.run import LoopState
     from grpo.update import policy_update
 
@@ -151,7 +151,7 @@ def test_several_passes_per_batch_clip_against_the_proximal_policy_and_weight_ag
             assert abs(second["ratio_mean"] - 1.0) > 1e-5, second  # off-policy against pi_prox, not pi_behav
     finally:
         src.close()
-        close_run(run)
+        run.close()
 
 
 def test_k1_with_two_passes_per_batch_logs_its_lag_and_resumes_mid_batch(cfg_factory, tmp_path):

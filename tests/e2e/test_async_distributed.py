@@ -25,7 +25,7 @@ def pipeline_steps(args: list[str], out: Path) -> None:
 
     from grpo.config.schema import load
     from grpo.trainer import pipeline
-    from grpo.trainer.build import build_run, close_run
+    from grpo.trainer.build import build_run
     from grpo.trainer.run import LoopState
     from grpo.update import policy_update
     from tests.helpers import compose_recipe
@@ -45,29 +45,17 @@ def pipeline_steps(args: list[str], out: Path) -> None:
                            "grad_norm": stats["grad_norm"]})
     finally:
         src.close()
-        close_run(run)
+        run.close()
     out.mkdir(parents=True, exist_ok=True)
     torch.save(record, out / f"pipeline_rank{run.runtime.rank}.pt")
 
 
-def _worker(argv: list[str]) -> None:
-    sys.path.insert(0, str(ROOT))
-    torch.set_num_threads(1)
-    from tests.e2e.test_distributed import THEN, cli, copy_stopped_run
-
-    while argv:
-        n = argv.index(THEN) if THEN in argv else len(argv)
-        mode, out, args, argv = argv[0], Path(argv[1]), argv[2:n], argv[n + 1:]
-        if mode == "pipeline":
-            pipeline_steps(args, out)
-        if mode == "resume":
-            copy_stopped_run(out, args)
-        if mode in ("train", "resume"):
-            cli(args)
-
-
 if __name__ == "__main__":
-    _worker(sys.argv[1:])
+    sys.path.insert(0, str(ROOT))
+    from tests.e2e.test_distributed import resume, train
+    from tests.helpers import run_phases
+
+    run_phases(sys.argv[1:], {"pipeline": pipeline_steps, "train": train, "resume": resume})
     sys.exit(0)
 
 
@@ -77,7 +65,8 @@ import importlib.util  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.e2e.test_async import same_numbers, steps  # noqa: E402
-from tests.e2e.test_distributed import THEN, ZERO3, torchrun  # noqa: E402
+from tests.e2e.test_distributed import ZERO3, launch  # noqa: E402
+from tests.helpers import THEN  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="distributed tests need deepspeed (pip install 'grpo[deepspeed]')")
@@ -92,12 +81,6 @@ def doc_command() -> dict[str, str]:
     words = shlex.split(lines[0], comments=True)
     assert words[:5] == ["torchrun", "--nproc_per_node", "2", "-m", "grpo.train"], words
     return dict(w.split("=", 1) for w in words[5:])
-
-
-def _launch(*args, cwd: Path):
-    p = torchrun(str(Path(__file__)), *map(str, args), cwd=cwd, timeout=300 * (1 + args.count(THEN)))
-    assert p.returncode == 0, p.stderr[-4000:]
-    return p
 
 
 @pytest.mark.slow
@@ -115,11 +98,11 @@ def test_zero2_and_zero3_on_two_processes_with_a_generator_per_rank(tmp_path):
     scaled = {**given, **SCALE, "trainer.max_steps": "3", "trainer.save_every": "2", "trainer.keep_last": "3",
               "logging.sample_every": "0", "logging.plot": "false"}
     run = [f"{k}={v}" for k, v in scaled.items()]
-    p = _launch("pipeline", tmp_path / "zero3", *ZERO3, "logging.sample_every=0",
-            THEN, "train", a, *run, f"trainer.output_dir={a}",
-            THEN, "train", b, *run, f"trainer.output_dir={b}",
-            THEN, "resume", a, *run, f"trainer.output_dir={c}", f"trainer.resume={c / 'checkpoints' / 'step_2'}",
-            cwd=tmp_path)
+    p = launch(Path(__file__), "pipeline", tmp_path / "zero3", *ZERO3, "logging.sample_every=0",
+               THEN, "train", a, *run, f"trainer.output_dir={a}",
+               THEN, "train", b, *run, f"trainer.output_dir={b}",
+               THEN, "resume", a, *run, f"trainer.output_dir={c}", f"trainer.resume={c / 'checkpoints' / 'step_2'}",
+               cwd=tmp_path, phase_s=300)
     ranks = [torch.load(tmp_path / "zero3" / f"pipeline_rank{r}.pt", weights_only=False) for r in (0, 1)]
     for t in range(3):
         assert [r[t]["diff"] for r in ranks] == [0.0, 0.0] and ranks[0][t]["grad_norm"] > 0, t

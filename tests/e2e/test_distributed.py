@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPTS, G, BUDGET = 4, 4, 64   # fixed batch: 4 prompts x 4 completions, 64-token micro-batches
 SMOKE = ["recipe=smoke", "logging.sample_every=0", "logging.plot=false"]
 ZERO3 = ["distributed=zero3", "+distributed.ds_config.zero_optimization.stage3_param_persistence_threshold=0"]
-THEN = "--then"  # between the phases of one launch
 
 
 # ----------------------------------------------------------------------------------- the worker
@@ -47,7 +46,7 @@ def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...
     from grpo.engine.batch_logprobs import nested_logprobs
     from grpo.engine.batch_logprobs import plan as _plan
     from grpo.engine.unwrap import unwrap_model
-    from grpo.trainer.build import build_run, close_run
+    from grpo.trainer.build import build_run
     from grpo.trainer.settings import derive
     from grpo.update import policy_update
     from tests.helpers import compose_recipe
@@ -95,7 +94,7 @@ def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...
         record["params"].append(_params(rt))
     out.mkdir(parents=True, exist_ok=True)
     torch.save(record, out / f"update_rank{rt.rank}.pt")
-    close_run(run)
+    run.close()
 
 
 def update(args: list[str], out: Path) -> None:
@@ -114,16 +113,17 @@ def _saving_params(save_final):
     return save
 
 
-def cli(args: list[str]) -> None:
+def train(args: list[str], out: Path | None = None) -> None:
+    """The real command line with ``args``."""
     import grpo.train
 
     sys.argv = ["grpo.train", *args]
     grpo.train.main()
 
 
-def copy_stopped_run(src: Path, args: list[str]) -> None:
+def resume(args: list[str], src: Path) -> None:
     """``src`` as a run stopped after its last checkpoint: copied by rank 0 into the arguments' trainer.output_dir
-    without ``final/`` and the wrapper's parameters; every rank waits for the copy."""
+    without ``final/`` and the wrapper's parameters (every rank waits for the copy), then trained there."""
     import shutil
 
     import torch.distributed as dist
@@ -133,27 +133,24 @@ def copy_stopped_run(src: Path, args: list[str]) -> None:
         shutil.copytree(src, dst, ignore=shutil.ignore_patterns("final", "params_rank*.pt"))
     if dist.is_initialized():
         dist.barrier()
+    train(args)
 
 
-def _worker(argv: list[str]) -> None:
-    sys.path.insert(0, str(ROOT))
-    torch.set_num_threads(1)
-    import grpo.trainer.loop
+def update_then_train(args: list[str], out: Path) -> None:
+    update(args, out)
+    train(args)
 
-    grpo.trainer.loop.save_final = _saving_params(grpo.trainer.loop.save_final)
-    while argv:
-        n = argv.index(THEN) if THEN in argv else len(argv)
-        mode, out, args, argv = argv[0], Path(argv[1]), argv[2:n], argv[n + 1:]
-        if mode in ("update", "cli"):
-            update(args, out)
-        if mode == "resume":
-            copy_stopped_run(out, args)
-        if mode in ("cli", "train", "resume"):
-            cli(args)
+
+PHASES = {"update": update, "cli": update_then_train, "train": train, "resume": resume}
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1:])
+    sys.path.insert(0, str(ROOT))
+    import grpo.trainer.loop
+    from tests.helpers import run_phases
+
+    grpo.trainer.loop.save_final = _saving_params(grpo.trainer.loop.save_final)
+    run_phases(sys.argv[1:], PHASES)
     sys.exit(0)
 
 
@@ -161,6 +158,8 @@ if __name__ == "__main__":
 import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
+
+from tests.helpers import THEN  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="distributed tests need deepspeed (pip install 'grpo[deepspeed]')")
@@ -188,11 +187,17 @@ def torchrun(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedP
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=_env(), timeout=timeout)
 
 
-def worker(mode: str, out: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """One 2-process launch of this file's worker; ``args`` may hold further phases after `THEN`."""
-    p = torchrun(str(Path(__file__)), mode, str(out), *args, cwd=cwd, timeout=240 * (1 + args.count(THEN)))
+def launch(script: Path, *phases, cwd: Path, phase_s: int = 240) -> subprocess.CompletedProcess:
+    """One 2-process launch of a worker file (``MODE OUT_DIR args...``, further phases after `THEN`) that must
+    succeed; ``phase_s`` seconds allowed per phase."""
+    p = torchrun(str(script), *map(str, phases), cwd=cwd, timeout=phase_s * (1 + phases.count(THEN)))
     assert p.returncode == 0, p.stderr[-4000:]
     return p
+
+
+def worker(mode: str, out: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """One 2-process launch of this file's worker; ``args`` may hold further phases after `THEN`."""
+    return launch(Path(__file__), mode, out, *args, cwd=cwd)
 
 
 def one_process(out: Path, *args: str) -> dict:

@@ -18,7 +18,7 @@ def test_collect_measures_the_kl_over_sampled_tokens_only(cfg_factory):
     from omegaconf import OmegaConf
 
     from grpo import experience
-    from grpo.trainer.build import build_run, close_run
+    from grpo.trainer.build import build_run
 
     cfg = cfg_factory(OmegaConf.merge(ECHO, {"algorithm": {"beta": 0.1, "num_iterations": 2}}))
     run = build_run(cfg)
@@ -29,7 +29,7 @@ def test_collect_measures_the_kl_over_sampled_tokens_only(cfg_factory):
                 p.add_(0.05 * torch.randn(p.shape, generator=gen))
         batch = experience.collect(run)
     finally:
-        close_run(run)
+        run.close()
     masks = [torch.tensor(m, dtype=torch.float32) for g in batch.completion_masks for m in g]
     assert any(float(m.min()) == 0.0 for m in masks)  # the observations are in the completions
     kl = [kl_estimate(lp, ref, cfg.algorithm.kl_estimator) for go, gr in zip(batch.old_logps, batch.ref_logps)
@@ -70,7 +70,7 @@ def test_collect_seeds_every_turn_and_hands_the_episodes_to_the_rewards_and_the_
     the episodes."""
     from grpo import experience
     from grpo.rollout.backends import step_seed
-    from grpo.trainer.build import build_run, close_run
+    from grpo.trainer.build import build_run
 
     run = build_run(cfg_factory(ECHO))
     seeds, columns = [], {}
@@ -84,7 +84,7 @@ def test_collect_seeds_every_turn_and_hands_the_episodes_to_the_rewards_and_the_
         batch = experience.collect(run)
         base = (run.settings.collect.seed, 0, run.sampler.epoch, run.sampler.position)
     finally:
-        close_run(run)
+        run.close()
     assert len(seeds) >= 2 and seeds == [step_seed(*base)] + [step_seed(*base, t) for t in range(2, len(seeds) + 1)]
     assert {"turns", "tool_calls", "episode"} <= set(columns) and len(columns["turns"]) == len(columns["truncated"])
     assert batch.episodes is not None and len(batch.episodes) == len(batch.completion_ids)

@@ -44,7 +44,7 @@ def _check_case(out: Path, case: str) -> dict:
     from grpo.config.schema import load
     from grpo.engine import token_logprobs
     from grpo.rollout.backends import Sampling, step_seed
-    from grpo.trainer.build import build_run, close_run
+    from grpo.trainer.build import build_run
     from tests.helpers import VLLM_TINY, compose_recipe, vllm_logprobs_of
 
     tiny = [f"model.tiny.{k}={v}" for k, v in VLLM_TINY.items()]
@@ -79,7 +79,7 @@ def _check_case(out: Path, case: str) -> dict:
     got = backend.generate([prompt], 4, Sampling(max_new_tokens=12, temperature=1.0),
                            seed=step_seed(cfg.trainer.seed, rt.rank, 0, 0))
     rec["samples"] = got.ids[0]
-    close_run(run)
+    run.close()
     rec["group_after_close"] = rt.all_reduce({"ranks": 1.0})["ranks"]
     return rec
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.test_distributed import BUDGET, SMOKE, THEN, ZERO3, _check_updates, _max_diff, one_process, worker
+from tests.e2e.test_distributed import BUDGET, SMOKE, ZERO3, _check_updates, _max_diff, one_process, worker
+from tests.helpers import THEN
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="distributed tests need deepspeed (pip install 'grpo[deepspeed]')")

@@ -207,7 +207,7 @@ def test_auto_budget_splits_the_batch_and_keeps_the_gradient(cfg_factory, monkey
 
     from grpo import experience
     from grpo.engine.batch_logprobs import plan as _plan
-    from grpo.trainer.build import build_run, close_run
+    from grpo.trainer.build import build_run
     from grpo.update import policy_update
 
     cfg = cfg_factory({"engine": {"max_tokens_per_micro_batch": "auto"}, "rollout": {"prompts_per_step": 4}})
@@ -242,7 +242,7 @@ def test_auto_budget_splits_the_batch_and_keeps_the_gradient(cfg_factory, monkey
         for n in got[0]:
             torch.testing.assert_close(got[0][n], got[1][n], rtol=1e-4, atol=1e-6)
     finally:
-        close_run(run)
+        run.close()
 
 
 def _train(tmp_path, *args):

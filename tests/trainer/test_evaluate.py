@@ -1,6 +1,6 @@
 """grpo/trainer/evaluate.py: held-out evaluation through the run's explicit greedy backend."""
 from grpo.rollout.base import Completions
-from grpo.trainer.build import build_run, close_run
+from grpo.trainer.build import build_run
 from grpo.trainer.evaluate import evaluate
 
 
@@ -25,4 +25,4 @@ def test_every_held_out_prompt_once_greedy_and_scored(cfg_factory, capsys):
         assert out["format"] == 1.0 and set(out) >= {"reward_mean", "completion_len_mean", "accuracy", "format"}
         assert "held-out accuracy (before, 3 prompts, greedy)" in capsys.readouterr().err
     finally:
-        close_run(run)
+        run.close()

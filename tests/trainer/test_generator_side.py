@@ -1,7 +1,7 @@
 """grpo/trainer/generator_side.py: the generator process's run is built like the trainer's sampling side."""
 import pytest
 
-from grpo.trainer.build import build_run, close_run
+from grpo.trainer.build import build_run
 from grpo.trainer.generator_side import GeneratorSpec, build
 
 
@@ -21,6 +21,6 @@ def test_the_generator_keeps_kv_across_turns_exactly_when_the_trainers_rollout_d
         assert (mine.turns is not None) == (theirs.turns is not None) == tools
         assert side.run.sampler.state_dict() == run.sampler.state_dict()
     finally:
-        close_run(run)
+        run.close()
         if side.run.tool_worker is not None:
             side.run.tool_worker.kill()
