@@ -23,6 +23,7 @@ TOGETHER = {
     "report_sweep": ("tests/trainer/test_report.py::",),           # `sweep`: a two-run smoke sweep
     "run_output_first_run": ("tests/e2e/test_run_output.py::",),  # `first_run`: a smoke run
     "server": ("tests/e2e/test_server.py::",),  # `ctx`: one grpo-serve process the walkthrough starts late
+    "multinode": ("tests/e2e/test_multinode.py::",),  # `nodes`: one launch of two torchrun nodes
 }
 
 
