@@ -1,12 +1,32 @@
 """A rank that fails stops every rank (two CPU processes under torchrun, ZeRO-2): no rank is left waiting in a
 collective. A rank that raises exits at once with its one-line error and torchrun stops the other; a rank that
-hangs is given up on after distributed.timeout_s by the ranks waiting for it, which stop with one line."""
+hangs is given up on after distributed.timeout_s by the ranks waiting for it, which stop with one line.
+
+Run by torchrun, this file is also the worker (``python tests/e2e/test_rank_failure.py train OUT_DIR args...``, phases
+separated by ``--then`` as in tests/e2e/test_distributed.py): the command line, with the working directory (where
+the tests write their reward modules) importable as under ``python -m grpo.train``."""
 import importlib.util
+import os
+import sys
 import time
+from pathlib import Path
 
-import pytest
+ROOT = Path(__file__).resolve().parents[2]
 
-from tests.e2e.test_distributed import SMOKE, torchrun
+if __name__ == "__main__":
+    sys.path[:0] = [str(ROOT), os.getcwd()]
+    from tests.e2e.test_distributed import train
+    from tests.helpers import run_phases
+
+    run_phases(sys.argv[1:], {"train": train})
+    sys.exit(0)
+
+
+# ------------------------------------------------------------------------------------ the tests
+import pytest  # noqa: E402
+
+from tests.e2e.test_distributed import SMOKE, torchrun  # noqa: E402
+from tests.helpers import THEN  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="distributed tests need deepspeed (pip install 'grpo[deepspeed]')")
@@ -85,15 +105,15 @@ KILLER = '''
 import os
 import signal
 
-calls = 0
+calls = {}
 
 
 def killed_once(prompts, completions, die_at: int = 0, **kwargs):
     """0 for every completion; with die_at > 0, rank 1 SIGKILLs itself in the middle of step ``die_at``
-    (its reward call of that step: one prompt per rank and step) of the group's first attempt only."""
-    global calls
-    calls += 1
-    if calls == die_at and os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    (its reward call of that step: one prompt per rank and step; the calls counted per die_at, each run its own) of
+    the group's first attempt only."""
+    calls[die_at] = calls.get(die_at, 0) + 1
+    if calls[die_at] == die_at and os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
         os.kill(os.getpid(), signal.SIGKILL)
     return [0.0] * len(completions)
 '''
@@ -101,8 +121,9 @@ def killed_once(prompts, completions, die_at: int = 0, **kwargs):
 
 @pytest.mark.slow
 def test_a_killed_rank_restarts_the_group_and_the_run_resumes_exactly(tmp_path):
-    """torchrun --max-restarts 1: rank 1 is SIGKILLed during step 3 (of 3); rank 0 stops with the one line, torchrun
-    restarts both, trainer.resume=auto continues from step 2's checkpoint, and every step's metrics equal an
+    """torchrun --max-restarts 1, one launch of two runs: an uninterrupted one, then one whose rank 1 is SIGKILLed
+    during step 3 (of 3); rank 0 stops with the one line, torchrun restarts both (the finished first run has
+    nothing left to do), trainer.resume=auto continues from step 2's checkpoint, and every step's metrics equal the
     uninterrupted run's."""
     import json
 
@@ -110,18 +131,20 @@ def test_a_killed_rank_restarts_the_group_and_the_run_resumes_exactly(tmp_path):
     common = [*SMOKE, "distributed=zero2", "data.num_eval=0", "trainer.max_steps=3", "trainer.save_every=1",
               "trainer.resume=auto", "distributed.timeout_s=60"]
 
-    def run(name: str, die_at: int):
+    def run(name: str, die_at: int) -> list[str]:
         fn = f"+reward.functions.kill={{fn: 'kill_rewards:killed_once', die_at: {die_at}}}"
-        p = torchrun("--max-restarts", "1", "-m", "grpo.train", *common, fn, f"trainer.output_dir={tmp_path / name}",
-                     cwd=tmp_path, timeout=240)
-        assert p.returncode == 0, p.stderr[-4000:]
-        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        return p, {r["step"]: (r["loss"], r["reward_mean"], r["grad_norm"]) for r in rows if "loss" in r}
+        return ["train", str(tmp_path / name), *common, fn, f"trainer.output_dir={tmp_path / name}"]
 
-    _, want = run("straight", 0)
-    p, got = run("killed", 3)
+    def losses(name: str) -> dict:
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: (r["loss"], r["reward_mean"], r["grad_norm"]) for r in rows if "loss" in r}
+
+    p = torchrun("--max-restarts", "1", str(Path(__file__)), *run("straight", 0), THEN, *run("killed", 3),
+                 cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
     assert "error: rank 0 of 2: a collective timed out or lost another rank" in p.stderr, p.stderr[-4000:]
-    assert "resumed from" in p.stderr and "step_2" in p.stderr, p.stderr[-4000:]
+    assert f"resumed from {tmp_path / 'killed'}/checkpoints/step_2 (step 2)" in p.stderr, p.stderr[-4000:]
+    want, got = losses("straight"), losses("killed")
     assert sorted(got) == sorted(want) == [1, 2, 3]
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-9), step
