@@ -1,4 +1,6 @@
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,13 +33,56 @@ def _scope(nodeid: str) -> str:
     return next((group for group, prefixes in TOGETHER.items() if nodeid.startswith(prefixes)), nodeid)
 
 
+# Seconds each scheduling unit (a TOGETHER group, else a test) took in a whole `make test`, setup and teardown
+# included: the order the scheduler hands out work. `RECORD_DURATIONS=1 make test` writes it again (docs/testing.md).
+DURATIONS = Path(__file__).parent / "durations.json"
+UNKNOWN_SLOW_S = 30.0  # a slow-marked unit not in DURATIONS yet (a new test) is ranked as if it took this long
+
+
 def pytest_collection_modifyitems(items):
-    """Slow tests first (a group holding one with them), each group's tests in their order: the scheduler hands
-    out work in this order, so the long launches overlap from the start and both workers end on short tests
-    instead of one running a long test alone at the end."""
+    """Longest first, by DURATIONS (a group by its whole time; a slow-marked unit not recorded yet as UNKNOWN_SLOW_S,
+    any other as 0 s), each group's tests in their order: the scheduler hands out work in this order, so the long
+    launches overlap from the start and both workers end together on short tests instead of one running a long
+    test alone at the end."""
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     slow = {_scope(item.nodeid) for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: _scope(item.nodeid) not in slow)
+    items[:] = longest_first(items, lambda item: _scope(item.nodeid), recorded, slow)
     _cheapest_first_under_mutmut(items)
+
+
+def longest_first(items: list, scope_of, recorded: dict[str, float], slow: set[str]) -> list:
+    """``items`` ordered by their unit's cost, highest first; a unit's items together, in their order; units of the
+    same cost in collection order."""
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(scope_of(item), i)
+
+    def cost(unit: str) -> float:
+        return recorded.get(unit, UNKNOWN_SLOW_S if unit in slow else 0.0)
+
+    return sorted(items, key=lambda item: (-cost(scope_of(item)), first[scope_of(item)]))
+
+
+_took: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """With RECORD_DURATIONS=1: add up each unit's setup, call and teardown (in the controller under xdist)."""
+    if os.environ.get("RECORD_DURATIONS") == "1":
+        _took[_scope(report.nodeid)] = _took.get(_scope(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With RECORD_DURATIONS=1: merge this run's times into DURATIONS (units not run keep theirs)."""
+    if os.environ.get("RECORD_DURATIONS") == "1" and not hasattr(session.config, "workerinput") and _took:
+        merge_durations(DURATIONS, _took)
+
+
+def merge_durations(path: Path, took: dict[str, float]) -> None:
+    """``took`` (seconds per unit) written into the file at ``path`` over what it held, rounded to 0.01 s."""
+    recorded = json.loads(path.read_text()) if path.exists() else {}
+    recorded.update({unit: round(s, 2) for unit, s in took.items()})
+    path.write_text(json.dumps(dict(sorted(recorded.items())), indent=0) + "\n")
 
 
 def _cheapest_first_under_mutmut(items) -> None:
@@ -47,8 +92,6 @@ def _cheapest_first_under_mutmut(items) -> None:
     level test that happened to come first. A file's tests stay together (its module fixtures are built once)."""
     if os.environ.get("MUTANT_UNDER_TEST", "") in ("", "stats", "fail") or not os.path.exists("mutmut-stats.json"):
         return
-    import json
-
     with open("mutmut-stats.json") as f:
         took = json.load(f)["duration_by_test"]
     cost = {item.nodeid: took.get(item.nodeid, float("inf")) for item in items}
