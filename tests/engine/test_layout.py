@@ -27,11 +27,11 @@ def spans(prompts, completions):
 
 
 def test_segments_name_each_prompt_and_completion_once_across_three_groups():
-    """Three groups of ragged sizes (G = 1, 2, 3; one-token prompts and completions): tokens share a segment id
-    exactly when they belong to the same prompt or completion, and each token's prompt segment is its group's
-    prompt's id; every slot index points back at its token."""
+    """Three groups of ragged sizes (G = 1, 3, 2: a full group before another; one-token prompts and completions):
+    tokens share a segment id exactly when they belong to the same prompt or completion, and each token's prompt
+    segment is its group's prompt's id; every slot index points back at its token."""
     prompts = [[1, 2], [3], [4, 5, 6]]
-    completions = [[[7]], [[8, 9], [10]], [[11], [12, 13], [14]]]
+    completions = [[[7]], [[11], [12, 13], [14]], [[8, 9], [10]]]
     lay = build_layout(prompts, completions, torch.device("cpu"))
     seg, pseg = lay.segment.tolist(), lay.prompt_segment.tolist()
     owner = [k for k, (a, b, _) in enumerate(spans(prompts, completions)) for _ in range(a, b)]
@@ -47,7 +47,7 @@ def test_segments_name_each_prompt_and_completion_once_across_three_groups():
     comp = lay.comp_idx.view(3, 3, 2)
     assert [ids[comp[b, i, :len(r)]].tolist() for b, c in enumerate(completions) for i, r in enumerate(c)] == \
         [r for c in completions for r in c]
-    assert ids[lay.pred_idx].tolist() == [2, 3, 8, 3, 6, 6, 12, 6]
+    assert ids[lay.pred_idx].tolist() == [2, 3, 3, 12, 3, 6, 8, 6]
 
 
 def test_a_row_of_one_token():

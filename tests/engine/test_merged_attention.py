@@ -39,6 +39,7 @@ def test_merged_equals_chunked_kernel(shape):
 def test_merged_serves_cpu_float_only():
     x = torch.zeros(1, 1, 1, 1, 1, 8)
     assert merged_attention_available(x, torch.zeros(1, 1, 1, 8))
+    assert merged_attention_available(x.bfloat16(), torch.zeros(1, 1, 1, 8).bfloat16())
     assert not merged_attention_available(x, torch.zeros(1, 1, 1, 4))  # value head dim differs
     assert not merged_attention_available(x.double(), torch.zeros(1, 1, 1, 8).double())
 
