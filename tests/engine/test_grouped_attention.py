@@ -100,6 +100,14 @@ def test_bfloat16_through_the_fused_kernels_keeps_the_dtype_and_is_close(monkeyp
         torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=6e-2)
 
 
+def test_a_row_of_one_token_attends_to_itself():
+    lay = build_layout([[5]], [[[]]], torch.device("cpu"))  # a one-token prompt, an empty completion
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 1, D, generator=g) for h in (H, HKV, HKV))
+    out = grouped_attention(q, k, v, lay, SCALE, 0.0)
+    torch.testing.assert_close(out, v.repeat_interleave(H // HKV, 1).transpose(1, 2), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("ragged", [True, False])
 def test_dropout_reaches_the_prompt_tokens_and_keeps_the_expectation(ragged):
     """With attention dropout the prompt tokens' attention drops weights too (both SDPA branches), rescaled so

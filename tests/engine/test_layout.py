@@ -43,6 +43,8 @@ def test_segments_name_each_prompt_and_completion_once_across_three_groups():
     ids = lay.input_ids[0]
     slots = torch.cat([lay.prompt_idx, lay.comp_idx])  # prompt slots, then completion slots
     assert slots[lay.src].tolist() == list(range(14))  # every token's slot holds that token
+    assert lay.prompt_idx.tolist() == [0, 1, 0, 3, 0, 0, 8, 9, 10]  # padding slots: 0
+    assert lay.comp_idx.tolist() == [2, 0, 0, 0, 0, 0, 4, 0, 5, 6, 7, 0, 11, 12, 13, 0, 0, 0]
     assert ids[lay.prompt_idx.view(3, 3)[lay.prompt_valid]].tolist() == [1, 2, 3, 4, 5, 6]
     comp = lay.comp_idx.view(3, 3, 2)
     assert [ids[comp[b, i, :len(r)]].tolist() for b, c in enumerate(completions) for i, r in enumerate(c)] == \
@@ -56,5 +58,6 @@ def test_a_row_of_one_token():
     assert lay.input_ids.tolist() == [[5]] and lay.position_ids.tolist() == [[0]]
     assert (lay.n_tokens, lay.max_prompt, lay.max_group, lay.max_completion, lay.max_seq_len) == (1, 1, 1, 1, 1)
     assert lay.prompt_valid is None and lay.src.tolist() == [0] and lay.prompt_idx.tolist() == [0]
+    assert lay.comp_idx.tolist() == [0]  # the padded completion slot points at a token that exists
     assert lay.segment.tolist() == lay.prompt_segment.tolist() == [0]
     assert lay.pred_idx.numel() == lay.targets.numel() == 0
