@@ -61,3 +61,4 @@ def test_a_row_of_one_token():
     assert lay.comp_idx.tolist() == [0]  # the padded completion slot points at a token that exists
     assert lay.segment.tolist() == lay.prompt_segment.tolist() == [0]
     assert lay.pred_idx.numel() == lay.targets.numel() == 0
+    assert lay.pred_idx.dtype == lay.targets.dtype == torch.long  # index tensors, also when empty
