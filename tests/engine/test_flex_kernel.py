@@ -185,7 +185,7 @@ def test_flex_forward_equals_eager_attention(block, kv_heads):
 @pytest.mark.parametrize("block", [1, 2, 4, 8])
 def test_small_blocks_equal_pytorch_construction_and_its_order(block):
     """Block sizes down to one token on many short segments, against PyTorch's create_block_mask: the same
-    partial and full blocks, listed in the same order (the set columns first, ascending)."""
+    partial and full blocks, listed in the same order (the set columns first, ascending) and type (int32)."""
     layout = short_layout()
     mine = build_block_mask(layout, block=block)
     T = mine.seq_lengths[0]
@@ -194,6 +194,7 @@ def test_small_blocks_equal_pytorch_construction_and_its_order(block):
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
                  "full_q_num_blocks"):
         assert torch.equal(getattr(mine, name), getattr(want, name)), name
+        assert getattr(mine, name).dtype == getattr(want, name).dtype == torch.int32, name  # the kernels' index type
     assert torch.equal(mine.to_dense(), want.to_dense())
 
 
