@@ -23,8 +23,7 @@ from tests.engine.test_logprobs import (
     weights_like,
 )
 
-pytestmark = pytest.mark.skipif(not flex_available(), reason="this torch has no FlexAttention")
-flex = pytest.importorskip("torch.nn.attention.flex_attention")
+flex = pytest.importorskip("torch.nn.attention.flex_attention")  # this torch has no FlexAttention: all skipped
 
 # long enough for several 128-token blocks: skipped completion-vs-completion blocks, full prompt blocks
 LONG_PROMPTS = [130, 1, 40]
@@ -254,3 +253,11 @@ def test_bands_are_whole_blocks_within_the_element_budget(monkeypatch, blocks_pe
     want = [per_band] * (T // per_band) + ([T % per_band] if T % per_band else [])
     assert rows == want
     assert torch.equal(bm.to_dense(), build_block_mask(layout, block=block).to_dense())
+
+
+def test_flex_available_says_whether_torch_has_flex_attention(monkeypatch):
+    import sys
+
+    assert flex_available()
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.flex_attention", None)  # its import now fails
+    assert not flex_available()
