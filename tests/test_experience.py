@@ -315,3 +315,53 @@ def test_reduce_stats_makes_a_generators_statistics_again_over_every_rank(cfg_fa
         assert batch.stats["reward_std"] == local["reward_std"] == 0.0
     finally:
         close_run(run)
+
+
+def test_reduce_stats_reduces_each_kind_of_sums_the_batch_kept():
+    """Each kind of kept sums (the rewards, a multi-turn batch's episodes, the zero-std share, the refill) is summed
+    over the ranks and made into its metrics again: counts double over two ranks that sampled alike, means stay;
+    kinds the batch did not keep add no metric; a batch that kept no sums calls no collective."""
+    from types import SimpleNamespace
+
+    from grpo.batch import Batch
+    from grpo.experience import reduce_stats
+
+    class Twice:
+        def __init__(self):
+            self.seen = []
+
+        def all_reduce(self, values):
+            self.seen.append(dict(values))
+            return {k: 2 * v for k, v in values.items()}
+
+    score = {"reward": 3.0, "reward2": 5.0, "n": 4.0, "len": 10.0, "truncated": 1.0, "fn/acc/sum": 2.0,
+             "fn/acc/sum2": 2.0, "fn/acc/count": 3.0, "fn/acc/errors": 1.0}
+    episode = {"episodes": 4.0, "turns": 6.0, "tool_calls": 3.0, "tool_failures": 1.0, "tool_timeouts": 1.0,
+               "tool_time": 0.5, "used_tool": 2.0, "hit_max_turns": 1.0, "over_length": 0.0, "tool_tokens": 8.0}
+    sums = {"score": score, "episode": episode, "zero_std": {"zero_std": 1.0, "groups": 1.0},
+            "refill": {"dropped": 1.0, "groups": 2.0}}
+    rt = Twice()
+    run = SimpleNamespace(runtime=rt, rewards=[SimpleNamespace(name="acc")])
+    batch = Batch([{}], [[1]], [[[2]]], [[False]], torch.zeros(1), torch.zeros(1), stats={}, sums=sums)
+    reduce_stats(run, batch)
+    assert rt.seen == [score, episode, sums["zero_std"], sums["refill"]]
+    s = batch.stats
+    assert (s["reward_mean"], s["completion_len_mean"], s["truncated_frac"]) == (0.75, 2.5, 0.25)
+    assert s["reward_std"] == pytest.approx(((10 - 36 / 8) / 7) ** 0.5)  # over the 8 rewards of both ranks
+    assert (s["reward/acc"], s["reward/acc_errors"]) == (pytest.approx(2 / 3), 2)
+    assert (s["episode/turns_mean"], s["episode/tool_use_rate"], s["episode/tool_failures"]) == (1.5, 0.5, 2)
+    assert (s["episode/tool_tokens_mean"], s["episode/tool_time_s"]) == (2.0, 1.0)
+    assert (s["zero_std_frac"], s["dropped_groups"], s["num_groups"]) == (1.0, 2, 4)
+
+    one = SimpleNamespace(runtime=SimpleNamespace(all_reduce=lambda v: rt.seen.append(v) or dict(v)),
+                          rewards=run.rewards)  # one process: a rank holding one group of no signal
+    rt.seen.clear()
+    single = Batch([{}], [[1]], [[[2]]], [[False]], torch.zeros(1), torch.zeros(1), stats={},
+                   sums={"score": score, "zero_std": {"zero_std": 1.0, "groups": 1.0}})
+    reduce_stats(one, single)
+    assert len(rt.seen) == 2 and not [k for k in single.stats if k.startswith("episode/") or "groups" in k]
+    assert single.stats["zero_std_frac"] == 1.0 and single.stats["reward_mean"] == 0.75
+    rt.seen.clear()
+    none = Batch([{}], [[1]], [[[2]]], [[False]], torch.zeros(1), torch.zeros(1), stats={"kept": 1}, sums={})
+    reduce_stats(run, none)
+    assert rt.seen == [] and none.stats == {"kept": 1}

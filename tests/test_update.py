@@ -322,3 +322,26 @@ def test_with_the_kl_in_the_reward_the_loss_has_no_kl_term(setup):
     with_ref = policy_update(CaptureRuntime(policy), one, settings)
     without = policy_update(CaptureRuntime(policy), dataclasses.replace(one, ref_logps=None), settings)
     assert "kl" not in with_ref and with_ref["loss"] == pytest.approx(without["loss"], rel=1e-6)
+
+
+def test_a_multi_turn_batch_on_a_rank_behind_runs_idle_micro_batches(setup):
+    """Tool tokens (completion_masks) out of the loss on a rank with fewer micro-batches than another: its idle
+    micro-batches take no mask of a real completion, and the loss, metrics and gradient are those of one rank."""
+    from grpo.update import UpdateSettings, policy_update
+
+    policy, batch, old, ref = setup
+    masks = [[[k % 3 != 1 for k in range(len(c))] for c in g] for g in batch.completion_ids]
+    b = dataclasses.replace(batch, old_logps=nest_like(batch, old), ref_logps=nest_like(batch, ref),
+                            completion_masks=masks)
+    settings = UpdateSettings(_algo(), SPLIT, temperature=TEMP, max_len=MAX_LEN, mask_truncated=False,
+                              max_grad_norm=1.0)
+    one = CaptureRuntime(policy)
+    want = policy_update(one, b, settings)
+    plain = policy_update(CaptureRuntime(policy), dataclasses.replace(b, completion_masks=None), settings)
+    assert want["loss"] != pytest.approx(plain["loss"], rel=1e-3)  # the tool tokens are out of the loss
+    rt = _BehindRuntime(policy, 2)
+    got = policy_update(rt, b, settings)
+    assert rt.announced == len(_plan_of(b, SPLIT)) + 2
+    for k in ("loss", "entropy", "kl", "ratio_mean", "clip_ratio"):
+        assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-9), k
+    assert_grads_close(rt.grads, one.grads)

@@ -42,3 +42,29 @@ def test_every_forward_uses_the_configured_engine_settings_and_temperature(monke
         want = real(model, prompts, comps, temperature=0.7)
     for j in range(2):
         torch.testing.assert_close(got[0][j], want[0][j], rtol=1e-5, atol=1e-6)
+
+
+def test_an_auto_budget_is_sized_for_the_model_within_the_engines_memory_limit():
+    """``auto`` outside a built run: sized for the model passed, under the section's memory_limit_gib (a limit
+    leaving room for about 6 tokens splits the batch; without a limit the machine's free memory holds it whole);
+    without a model it says what it needs. The section's shared_prefix decides how tokens are counted."""
+    import pytest
+
+    from grpo.engine.memory import MARGIN, estimate
+    from grpo.engine.micro_batches import plan_micro_batches
+
+    model = tiny_model("llama", 50, seed=1)
+    prompts, comps = [[5, 6, 7], [8, 9]], [[[1, 2], [3]], [[4, 4, 4], [2], [1, 1]]]
+    batch = Batch([{}, {}], prompts, comps, [[False] * 2, [False] * 3], torch.zeros(5), torch.zeros(5))
+    limit = (estimate(model).bytes_for(6) / MARGIN + 1) / 2**30
+    tokens = estimate(model).tokens_within(int(limit * 2**30))
+    assert 4 <= tokens <= 6
+    tight = plan(batch, EngineConfig(max_tokens_per_micro_batch="auto", memory_limit_gib=limit), model)
+    assert tight == plan_micro_batches([3, 2], [[2, 1], [3, 1, 2]], tokens, shared_prefix=True) and len(tight) > 2
+    assert len(plan(batch, EngineConfig(max_tokens_per_micro_batch="auto"), model)) == 1
+    # the standard layout counts each completion's own copy of the prompt: 4 micro-batches of 8 tokens, not 2
+    standard = plan(batch, EngineConfig(max_tokens_per_micro_batch=8, shared_prefix=False))
+    assert standard == plan_micro_batches([3, 2], [[2, 1], [3, 1, 2]], 8, shared_prefix=False)
+    assert len(standard) == 4 and len(plan(batch, EngineConfig(max_tokens_per_micro_batch=8))) == 2
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch=auto needs the model"):
+        plan(batch, EngineConfig(max_tokens_per_micro_batch="auto"))

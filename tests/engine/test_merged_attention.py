@@ -36,11 +36,15 @@ def test_merged_equals_chunked_kernel(shape):
         assert (a - b).abs().max().item() <= 2e-6 * max(1.0, b.abs().max().item())
 
 
-def test_merged_serves_cpu_float_only():
+def test_merged_serves_cpu_float_only(monkeypatch):
     x = torch.zeros(1, 1, 1, 1, 1, 8)
     assert merged_attention_available(x, torch.zeros(1, 1, 1, 8))
+    assert merged_attention_available(x.bfloat16(), torch.zeros(1, 1, 1, 8).bfloat16())
     assert not merged_attention_available(x, torch.zeros(1, 1, 1, 4))  # value head dim differs
     assert not merged_attention_available(x.double(), torch.zeros(1, 1, 1, 8).double())
+    # a PyTorch without the fused kernel's backward: the generic kernel serves
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", object())
+    assert not merged_attention_available(x, torch.zeros(1, 1, 1, 8))
 
 
 @pytest.mark.parametrize("merged", [True, False])
