@@ -78,7 +78,8 @@ def build_block_mask(layout: PrefixLayout, block: int = 128, band_elements: int 
 
 def flex_length(n: int, block: int = 128) -> int:
     """The packed row's length for the flex kernel: the next power of two (at least one block), so that
-    micro-batches of every size compile to a handful of kernels; padding costs only the diagonal blocks."""
+    micro-batches of every size compile to a handful of kernels; padding costs only its blocks against padding
+    (a segment of its own, it sees no real token)."""
     return max(block, 1 << (n - 1).bit_length())
 
 

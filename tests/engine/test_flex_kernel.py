@@ -23,8 +23,7 @@ from tests.engine.test_logprobs import (
     weights_like,
 )
 
-pytestmark = pytest.mark.skipif(not flex_available(), reason="this torch has no FlexAttention")
-flex = pytest.importorskip("torch.nn.attention.flex_attention")
+flex = pytest.importorskip("torch.nn.attention.flex_attention")  # this torch has no FlexAttention: all skipped
 
 # long enough for several 128-token blocks: skipped completion-vs-completion blocks, full prompt blocks
 LONG_PROMPTS = [130, 1, 40]
@@ -139,3 +138,126 @@ def test_flex_bf16_on_cuda_over_several_lengths():
         for budget in (None, 400, 200):
             got = token_logprobs(model, prompts, comps, attention_kernel="flex", max_tokens_per_micro_batch=budget)
             assert max_err(got, want) <= 2e-2
+
+
+# many short segments: at small block sizes, blocks with exactly one visible pair, rows with several partial
+# blocks, and a row of 35 tokens padded to 64 (or 128) beyond its last block
+SHORT_PROMPTS = [5, 1, 3]
+SHORT_COMPLETIONS = [[4, 1, 6], [2], [1, 7, 2, 3]]
+
+
+def short_layout():
+    return build_layout(*make_data(SHORT_PROMPTS, SHORT_COMPLETIONS), "cpu")
+
+
+def eager_attention(q, k, v, mask, scale):
+    """Attention written out: q (1, H, T, D), k/v (1, Hkv, T, D), query head h on kv head h // (H / Hkv)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1) @ v).transpose(1, 2)
+
+
+def qkv(n, heads=4, kv_heads=2, dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, h, n, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("block", [2, 4, 16, 128])
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_flex_forward_equals_eager_attention(block, kv_heads):
+    """GQA (4 query heads on 2 kv heads) and not, a scale other than 1/sqrt(D), the row padded beyond its last
+    token to the bucket (35 -> 64 or 128): the packed row's attention is the hand-written masked softmax."""
+    from grpo.engine.flex_kernel import flex_attention_forward
+
+    layout = short_layout()
+    layout.block_mask = build_block_mask(layout, block=block)
+    assert layout.block_mask.seq_lengths[0] > layout.n_tokens
+    q, k, v = qkv(layout.n_tokens, kv_heads=kv_heads)
+    got = flex_attention_forward(q, k, v, layout, 0.3)
+    want = eager_attention(q, k, v, dense_mask(layout), 0.3)
+    assert got.shape == (1, layout.n_tokens, 4, 8)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block", [1, 2, 4, 8])
+def test_small_blocks_equal_pytorch_construction_and_its_order(block):
+    """Block sizes down to one token on many short segments, against PyTorch's create_block_mask: the same
+    partial and full blocks, listed in the same order (the set columns first, ascending) and type (int32)."""
+    layout = short_layout()
+    mine = build_block_mask(layout, block=block)
+    T = mine.seq_lengths[0]
+    assert T == flex_length(layout.n_tokens, block) == 64
+    want = flex.create_block_mask(mine.mask_mod, None, None, T, T, device="cpu", BLOCK_SIZE=block)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                 "full_q_num_blocks"):
+        assert torch.equal(getattr(mine, name), getattr(want, name)), name
+        assert getattr(mine, name).dtype == getattr(want, name).dtype == torch.int32, name  # the kernels' index type
+    assert torch.equal(mine.to_dense(), want.to_dense())
+
+
+@pytest.mark.parametrize("block", [4, 16, 128])
+def test_padding_is_a_segment_of_its_own(block):
+    """The padding tokens after the row see the padding before them and nothing else; no real token sees them."""
+    layout = short_layout()
+    bm = build_block_mask(layout, block=block)
+    n, T = layout.n_tokens, bm.seq_lengths[0]
+    q, k = torch.meshgrid(torch.arange(T), torch.arange(T), indexing="ij")
+    want = torch.zeros(T, T, dtype=torch.bool)
+    want[:n, :n] = dense_mask(layout)
+    want[n:, n:] = torch.ones(T - n, T - n, dtype=torch.bool).tril()
+    assert torch.equal(bm.mask_mod(0, 0, q, k), want)
+
+
+def test_block_must_be_a_power_of_two():
+    layout = short_layout()
+    for bad in (0, -4, 3, 6, 12):
+        with pytest.raises(ValueError, match="power of two"):
+            build_block_mask(layout, block=bad)
+    assert build_block_mask(layout, block=1).seq_lengths == (64, 64)
+
+
+def test_flex_length_is_the_smallest_power_of_two_bucket():
+    for block in (1, 4, 16, 128):
+        for n in range(1, 600):
+            T = flex_length(n, block)
+            assert T & (T - 1) == 0 and T >= max(n, block), (n, block)
+            assert T == block or T // 2 < n, (n, block)  # no smaller bucket holds the row
+    assert flex_length(1) == flex_length(128) == 128 and flex_length(129) == 256  # one block of 128 by default
+
+
+@pytest.mark.parametrize("blocks_per_band,extra", [(1, -1), (2, 0), (2, -1), (3, 0), (100, 0)])
+def test_bands_are_whole_blocks_within_the_element_budget(monkeypatch, blocks_per_band, extra):
+    """The token mask is evaluated a band of query rows at a time: the most whole blocks of rows whose T-wide mask
+    fits band_elements (one block at least), the last band what is left; the block mask is the same."""
+    from grpo.engine import flex_kernel
+
+    layout, block = short_layout(), 4
+    T = flex_length(layout.n_tokens, block)
+    band = blocks_per_band * T * block + extra
+    rows = []
+
+    def recording(seg, pseg):
+        inner = segment_mask_mod(seg, pseg)
+
+        def mask_mod(b, h, q, kv):
+            rows.append(q.numel())
+            return inner(b, h, q, kv)
+        return mask_mod
+
+    monkeypatch.setattr(flex_kernel, "segment_mask_mod", recording)
+    bm = build_block_mask(layout, block=block, band_elements=band)
+    per_band = max(1, band // (T * block)) * block
+    assert per_band * T <= max(band, block * T)
+    want = [per_band] * (T // per_band) + ([T % per_band] if T % per_band else [])
+    assert rows == want
+    assert torch.equal(bm.to_dense(), build_block_mask(layout, block=block).to_dense())
+
+
+def test_flex_available_says_whether_torch_has_flex_attention(monkeypatch):
+    import sys
+
+    assert flex_available()
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.flex_attention", None)  # its import now fails
+    assert not flex_available()
