@@ -188,6 +188,48 @@ def test_the_server_generator_refuses_what_it_does_not_run_with_in_one_line(cfg_
 
 
 # ------------------------------------------------------------------------------- the units mutation testing reaches
+def _cfg(K=1, backend="hf", dist="none", device="cpu", filter_zero=False, resample=0, passes=1, **server):
+    """The settings `check` reads, without composing a config (fast enough for every mutant)."""
+    s = {"sync_every": 1, "weight_transfer": "auto", **server}
+    return SimpleNamespace(rollout=SimpleNamespace(max_staleness=K, backend=backend, server=SimpleNamespace(**s)),
+                           trainer=SimpleNamespace(device=device), distributed=SimpleNamespace(backend=dist),
+                           algorithm=SimpleNamespace(filter_zero_std_groups=filter_zero, resample_zero_std=resample,
+                                                     num_iterations=passes))
+
+
+@pytest.mark.parametrize("kw,says", [
+    ({"backend": "vllm"}, "rollout.max_staleness=1 drives the hf generator process or the rollout servers "
+                          "(rollout.backend=vllm); use rollout.backend=hf or server"),
+    ({"dist": "deepspeed", "filter_zero": True, "resample": 1},
+     "rollout.max_staleness=1 with distributed.backend=deepspeed samples in one generator per rank, which cannot "
+     "agree on refill rounds (algorithm.resample_zero_std=1); use algorithm.resample_zero_std=0 (the zero-std filter "
+     "alone works) or distributed.backend=none"),
+    ({"backend": "server", "dist": "deepspeed"}, "rollout.max_staleness=1 with rollout.backend=server runs one "
+     "trainer process for now (distributed.backend=deepspeed); use distributed.backend=none, or rollout.backend=hf "
+     "(a generator per rank)"),
+    ({"backend": "server", "passes": 2}, "rollout.max_staleness=1 with rollout.backend=server trains each batch once "
+     "for now (algorithm.num_iterations=2); use algorithm.num_iterations=1, or rollout.backend=hf"),
+    ({"backend": "server", "sync_every": 2}, "rollout.max_staleness=1 pushes every version the schedule samples with "
+     "(rollout.server.sync_every=2); the lag is rollout.max_staleness: use rollout.server.sync_every=1"),
+    ({"backend": "server", "device": "cuda"}, "rollout.max_staleness=1 pushes a snapshot of each version through the "
+     "gloo channel (vLLM's nccl engine reads the live model); use rollout.server.weight_transfer=gloo"),
+    ({"backend": "server", "weight_transfer": "nccl"}, "gloo channel"),
+])
+def test_each_refusal_of_check_is_its_own_whole_line(kw, says):
+    with pytest.raises(SetupError) as e:
+        pipeline.check(_cfg(**kw))
+    assert str(e.value) == says or (len(says) < 20 and says in str(e.value))
+    pipeline.check(_cfg(K=0, **kw))  # K = 0: nothing is refused
+
+
+@pytest.mark.parametrize("kw", [{}, {"backend": "auto"}, {"dist": "deepspeed", "filter_zero": True},
+                                {"filter_zero": True, "resample": 2}, {"dist": "deepspeed", "resample": 2},
+                                {"passes": 3}, {"backend": "server"}, {"backend": "server", "device": "auto"},
+                                {"backend": "server", "device": "cuda", "weight_transfer": "gloo"}])
+def test_what_check_lets_through(kw):
+    pipeline.check(_cfg(**kw))
+
+
 def test_the_server_refusals_follow_the_device_and_auto_is_resolved(cfg_factory):
     """``weight_transfer=auto`` means nccl on a CUDA trainer (refused) and gloo on a CPU one; ``rollout.backend=auto``
     resolves to hf on the CPU (runs asynchronously) and the device ``auto`` to the CPU here."""

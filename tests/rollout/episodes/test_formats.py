@@ -349,3 +349,20 @@ def test_choose_refuses_the_template_format_where_no_template_shows_tools_and_sa
     nameless = _tok(GENERIC)
     nameless.name_or_path = ""
     assert "the chat template of the model shows no tools" in choose("auto", schemas, nameless, True)[1]
+
+
+def test_hermes_tool_turns_carry_each_calls_name_and_the_template_format_asks_the_tokenizers_parser():
+    from grpo.rollout.episodes.chat import ToolCall
+
+    calls = [ToolCall("add", {}), ToolCall("mul", {})]
+    assert FORMATS["hermes"]("tool").results(calls, ["1", "2"]) == [
+        {"role": "tool", "name": "add", "content": "<tool_response>\n1\n</tool_response>"},
+        {"role": "tool", "name": "mul", "content": "<tool_response>\n2\n</tool_response>"}]
+
+    class Parsing:  # a tokenizer with a response schema (transformers' parse_response)
+        response_template = "{...}"
+
+        def parse_response(self, text, prefix=""):
+            return {"tool_calls": [{"function": {"name": "add", "arguments": {"a": len(text)}}}]}
+
+    assert FORMATS["template"]("tool").parse("abc", Parsing()) == [ToolCall("add", {"a": 3})]
