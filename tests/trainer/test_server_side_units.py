@@ -32,8 +32,12 @@ def _batch():
     return Batch([{}, {}], [[1], [2]], [[[3]], [[4]]], [[False], [False]], torch.zeros(2), torch.zeros(2), stats={})
 
 
-def test_the_server_generator_samples_with_its_own_parts_and_the_pushed_versions(cfg_factory, monkeypatch):
-    cfg = cfg_factory({"data": {"num_eval": 0}, "reward": {"timeout_s": 30.0}})
+@pytest.mark.parametrize("episodes", [False, True])
+def test_the_server_generator_samples_with_its_own_parts_and_the_pushed_versions(cfg_factory, monkeypatch, episodes):
+    """With an environment: a tool worker and a turn loop of its own, the environment's reward beside the others."""
+    extra = {"rollout": {"environment": "tests.tool_fixtures:Counter", "max_turns": 2, "tool_timeout_s": 7.0}} \
+        if episodes else {}
+    cfg = cfg_factory({**extra, "data": {"num_eval": 0}, "reward": {"timeout_s": 30.0}})
     built = build_run(cfg)
     servers = FakeServers([3, 3], [3], None, [2, 3])
     run = dataclasses.replace(built, rollout=SimpleNamespace(make=lambda: servers))
@@ -66,10 +70,18 @@ def test_the_server_generator_samples_with_its_own_parts_and_the_pushed_versions
         with pytest.raises(RuntimeError, match=r"^the batch of step 6 was sampled with weight versions \[2, 3\], "
                                                r"not 3: a push came between its requests$"):
             gen.sample(6, 3)  # a request without versions (None) adds none; the next came back from version 2
+        names = [r.name for r in mine.rewards]
+        assert names == [r.name for r in run.rewards] and ("Counter" in names) == episodes  # the trainer's too
+        assert (mine.toolset is run.toolset) and (mine.tool_worker is None) == (mine.turn_loop is None) == (not episodes)
         killed = []
         for r in mine.rewards:
-            r.worker.kill = lambda w=r.worker: killed.append(w)
+            if r.worker is not None:
+                r.worker.kill = lambda w=r.worker: killed.append(w)
+        if episodes:
+            assert mine.tool_worker is not run.tool_worker and mine.tool_worker.timeout_s == 7.0
+            mine.tool_worker.kill = lambda: killed.append("tools")
     finally:
         gen.close()
         close_run(built)
-    assert len(killed) == 1 and servers.closed  # one shared reward worker, killed once; the backend closed
+    assert len(killed) == 1 + episodes and servers.closed  # one shared reward worker, killed once; the tool worker
+    assert len({id(r.worker) for r in mine.rewards if r.worker is not None}) == 1
