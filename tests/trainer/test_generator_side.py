@@ -72,3 +72,30 @@ def test_the_generator_side_loads_published_weights_and_samples_only_with_the_ve
     assert batch.versions == [4, 4] and batch.sampling_logps == "logps"
     s = mine.settings.collect
     assert asked == [(mine.runtime, mine.policy, batch, s.engine, s.sampling.temperature)]
+
+
+def test_own_sampling_parts_with_an_environment_are_the_generators_own(cfg_factory):
+    """The environment's reward joins the configured ones, the tool worker runs the configured environment with
+    rollout.tool_timeout_s, the prompt sampler starts where it is told; nothing is the trainer's object."""
+    from grpo.trainer.generator_side import own_sampling_parts
+
+    cfg = cfg_factory({"rollout": {"environment": "tests.tool_fixtures:Counter", "max_turns": 2, "tool_timeout_s": 7.0},
+                       "data": {"num_eval": 0}})
+    run = build_run(cfg)
+    try:
+        run.sampler.next(5)
+        state = run.sampler.state_dict()
+        rewards, sampler, worker, loop = own_sampling_parts(cfg, run.settings, run.tokenizer, run.toolset,
+                                                            run.runtime, len(run.splits.train), state)
+        assert [r.name for r in rewards] == [r.name for r in run.rewards] and rewards[-1].name == "Counter"
+        assert all(a is not b for a, b in zip(rewards, run.rewards))
+        assert sampler is not run.sampler and sampler.state_dict() == run.sampler.state_dict()
+        assert sampler.next(3) == run.sampler.next(3)  # the same prompts next, from the same seed and position
+        assert worker is not run.tool_worker and (worker.environment, worker.timeout_s) == (
+            "tests.tool_fixtures:Counter", 7.0)
+        assert callable(loop) and loop is not run.turn_loop
+        plain = own_sampling_parts(cfg, run.settings, run.tokenizer, None, run.runtime, 4, run.sampler.state_dict())
+        assert [r.name for r in plain[0]] == [r.name for r in run.rewards][:-1] and plain[2:] == (None, None)
+        worker.kill()
+    finally:
+        close_run(run)

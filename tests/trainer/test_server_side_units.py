@@ -72,7 +72,8 @@ def test_the_server_generator_samples_with_its_own_parts_and_the_pushed_versions
             gen.sample(6, 3)  # a request without versions (None) adds none; the next came back from version 2
         names = [r.name for r in mine.rewards]
         assert names == [r.name for r in run.rewards] and ("Counter" in names) == episodes  # the trainer's too
-        assert (mine.toolset is run.toolset) and (mine.tool_worker is None) == (mine.turn_loop is None) == (not episodes)
+        assert mine.toolset is run.toolset
+        assert (mine.tool_worker is None) == (mine.turn_loop is None) == (not episodes)
         killed = []
         for r in mine.rewards:
             if r.worker is not None:
