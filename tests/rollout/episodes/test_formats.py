@@ -366,3 +366,15 @@ def test_hermes_tool_turns_carry_each_calls_name_and_the_template_format_asks_th
             return {"tool_calls": [{"function": {"name": "add", "arguments": {"a": len(text)}}}]}
 
     assert FORMATS["template"]("tool").parse("abc", Parsing()) == [ToolCall("add", {"a": 3})]
+
+
+def test_pythonic_calls_of_tools_without_parameters_or_with_unknown_keywords():
+    ping = {"type": "function", "function": {"name": "ping"}}  # no parameters at all
+    bare = {"type": "function", "function": {"name": "bare", "parameters": {"type": "object"}}}  # no properties
+    fmt = FORMATS["pythonic"]("tool", [ADD, ping, bare])
+    got = lambda text: [(c.name, c.arguments, c.error) for c in fmt.parse(text, None)]  # noqa: E731
+    assert got("ping()") == [("ping", {}, None)] and got("bare(x=1)") == [("bare", {"x": 1}, None)]
+    assert got("add(c=1)") == [("add", {"c": 1}, None)]  # the tool itself says what it does not take
+    assert got("add(1, 2, 3)") == [("add", {}, "add takes 2 argument(s), the call gives 3")]
+    assert got("add(X, 1)") == [("add", {}, "the argument a of 'add(X, 1)' is not a Python literal")]
+    assert FORMATS["pythonic"]("tool").call_end("see (1) or (2)") is None  # no tools: nothing is a call
