@@ -99,7 +99,9 @@ def test_every_field_of_a_group_request_and_the_temperature_bound():
     assert body == {"model": "tiny:llama", "prompt": [3, 4], "n": 2, "max_tokens": 4, "temperature": 2.0,
                     "top_p": 0.5, "top_k": 3, "stop_token_ids": [2], "ignore_eos": False, "logprobs": 0,
                     "return_token_ids": True, "skip_special_tokens": False, "seed": 0}  # 2.0 is allowed, seed 0 sent
-    assert group_request("m", [3], 2, Sampling(4, temperature=5.0, greedy=True), [2], None)["temperature"] == 0.0
+    greedy = group_request("m", [3], 2, Sampling(4, temperature=5.0, top_p=0.9, greedy=True), [2], None)
+    assert (greedy["temperature"], greedy["top_p"]) == (0.0, 1.0)
+    assert group_request("m", [3], 2, Sampling(4, top_k=1), [2], None)["top_k"] == 1  # top-1 sampling is sent
 
 
 def test_a_choice_without_tokens_and_prompt_logprobs_given_as_numbers():
