@@ -239,9 +239,10 @@ SAY = {"type": "function", "function": {"name": "say", "description": "Say it.",
 
 
 def test_the_system_texts_are_exactly_what_the_model_reads():
-    assert FORMATS["hermes"]("user").system_text([ADD]) == (
-        "You may call tools. Their JSON schemas are inside <tools></tools>:\n<tools>\n" + json.dumps(
-            ADD, separators=(",", ":")) + "\n</tools>\nTo call one, reply with a JSON object inside <tool_call>"
+    listed = json.dumps(ADD, separators=(",", ":")) + "\n" + json.dumps(SAY, separators=(",", ":"))
+    assert FORMATS["hermes"]("user").system_text([ADD, SAY]) == (
+        "You may call tools. Their JSON schemas are inside <tools></tools>:\n<tools>\n" + listed +
+        "\n</tools>\nTo call one, reply with a JSON object inside <tool_call>"
         '</tool_call> tags:\n<tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call>\n'
         "The result comes back inside <tool_response></tool_response> tags.")
     assert FORMATS["pythonic"]("user").system_text([ADD, SAY]) == (
@@ -249,6 +250,8 @@ def test_the_system_texts_are_exactly_what_the_model_reads():
         "how: object): Say it.\nTo call one, reply with the call alone, for example add(a, b). Its result comes back "
         "in the next message.")
     assert "for example tool(argument)." in FORMATS["pythonic"]("user").system_text([])
+    assert "\nping(): \nadd(a: int, b: int): Add two integers.\nTo call one, reply with the call alone, for example " \
+        "ping()." in FORMATS["pythonic"]("user").system_text([{"function": {"name": "ping"}}, ADD])  # no parameters
     assert FORMATS["code"]("user").system_text([ADD, SAY]) == (
         "You can run code blocks:\nadd: Add two integers.\nsay: Say it.\nTo run one, write it inside ```add and ```; "
         "what it prints comes back inside ```output and ```.")

@@ -193,3 +193,7 @@ def test_the_pool_builds_its_servers_from_its_settings_and_says_on_stderr(capsys
     s = pool.pick()
     pool.done(s)
     assert s.in_flight == 0 and pool.pick() is pool.servers[1]
+    three = ServerPool(["http://a:1", "http://b:2", "http://c:3"])
+    assert [three.pick().url for _ in range(4)] == ["http://a:1", "http://b:2", "http://c:3", "http://a:1"]
+    one = ServerPool(["http://a:1"], balance="least_loaded")
+    assert one.pick() is one.pick() and one.servers[0].in_flight == 2  # each group in flight counts
