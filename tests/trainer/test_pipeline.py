@@ -385,3 +385,23 @@ def test_batches_picks_the_source_and_builds_the_generator_of_this_rank(cfg_fact
                           "trainer": {"max_steps": 3}})
     src = pipeline.batches(run, server, state)
     assert isinstance(src.gen, Recorder) and (src.lag, src.max_steps, src.passes) == (1, 3, 1) and len(built) == 2
+
+
+def test_the_trainer_finishes_each_batch_and_its_waits_are_times_not_sums_of_clocks(monkeypatch):
+    import time
+
+    run = _run()
+    gathered = []
+    full = run.runtime.full_weights
+    run.runtime.full_weights = lambda params: gathered.append(params) or full(params)
+    finished = []
+    monkeypatch.setattr(pipeline.experience, "finish", lambda r, batch: finished.append(r) or batch)
+    src = AsyncBatches(run, Recorder(run.runtime), lag=1, max_steps=3)
+    t0 = time.time()
+    stats = [src.batch(t).stats for t in (1, 2, 3)]
+    took = time.time() - t0
+    assert finished == [run, run, run]  # finished with the trainer's run (its reference, its settings)
+    assert all(0 <= s[k] <= took for s in stats for k in ("time/trainer_wait_s", "time/weights_publish_s"))
+    assert 0 <= src.waits["trainer"] <= took and src.waits["steps"] == 2
+    trainable = [p for p in run.policy.parameters() if p.requires_grad]
+    assert [list(map(id, g)) for g in gathered] == [list(map(id, run.policy.parameters())), list(map(id, trainable))]
