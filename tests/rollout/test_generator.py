@@ -210,6 +210,7 @@ def _serve_here(monkeypatch, tmp_path, build, messages):
     said = []
     monkeypatch.setattr(generator, "_die_with_parent", lambda: said.append("pdeathsig"))
     monkeypatch.setattr(generator.signal, "signal", lambda sig, how: said.append((sig, how)))
+    monkeypatch.setattr(generator.os, "getppid", lambda: 1)  # orphaned once the messages are read: never a hang
     monkeypatch.chdir(tmp_path.parent)
     monkeypatch.setattr(sys, "path", list(sys.path))
     req_r, req_w = mp.Pipe(duplex=False)
