@@ -247,3 +247,14 @@ def test_serve_sends_a_failed_build_or_sample_back_as_one_line(monkeypatch, tmp_
     assert _serve_here(monkeypatch, tmp_path, broken, []) == [("error", "ImportError: no module named rewards_x")]
     got = _serve_here(monkeypatch, tmp_path, lambda spec: _Side(fail=True), [("sample", 1, 0), ("sample", 2, 0)])
     assert got == [("ready", None), ("error", "ValueError: no such column")]
+
+
+def test_serve_ends_when_orphaned_and_reads_on_a_daemon_thread(monkeypatch, tmp_path):
+    """No stop message: the loop ends at its first idle poll once the parent is gone (ppid 1); the thread reading the
+    requests never keeps the process alive."""
+    import threading
+
+    got = _serve_here(monkeypatch, tmp_path, lambda spec: _Side(), [("sample", 1, 0)])
+    assert [k for k, _ in got] == ["ready", "batch"]
+    readers = [t for t in threading.enumerate() if "_read_into" in t.name]
+    assert readers and all(t.daemon for t in readers)
