@@ -258,10 +258,8 @@ class _Gen(Recorder):
 
     def submit(self, step, version):
         super().submit(step, version)
-        got = self.queue[-1]
-        got.batch.versions = self.versions
-        for k, v in self.times.items():
-            setattr(got, k, v)
+        self.queue[-1].batch.versions = self.versions
+        self.queue[-1].__dict__.update(self.times)
 
 
 def test_the_staleness_metrics_are_over_the_batchs_own_versions_and_the_times_are_the_generators(no_finish):
@@ -304,8 +302,7 @@ def test_the_bottleneck_counts_waits_after_the_first_batch_and_is_said_on_the_ma
                                        "0.50 s for weights: generation (sampling and rewards) is the bottleneck")
     src.close()
     assert "generation (sampling and rewards)" in capsys.readouterr().err and gen.calls[-1] == ("close",)
-    quiet = AsyncBatches(_run(), _Gen(), lag=1, max_steps=2)
-    quiet.close()  # no step yet: nothing to say
+    AsyncBatches(_run(), _Gen(), lag=1, max_steps=2).close()  # no step yet: nothing to say
     assert capsys.readouterr().err == ""
     run.runtime.is_main = False
     src._say("not on this rank")
@@ -326,8 +323,9 @@ def test_a_step_never_asked_for_and_a_failed_generator_are_one_line_errors(no_fi
 
 
 def test_the_sampler_a_checkpoint_saves_is_the_one_after_the_newest_batch_asked_for(no_finish):
-    """Batches may come back before the newest request: only the batch of the newest step asked for carries the
-    sampler after every prompt drawn; a checkpoint before any batch keeps the trainer's own sampler."""
+    """Only the batch of the newest step asked for carries the sampler after every prompt drawn (batches may come
+    back before it); a checkpoint before any batch keeps the trainer's own sampler. A publication of an old version,
+    or with nothing to ask, sends nothing."""
     run = _run()
     src = AsyncBatches(run, Recorder(), lag=2, max_steps=6)
     src._publish(0)  # steps 1, 2, 3 asked for
@@ -338,9 +336,6 @@ def test_the_sampler_a_checkpoint_saves_is_the_one_after_the_newest_batch_asked_
     fresh = _run()
     AsyncBatches(fresh, Recorder(), lag=1, max_steps=2).in_flight()
     assert fresh.sampler.state is None
-
-
-def test_a_publication_of_an_old_version_or_with_nothing_to_ask_sends_nothing(no_finish):
     gen = Recorder()
     src = AsyncBatches(_run(), gen, lag=1, max_steps=2)
     src._publish(0)
@@ -391,10 +386,8 @@ def test_the_trainer_finishes_each_batch_and_its_waits_are_times_not_sums_of_clo
     import time
 
     run = _run()
-    gathered = []
-    full = run.runtime.full_weights
+    gathered, finished, full = [], [], run.runtime.full_weights
     run.runtime.full_weights = lambda params: gathered.append(params) or full(params)
-    finished = []
     monkeypatch.setattr(pipeline.experience, "finish", lambda r, batch: finished.append(r) or batch)
     src = AsyncBatches(run, Recorder(run.runtime), lag=1, max_steps=3)
     t0 = time.time()
