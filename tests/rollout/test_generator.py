@@ -254,7 +254,17 @@ def test_serve_ends_when_orphaned_and_reads_on_a_daemon_thread(monkeypatch, tmp_
     requests never keeps the process alive."""
     import threading
 
+    from grpo.rollout import generator
+
+    started = []  # recorded at start: the reader ends by itself once the test's end of the pipe is gone
+
+    class Recorded(threading.Thread):
+        def start(self):
+            started.append(self)
+            super().start()
+
+    monkeypatch.setattr(generator.threading, "Thread", Recorded)
     got = _serve_here(monkeypatch, tmp_path, lambda spec: _Side(), [("sample", 1, 0)])
     assert [k for k, _ in got] == ["ready", "batch"]
-    readers = [t for t in threading.enumerate() if "_read_into" in t.name]
+    readers = [t for t in started if "_read_into" in t.name]
     assert readers and all(t.daemon for t in readers)
