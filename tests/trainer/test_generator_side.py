@@ -43,7 +43,7 @@ def test_the_generator_side_loads_published_weights_and_samples_only_with_the_ve
         side = build(GeneratorSpec(cfg, run.settings, run.splits.train, run.sampler.state_dict(), threads=1, rank=1,
                                    world_size=2))
     finally:
-        close_run(run)
+        run.close()
     mine = side.run
     assert (mine.runtime.rank, mine.runtime.world_size, mine.completion_format) == (1, 2, "text")
     assert mine.policy.training and torch.get_num_threads() == 1
@@ -98,4 +98,4 @@ def test_own_sampling_parts_with_an_environment_are_the_generators_own(cfg_facto
         assert [r.name for r in plain[0]] == [r.name for r in run.rewards][:-1] and plain[2:] == (None, None)
         worker.kill()
     finally:
-        close_run(run)
+        run.close()

@@ -9,7 +9,7 @@ import torch
 
 from grpo.batch import Batch
 from grpo.trainer import server_side
-from grpo.trainer.build import build_run, close_run
+from grpo.trainer.build import build_run
 
 
 class FakeServers:
@@ -83,6 +83,6 @@ def test_the_server_generator_samples_with_its_own_parts_and_the_pushed_versions
             mine.tool_worker.kill = lambda: killed.append("tools")
     finally:
         gen.close()
-        close_run(built)
+        built.close()
     assert len(killed) == 1 + episodes and servers.closed  # one shared reward worker, killed once; the tool worker
     assert len({id(r.worker) for r in mine.rewards if r.worker is not None}) == 1
