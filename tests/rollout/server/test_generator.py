@@ -156,6 +156,28 @@ def _recording(servers, log):
     return sample
 
 
+def _received(gen, timeout=None, within_s=10.0):
+    """``gen.receive(timeout)`` on a thread of its own, failed when it has not come back within ``within_s``: a
+    broken deadline shows in seconds instead of hanging the test (and a mutation run) until something kills it."""
+    import threading
+
+    out = {}
+
+    def call():
+        try:
+            out["batch"] = gen.receive(timeout=timeout)
+        except BaseException as e:  # noqa: BLE001 - handed back to the test as raised
+            out["error"] = e
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(within_s)
+    assert not t.is_alive(), f"receive(timeout={timeout}) did not come back within {within_s} s"
+    if "error" in out:
+        raise out["error"]
+    return out["batch"]
+
+
 def test_the_worker_pushes_each_published_snapshot_before_the_steps_that_use_it():
     from grpo.rollout.server.backend import trainer_logprobs
 
@@ -172,10 +194,10 @@ def test_the_worker_pushes_each_published_snapshot_before_the_steps_that_use_it(
         first.add_(1.0)
     gen.submit(1, 0)
     gen.submit(2, 0)
-    got = [gen.receive(timeout=30) for _ in range(2)]
+    got = [_received(gen, 10) for _ in range(2)]
     gen.publish(1)
     gen.submit(3, 1)
-    got.append(gen.receive(timeout=30))
+    got.append(_received(gen, 10))
     gen.close()
     kinds = [e[0] for e in servers.log]
     assert kinds == ["push", "check", "sample", "sample", "push", "check", "sample"]
@@ -199,15 +221,15 @@ def test_receive_raises_the_workers_failure_and_says_when_nothing_comes():
     gen = ServerGenerator(_Servers(fail_check=own), trainer, lambda s, v: None)
     gen.publish(0)
     with pytest.raises(GRPOError) as e:
-        gen.receive(timeout=30)
+        _received(gen, 10)
     assert e.value is own  # the project's own errors as they are
     with pytest.raises(pipeline.GeneratorError, match="^the server generator's thread has stopped$"):
-        gen.receive(timeout=30)
+        _received(gen, 10)
     closed = []
     idle = ServerGenerator(_Servers(), trainer, lambda s, v: None, closers=[lambda: closed.append(1),
                                                                           lambda: closed.append(2)])
     with pytest.raises(TimeoutError, match="no batch from the rollout servers in time"):
-        idle.receive(timeout=0.1)
+        _received(idle, 0.1)
     idle.todo.put(("sample", 9, 9))  # never started: dropped at close (the servers hold no version 9)
     idle.close()
     assert closed == [1, 2] and not idle.thread.is_alive() and idle.done.empty()
@@ -216,10 +238,10 @@ def test_receive_raises_the_workers_failure_and_says_when_nothing_comes():
     with pytest.raises(pipeline.GeneratorError, match="^the server generator failed: RuntimeError: step 1 wants the "
                                                       "weights of version 0, the servers hold None: published out of "
                                                       "order$"):
-        early.receive(timeout=30)
+        _received(early, 10)
     early.close()
     bare = ServerGenerator(_Servers(), trainer, lambda s, v: None)
     bare.done.put(("error", KeyError()))
     with pytest.raises(pipeline.GeneratorError, match="^the server generator failed: KeyError: $"):
-        bare.receive()
+        _received(bare)
     bare.close()
