@@ -5,7 +5,9 @@ import time
 
 import pytest
 
+from grpo.config.schema import ServerConfig
 from grpo.rollout.base import Sampling
+from grpo.rollout.server import client
 from grpo.rollout.server.client import Server, ServerError, ServerPool, group_request, parse_group, prompt_logprobs
 from grpo.runtime.transfer import free_port
 from tests.rollout.server.fake_server import FakeServer
@@ -119,7 +121,8 @@ def test_a_choice_without_tokens_and_prompt_logprobs_given_as_numbers():
 class _Answers:
     """A server answering every request with ``code`` and ``body`` (bytes), recording the requests."""
 
-    def __init__(self, code=200, body=b""):
+    def __init__(self, code=200, body=b"", only=None):
+        """``only``: the one path answered so; any other gets an empty 404."""
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         seen = self.seen = []
@@ -131,12 +134,13 @@ class _Answers:
             def _go(self):
                 n = int(self.headers.get("Content-Length") or 0)
                 seen.append((self.command, self.path, self.rfile.read(n), self.headers.get("Content-Type")))
-                self.send_response(code)
-                self.send_header("Content-Length", str(len(body)))
+                out = body if only in (None, self.path) else b""
+                self.send_response(code if only in (None, self.path) else 404)
+                self.send_header("Content-Length", str(len(out)))
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.write(out)
 
-            do_GET = do_POST = _go
+            do_GET = do_POST = do_PUT = _go
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -197,3 +201,82 @@ def test_the_pool_builds_its_servers_from_its_settings_and_says_on_stderr(capsys
     assert [three.pick().url for _ in range(4)] == ["http://a:1", "http://b:2", "http://c:3", "http://a:1"]
     one = ServerPool(["http://a:1"], balance="least_loaded")
     assert one.pick() is one.pick() and one.servers[0].in_flight == 2  # each group in flight counts
+
+
+def test_an_error_answer_that_is_not_utf8_or_cannot_be_read_and_a_reason_that_is_long_or_empty():
+    import io
+    import urllib.error
+
+    bad = _Answers(code=503, body=b"not \xff ready")
+    try:
+        with pytest.raises(ServerError, match="with HTTP 503: not \ufffd ready$"):  # undecodable bytes replaced
+            Server(bad.url).get("/v1/models")
+    finally:
+        bad.stop()
+    unread = urllib.error.HTTPError("http://h:1/x", 502, "Bad Gateway", {}, io.BytesIO(b"lost"))
+    unread.read = lambda: (_ for _ in ()).throw(OSError("gone"))  # the body cannot be read: the code alone
+    assert client._short(unread) == "HTTP 502: "
+    assert client._short(urllib.error.URLError("y" * 300)) == "y" * 200
+    assert client._short(ConnectionResetError()) == "ConnectionResetError"  # an empty reason: the error's kind
+
+
+def test_defaults_are_the_configs_and_a_url_loses_only_its_trailing_slashes():
+    cfg = ServerConfig()
+    s = Server("http://h:1/X//")
+    assert (s.url, s.timeout_s, s.retries, s.retry_wait_s) == ("http://h:1/X", cfg.request_timeout_s, cfg.retries, 1.0)
+    pool = ServerPool(["http://h:1"])
+    assert (pool.servers[0].timeout_s, pool.servers[0].retries) == (cfg.request_timeout_s, cfg.retries)
+    assert (pool.balance, pool.connect_timeout_s) == (cfg.balance, cfg.connect_timeout_s)
+
+
+def test_the_method_asked_is_sent_and_post_passes_its_request_settings_on(fakes):
+    ok = _Answers(body=b"")
+    try:
+        Server(ok.url).request("PUT", "/x", {"a": 1})
+        Server(ok.url).request("GET", "/y", {"a": 1})  # a body does not make it a POST
+        assert [(m, p) for m, p, *_ in ok.seen] == [("PUT", "/x"), ("GET", "/y")]
+    finally:
+        ok.stop()
+    flaky = fakes(drop_first=1)
+    assert Server(flaky.url, retries=0, retry_wait_s=0.01).post("/v1/models", retries=1)["data"]
+
+
+def test_the_health_probe_asks_health_and_gives_up_after_five_seconds(monkeypatch):
+    health = _Answers(only="/health")
+    try:
+        assert Server(health.url).up() and [p for _, p, *_ in health.seen] == ["/health"]
+    finally:
+        health.stop()
+    asked = []
+
+    def urlopen(url, timeout=None):
+        asked.append((url, timeout))
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(client.urllib.request, "urlopen", urlopen)
+    assert not Server("http://h:1").up() and asked == [("http://h:1/health", 5)]  # a hung server is not up
+
+
+def test_what_the_pool_says_reaches_a_buffered_stderr_at_once(monkeypatch):
+    import io
+
+    raw = io.BytesIO()
+    monkeypatch.setattr(client.sys, "stderr", io.TextIOWrapper(raw, encoding="utf-8"))  # a pipe: block-buffered
+    ServerPool(["http://h:1"]).say("waiting")
+    assert raw.getvalue() == b"[grpo] waiting\n"
+
+
+def test_waiting_polls_once_a_second_and_gives_a_server_until_its_deadline(monkeypatch):
+    import types
+
+    clock, slept = iter([0.0, 0.5, 3.0]), []
+    monkeypatch.setattr(client, "time", types.SimpleNamespace(monotonic=lambda: next(clock), sleep=slept.append))
+    pool = ServerPool(["http://a:1"], connect_timeout_s=3.0, say=lambda m: None)
+    answers = iter([False, False, True])
+    pool.servers[0].up = lambda: next(answers)
+    pool.wait_until_up()  # down at 0.5 and at 3.0 (the deadline itself), up at the third look
+    assert slept == [1.0, 1.0]
+    clock = iter([10.0, 13.5])
+    pool.servers[0].up = lambda: False
+    with pytest.raises(ServerError, match="not up after"):
+        pool.wait_until_up()  # 13.5 is past the deadline 10.0 + 3.0

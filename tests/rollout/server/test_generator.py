@@ -245,3 +245,88 @@ def test_receive_raises_the_workers_failure_and_says_when_nothing_comes():
     with pytest.raises(pipeline.GeneratorError, match="^the server generator failed: KeyError: $"):
         _received(bare)
     bare.close()
+
+
+class _SlowServers(_Servers):
+    def push(self, weights, version):
+        import time
+
+        super().push(weights, version)
+        time.sleep(0.2)
+
+
+def _slow_sample(servers, seconds):
+    def sample(step, version):
+        import time
+
+        time.sleep(seconds)
+        return Generated(step, version, batch=None, sampler={})
+    return sample
+
+
+def test_receive_waits_for_a_late_batch_and_a_timeout_ends_at_the_first_poll_past_it(monkeypatch):
+    import time
+    import types
+
+    from grpo.rollout.server import generator
+
+    trainer = tiny_model("llama", len(char_tokenizer()), seed=1, **TINY)
+    servers = _Servers()
+    gen = ServerGenerator(servers, trainer, _slow_sample(servers, 1.5))
+    gen.publish(0)
+    gen.submit(1, 0)
+    gen.submit(2, 0)
+    assert _received(gen, 5).step == 1  # comes after the first 1 s poll, well before its deadline
+    assert _received(gen, None).step == 2  # no timeout: waits as long as it takes
+    gen.close()
+    idle = ServerGenerator(_Servers(), trainer, lambda s, v: None)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        _received(idle, 0.1)
+    assert time.monotonic() - t0 < 1.8  # told at the first poll (1 s), not later
+    clock = iter([100.0, 105.0])  # the deadline, then the first poll exactly at it
+    monkeypatch.setattr(generator, "time", types.SimpleNamespace(time=lambda: next(clock)))
+    with pytest.raises(TimeoutError):
+        _received(idle, 5)
+    monkeypatch.undo()
+    idle.close()
+
+
+def test_close_gives_a_stuck_task_wait_s_then_leaves_it_to_its_thread():
+    import threading
+    import time
+
+    trainer = tiny_model("llama", len(char_tokenizer()), seed=1, **TINY)
+    release = threading.Event()
+    closed = []
+    stuck = ServerGenerator(_Servers(), trainer, lambda s, v: release.wait(30), closers=[lambda: closed.append(1)])
+    stuck.publish(0)
+    stuck.submit(1, 0)
+    time.sleep(0.3)  # the worker is in the sample now
+    t0 = time.monotonic()
+    stuck.close(wait_s=0.3)
+    assert time.monotonic() - t0 < 5 and stuck.thread.is_alive() and closed == [1]
+    release.set()
+    idle = ServerGenerator(_Servers(), trainer, lambda s, v: None)
+    joins, join = [], idle.thread.join
+    idle.thread.join = lambda timeout=None: (joins.append(timeout), join(timeout))[1]
+    idle.close()
+    assert joins == [10.0] and not idle.thread.is_alive()
+
+
+def test_a_batch_times_its_wait_its_sampling_and_every_push_before_it():
+    import time
+
+    trainer = tiny_model("llama", len(char_tokenizer()), seed=1, **TINY)
+    servers = _SlowServers()
+    t0 = time.time()
+    gen = ServerGenerator(servers, trainer, _slow_sample(servers, 0.3))
+    gen.publish(0)
+    gen.publish(1)
+    gen.submit(1, 1)
+    got = _received(gen, 10)
+    elapsed = time.time() - t0
+    gen.close()
+    assert got.load_s >= 0.4  # both pushes (0.2 s each) count
+    assert got.busy_s >= 0.3 and got.wait_s >= 0
+    assert got.wait_s + got.load_s + got.busy_s <= elapsed  # the three split the worker's time, none twice
