@@ -64,7 +64,7 @@ class GeneratorError(RuntimeError):
 class GeneratorProcess:
     """The trainer's handle on a spawned generator. ``build(spec)`` runs in the child; ``spec`` must pickle."""
 
-    def __init__(self, build: Callable, spec, name: str = "grpo-generator"):
+    def __init__(self, build: Callable, spec, name: str = "grpo-generator"):  # pragma: no mutate block
         ctx = mp.get_context("spawn")
         requests, self._send = ctx.Pipe(duplex=False)    # trainer -> generator: weights, requests, stop
         self._results, results = ctx.Pipe(duplex=False)  # generator -> trainer: ready, batches, errors
@@ -139,7 +139,7 @@ def _read_into(conn, inbox: queue.Queue) -> None:
             return
 
 
-def _die_with_parent() -> None:
+def _die_with_parent() -> None:  # pragma: no mutate block
     """Linux: SIGKILL this process when the trainer dies (kill -9 included)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -185,3 +185,216 @@ def test_the_server_generator_refuses_what_it_does_not_run_with_in_one_line(cfg_
                                                 "server": {"urls": ["http://127.0.0.1:9"]}},
                                     "distributed": {"backend": "deepspeed"}}))
     assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------- the units mutation testing reaches
+def _cfg(K=1, backend="hf", dist="none", device="cpu", filter_zero=False, resample=0, passes=1, **server):
+    """The settings `check` reads, without composing a config (fast enough for every mutant)."""
+    s = {"sync_every": 1, "weight_transfer": "auto", **server}
+    return SimpleNamespace(rollout=SimpleNamespace(max_staleness=K, backend=backend, server=SimpleNamespace(**s)),
+                           trainer=SimpleNamespace(device=device), distributed=SimpleNamespace(backend=dist),
+                           algorithm=SimpleNamespace(filter_zero_std_groups=filter_zero, resample_zero_std=resample,
+                                                     num_iterations=passes))
+
+
+@pytest.mark.parametrize("kw,says", [
+    ({"backend": "vllm"}, "rollout.max_staleness=1 drives the hf generator process or the rollout servers "
+                          "(rollout.backend=vllm); use rollout.backend=hf or server"),
+    ({"dist": "deepspeed", "filter_zero": True, "resample": 1},
+     "rollout.max_staleness=1 with distributed.backend=deepspeed samples in one generator per rank, which cannot "
+     "agree on refill rounds (algorithm.resample_zero_std=1); use algorithm.resample_zero_std=0 (the zero-std filter "
+     "alone works) or distributed.backend=none"),
+    ({"backend": "server", "dist": "deepspeed"}, "rollout.max_staleness=1 with rollout.backend=server runs one "
+     "trainer process for now (distributed.backend=deepspeed); use distributed.backend=none, or rollout.backend=hf "
+     "(a generator per rank)"),
+    ({"backend": "server", "passes": 2}, "rollout.max_staleness=1 with rollout.backend=server trains each batch once "
+     "for now (algorithm.num_iterations=2); use algorithm.num_iterations=1, or rollout.backend=hf"),
+    ({"backend": "server", "sync_every": 2}, "rollout.max_staleness=1 pushes every version the schedule samples with "
+     "(rollout.server.sync_every=2); the lag is rollout.max_staleness: use rollout.server.sync_every=1"),
+    ({"backend": "server", "device": "cuda"}, "rollout.max_staleness=1 pushes a snapshot of each version through the "
+     "gloo channel (vLLM's nccl engine reads the live model); use rollout.server.weight_transfer=gloo"),
+    ({"backend": "server", "weight_transfer": "nccl"}, "gloo channel"),
+])
+def test_each_refusal_of_check_is_its_own_whole_line(kw, says):
+    with pytest.raises(SetupError) as e:
+        pipeline.check(_cfg(**kw))
+    assert str(e.value) == says or (len(says) < 20 and says in str(e.value))
+    pipeline.check(_cfg(K=0, **kw))  # K = 0: nothing is refused
+
+
+@pytest.mark.parametrize("kw", [{}, {"backend": "auto"}, {"dist": "deepspeed", "filter_zero": True},
+                                {"filter_zero": True, "resample": 2}, {"dist": "deepspeed", "resample": 2},
+                                {"passes": 3}, {"backend": "server"}, {"backend": "server", "device": "auto"},
+                                {"backend": "server", "device": "cuda", "weight_transfer": "gloo"}])
+def test_what_check_lets_through(kw):
+    pipeline.check(_cfg(**kw))
+
+
+def test_the_server_refusals_follow_the_device_and_auto_is_resolved(cfg_factory):
+    """``weight_transfer=auto`` means nccl on a CUDA trainer (refused) and gloo on a CPU one; ``rollout.backend=auto``
+    resolves to hf on the CPU (runs asynchronously) and the device ``auto`` to the CPU here."""
+    base = cfg_factory({"rollout": {"max_staleness": 1, "backend": "server", "server": {"urls": ["http://h:1"]}}})
+    on = lambda device, **server: dataclasses.replace(base, trainer=dataclasses.replace(  # noqa: E731
+        base.trainer, device=device), rollout=dataclasses.replace(base.rollout, server=dataclasses.replace(
+            base.rollout.server, **server)))
+    with pytest.raises(SetupError, match="weight_transfer=gloo"):
+        pipeline.check(on("cuda"))
+    pipeline.check(on("cuda", weight_transfer="gloo"))
+    pipeline.check(on("cpu"))
+    pipeline.check(on("auto"))  # no CUDA on these machines: the CPU, gloo
+    assert pipeline.server_refusal(on("cpu").rollout.server, "cpu") is None
+    assert "sync_every=3" in pipeline.server_refusal(on("cpu", sync_every=3).rollout.server, "cpu")
+    auto = cfg_factory({"rollout": {"max_staleness": 1, "backend": "auto"}})
+    pipeline.check(auto)
+    assert pipeline._backend(auto, "cpu") == "hf" and pipeline._backend(base, "cpu") == "server"
+
+
+class _Gen(Recorder):
+    """A recorder whose batches carry given versions and timings."""
+
+    def __init__(self, runtime=None, versions=None, **times):
+        super().__init__(runtime)
+        self.versions, self.times = versions, times
+
+    def submit(self, step, version):
+        super().submit(step, version)
+        self.queue[-1].batch.versions = self.versions
+        self.queue[-1].__dict__.update(self.times)
+
+
+def test_the_staleness_metrics_are_over_the_batchs_own_versions_and_the_times_are_the_generators(no_finish):
+    """A batch whose samples carry several versions (a server run's groups) reports the mean and max staleness over
+    them; without versions the batch's own; the generator's busy, wait and load times are passed on."""
+    gen = _Gen(versions=[0, 0, 0, 2], busy_s=1.25, load_s=0.75, wait_s=0.5)
+    src = AsyncBatches(_run(), gen, lag=1, max_steps=4)
+    src.batch(1), src.batch(2)
+    stats = src.batch(4 - 1).stats  # step 3: staleness 3 - 1 - v over versions 0, 0, 0, 2
+    assert stats["async/staleness_mean"] == pytest.approx((2 + 2 + 2 + 0) / 4) and stats["async/staleness_max"] == 2
+    assert (stats["time/generator_busy_s"], stats["time/weights_load_s"], stats["time/generator_wait_s"]) == \
+        (1.25, 0.75, 0.5)
+    assert stats["time/weights_publish_s"] >= 0 and stats["async/version"] == sampled_with(3, 1)
+    plain = AsyncBatches(_run(), _Gen(versions=None), lag=2, max_steps=4)
+    got = [plain.batch(t).stats for t in (1, 2, 3)]
+    assert [s["async/staleness_mean"] for s in got] == [0, 1, 2] and [s["async/version"] for s in got] == [0, 0, 0]
+
+
+def test_the_bottleneck_counts_waits_after_the_first_batch_and_is_said_on_the_main_rank(no_finish, capsys):
+    run = _run()
+    run.runtime.is_main = True
+    gen = _Gen(wait_s=2.0)
+    src = AsyncBatches(run, gen, lag=1, max_steps=12)
+    src.batch(1)
+    assert src.waits == {"trainer": 0.0, "generator": 0.0, "steps": 0}  # the first batch is always waited for
+    for t in range(2, 10):
+        src.batch(t)
+    assert src.waits["steps"] == 8 and src.waits["generator"] == pytest.approx(16.0)
+    assert capsys.readouterr().err == ""  # said every 10 steps only
+    src.batch(10)
+    err = capsys.readouterr().err
+    assert err.startswith("[grpo] async K=1: the trainer waited ") and "the generator 2.00 s for weights" in err
+    assert "training (the update) is the bottleneck" in err  # the generator waited longer than the trainer
+    src.waits = {"trainer": 3.0, "generator": 1.0, "steps": 1}
+    assert "waited 3.00 s per step for batches, the generator 1.00 s" in src.bottleneck()
+    src.waits = {"trainer": 1.0, "generator": 1.0, "steps": 1}
+    assert src.bottleneck().endswith("training (the update) is the bottleneck")  # a tie: neither side waits less
+    src.waits = {"trainer": 3.0, "generator": 1.0, "steps": 2}
+    assert src.bottleneck().startswith("async K=1: the trainer waited 1.50 s per step for batches, the generator "
+                                       "0.50 s for weights: generation (sampling and rewards) is the bottleneck")
+    src.close()
+    assert "generation (sampling and rewards)" in capsys.readouterr().err and gen.calls[-1] == ("close",)
+    AsyncBatches(_run(), _Gen(), lag=1, max_steps=2).close()  # no step yet: nothing to say
+    assert capsys.readouterr().err == ""
+    run.runtime.is_main = False
+    src._say("not on this rank")
+    assert capsys.readouterr().err == ""
+
+
+def test_a_step_never_asked_for_and_a_failed_generator_are_one_line_errors(no_finish):
+    src = AsyncBatches(_run(), Recorder(), lag=1, max_steps=3)
+    with pytest.raises(RuntimeError, match="the batch of step 3 was never asked of the generator"):
+        src._take(3)
+
+    class Broken(Recorder):
+        def receive(self, timeout=None):
+            raise pipeline.GeneratorError("the generator process died (exit code -9)")
+
+    with pytest.raises(SetupError, match=r"^the generator process died \(exit code -9\)$"):
+        AsyncBatches(_run(), Broken(), lag=1, max_steps=3).batch(1)
+
+
+def test_the_sampler_a_checkpoint_saves_is_the_one_after_the_newest_batch_asked_for(no_finish):
+    """Only the batch of the newest step asked for carries the sampler after every prompt drawn (batches may come
+    back before it); a checkpoint before any batch keeps the trainer's own sampler. A publication of an old version,
+    or with nothing to ask, sends nothing."""
+    run = _run()
+    src = AsyncBatches(run, Recorder(), lag=2, max_steps=6)
+    src._publish(0)  # steps 1, 2, 3 asked for
+    src._receive()
+    assert src.sampler is None  # step 1's sampler is not the newest
+    src._receive(), src._receive()
+    assert src.sampler == {"drawn_for": 3}
+    fresh = _run()
+    AsyncBatches(fresh, Recorder(), lag=1, max_steps=2).in_flight()
+    assert fresh.sampler.state is None
+    gen = Recorder()
+    src = AsyncBatches(_run(), gen, lag=1, max_steps=2)
+    src._publish(0)
+    src._publish(0)
+    assert [c[0] for c in gen.calls] == ["publish", "submit", "submit"]
+    src._publish(1)  # step 3 would sample with it: past max_steps
+    assert len(gen.calls) == 3 and src.published == 0
+
+
+def test_batches_picks_the_source_and_builds_the_generator_of_this_rank(cfg_factory, monkeypatch):
+    """K = 0: the inline source (collect in the loop); K > 0 (or ``process=True``): the generator process built
+    from this rank's spec, or the server generator for rollout.backend=server."""
+    from grpo.runtime.local import LocalRuntime
+    from grpo.trainer import server_side
+
+    built = []
+    monkeypatch.setattr(pipeline, "GeneratorProcess", lambda build, spec, name: built.append((spec, name)) or
+                        Recorder())
+    monkeypatch.setattr(server_side, "server_generator", lambda run, cfg: ("server", Recorder())[1])
+    monkeypatch.setattr(pipeline.experience, "collect", lambda run: ("collected", run))
+    rt = LocalRuntime("cpu", 1, 2)
+    run = SimpleNamespace(runtime=rt, settings="settings", splits=SimpleNamespace(train=[{"p": 1}]),
+                          sampler=SimpleNamespace(state_dict=lambda: {"pos": 7}))
+    state = SimpleNamespace(in_flight=None)
+    cfg = cfg_factory({"algorithm": {"num_iterations": 2}, "trainer": {"max_steps": 5}})
+    inline = pipeline.batches(run, cfg, state)
+    assert isinstance(inline, pipeline.InlineBatches) and inline.batch(1) == ("collected", run)
+    assert inline.in_flight() is None and inline.close() is None and not built
+    src = pipeline.batches(run, cfg, state, process=True)
+    assert isinstance(src, AsyncBatches) and (src.lag, src.max_steps, src.passes) == (0, 5, 2)
+    (spec, name), = built
+    assert name == "grpo-generator-1" and (spec.rank, spec.world_size, spec.device) == (1, 2, "cpu")
+    assert (spec.settings, spec.train_rows, spec.sampler, spec.threads) == ("settings", [{"p": 1}], {"pos": 7},
+                                                                           torch.get_num_threads())
+    assert spec.cfg is cfg
+    saved = {"lag": 2, "batches": {4: "stored"}}
+    k2 = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_staleness=2))
+    again = pipeline.batches(run, k2, SimpleNamespace(in_flight=saved))
+    assert isinstance(again, AsyncBatches) and again.ready == {4: "stored"} and again.lag == 2
+    assert pipeline.batches(run, k2, state, process=False).__class__ is pipeline.InlineBatches
+    server = cfg_factory({"rollout": {"max_staleness": 1, "backend": "server", "server": {"urls": ["http://h:1"]}},
+                          "trainer": {"max_steps": 3}})
+    src = pipeline.batches(run, server, state)
+    assert isinstance(src.gen, Recorder) and (src.lag, src.max_steps, src.passes) == (1, 3, 1) and len(built) == 2
+
+
+def test_the_trainer_finishes_each_batch_and_its_waits_are_times_not_sums_of_clocks(monkeypatch):
+    import time
+
+    run = _run()
+    gathered, finished, full = [], [], run.runtime.full_weights
+    run.runtime.full_weights = lambda params: gathered.append(params) or full(params)
+    monkeypatch.setattr(pipeline.experience, "finish", lambda r, batch: finished.append(r) or batch)
+    src = AsyncBatches(run, Recorder(run.runtime), lag=1, max_steps=3)
+    t0 = time.time()
+    stats = [src.batch(t).stats for t in (1, 2, 3)]
+    took = time.time() - t0
+    assert finished == [run, run, run]  # finished with the trainer's run (its reference, its settings)
+    assert all(0 <= s[k] <= took for s in stats for k in ("time/trainer_wait_s", "time/weights_publish_s"))
+    assert 0 <= src.waits["trainer"] <= took and src.waits["steps"] == 2
+    trainable = [p for p in run.policy.parameters() if p.requires_grad]
+    assert [list(map(id, g)) for g in gathered] == [list(map(id, run.policy.parameters())), list(map(id, trainable))]

@@ -4,6 +4,7 @@ blocks."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -228,3 +229,155 @@ def test_only_the_template_format_gives_the_template_tools_and_never_an_empty_li
     assert FORMATS["template"]("tool").template_tools([]) is None
     assert FORMATS["hermes"]("tool").template_tools(schemas) is None
     assert FORMATS["template"]("tool").system_text(schemas) is None
+
+
+# ------------------------------------------------------------------------------- the units mutation testing reaches
+ADD = {"type": "function", "function": {"name": "add", "description": " Add two integers. ", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+SAY = {"type": "function", "function": {"name": "say", "description": "Say it.", "parameters": {
+    "properties": {"text": {"type": "string"}, "loud": {"type": "boolean"}, "how": {}}}}}
+
+
+def test_the_system_texts_are_exactly_what_the_model_reads():
+    listed = json.dumps(ADD, separators=(",", ":")) + "\n" + json.dumps(SAY, separators=(",", ":"))
+    assert FORMATS["hermes"]("user").system_text([ADD, SAY]) == (
+        "You may call tools. Their JSON schemas are inside <tools></tools>:\n<tools>\n" + listed +
+        "\n</tools>\nTo call one, reply with a JSON object inside <tool_call>"
+        '</tool_call> tags:\n<tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call>\n'
+        "The result comes back inside <tool_response></tool_response> tags.")
+    assert FORMATS["pythonic"]("user").system_text([ADD, SAY]) == (
+        "You can call these Python functions:\nadd(a: int, b: int): Add two integers.\nsay(text: str, loud: bool, "
+        "how: object): Say it.\nTo call one, reply with the call alone, for example add(a, b). Its result comes back "
+        "in the next message.")
+    assert "for example tool(argument)." in FORMATS["pythonic"]("user").system_text([])
+    assert "\nping(): \nadd(a: int, b: int): Add two integers.\nTo call one, reply with the call alone, for example " \
+        "ping()." in FORMATS["pythonic"]("user").system_text([{"function": {"name": "ping"}}, ADD])  # no parameters
+    assert FORMATS["code"]("user").system_text([ADD, SAY]) == (
+        "You can run code blocks:\nadd: Add two integers.\nsay: Say it.\nTo run one, write it inside ```add and ```; "
+        "what it prints comes back inside ```output and ```.")
+    assert "inside ```python and ```" in FORMATS["code"]("user").system_text([])
+    from grpo.rollout.episodes.formats import _PY_TYPES, _signature
+
+    assert _PY_TYPES == {"string": "str", "integer": "int", "number": "float", "boolean": "bool", "array": "list",
+                         "object": "dict"}
+    assert _signature({"function": {"name": "f"}}) == "f(): "
+
+
+def test_the_base_format_declares_the_interface_and_registering_names_a_class():
+    from grpo.rollout.episodes.formats import ToolFormat, of, register_format
+
+    base = ToolFormat()
+    assert (base.role, base.schemas, base.name) == ("tool", (), "")
+    assert base.template_tools([ADD]) is None and base.system_text([ADD]) is None and base.call_end("x") is None
+    with pytest.raises(NotImplementedError):
+        base.parse("x", None)
+    with pytest.raises(NotImplementedError):
+        base.results([], [])
+    assert ToolFormat("user", [ADD]).schemas == (ADD,)
+    assert [(n, c.name) for n, c in FORMATS.items()] == [(n, n) for n in ("template", "hermes", "pythonic", "code")]
+    try:
+        @register_format("mine")
+        class Mine(ToolFormat):
+            pass
+        assert FORMATS["mine"] is Mine and Mine.name == "mine"
+    finally:
+        FORMATS.pop("mine", None)
+    made = of(SimpleNamespace(tool_format="pythonic", result_role="user", schemas=(ADD,)))
+    assert type(made) is FORMATS["pythonic"] and (made.role, made.schemas) == ("user", (ADD,))
+    from grpo.rollout.episodes.chat import ToolCall
+
+    assert FORMATS["template"]("tool").parse('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>',
+                                             None) == [ToolCall("add", {"a": 1})]
+
+
+def test_pythonic_arguments_escapes_and_errors():
+    fmt = FORMATS["pythonic"]("tool", [ADD, SAY])
+    got = lambda text: [(c.name, c.arguments, c.error) for c in fmt.parse(text, None)]  # noqa: E731
+    assert got("say('it\\'s (fine)', loud=True)") == [("say", {"text": "it's (fine)", "loud": True}, None)]
+    assert got("say(text=5)") == [("say", {"text": "5"}, None)]  # a string parameter: the literal as written
+    assert got("say(loud=x)")[0][2] == "the argument loud of 'say(loud=x)' is not a Python literal"
+    assert got("add(1, b=)") == [("", {}, "the call 'add(1, b=)' is not valid Python")]
+    assert got("add ((1), 2)") == [("add", {"a": 1, "b": 2}, None)]  # nested parentheses, a space
+    assert got("add(1, 2)") == [("add", {"a": 1, "b": 2}, None)] and got("add(b=2)") == [("add", {"b": 2}, None)]
+    assert got("add(1, ") == [("", {}, "the call to add is not closed: write add(...) with a closing parenthesis")]
+    assert FORMATS["pythonic"]("tool").parse("add(1, 2)", None) == [] and FORMATS["pythonic"]("tool").call_end(
+        "add(1, 2)") is None
+    assert fmt.call_end("add(1, 2) and add(3, 4)") == len("add(1, 2)")
+    assert fmt.call_end("[add(1, 2)]!") == len("[add(1, 2)]")
+    assert fmt.call_end("say(')') rest") == len("say(')')") and fmt.call_end("print(1) add(2, 3)") == len(
+        "print(1) add(2, 3)")
+
+
+def test_pythonic_and_code_results_for_each_role():
+    from grpo.rollout.episodes.chat import ToolCall
+
+    calls = [ToolCall("add", {}), ToolCall("say", {})]
+    py, code = FORMATS["pythonic"], FORMATS["code"]
+    assert py("tool").results(calls, ["1", "2"]) == [{"role": "tool", "name": "add", "content": "1"},
+                                                     {"role": "tool", "name": "say", "content": "2"}]
+    assert py("user").results(calls, ["1", "2"]) == [{"role": "user", "content": "1\n2"}]
+    assert py(None).results(calls, ["1", "2"]) == [{"role": "user", "content": "\n1\n2\n"}]
+    assert code("user").results(calls[:1], ["408"]) == [{"role": "user", "content": "```output\n408\n```"}]
+    assert code(None).results(calls[:1], ["408"]) == [{"role": "user", "content": "\n```output\n408\n```\n"}]
+
+
+def test_code_blocks_of_a_tool_without_one_argument_and_of_several_tools():
+    fmt = FORMATS["code"]("tool", [ADD, SAY])
+    calls = fmt.parse("```add\n1 2\n```\n```\nuntagged\n```\n```say\n  hi  \n```", None)
+    assert [(c.name, c.arguments, c.error) for c in calls] == [
+        (n, {}, f"{n} does not take one argument; call it in another format") for n in ("add", "say")]  # untagged: none
+    one = FORMATS["code"]("tool", [{"function": {"name": "py", "parameters": {"properties": {"src": {}}}}}])
+    assert [c.arguments for c in one.parse("```py \n  x = 1  \n```", None)] == [{"src": "x = 1"}]
+    assert one.call_end("no block") is None and one.call_end("```py\nx\n``` after") == len("```py\nx\n```")
+    assert FORMATS["code"]("tool", [{"function": {"name": "py"}}]).parse("```py\nx\n```", None)[0].error
+
+
+def test_choose_refuses_the_template_format_where_no_template_shows_tools_and_says_what_it_chose(schemas):
+    with pytest.raises(ConfigError, match=r"^rollout.tool_format=template needs the model's chat template"):
+        choose("template", schemas, _tok(TEMPLATE), False)
+    tok = _tok(GENERIC)
+    tok.name_or_path = "my/model"
+    with pytest.raises(ConfigError, match=r"^rollout.tool_format=template: the chat template of my/model has no "):
+        choose("template", schemas, tok, True)
+    fmt, note = choose("template", schemas, _tok(TEMPLATE), True)
+    assert (fmt.name, fmt.role, fmt.schemas) == ("template", "tool", tuple(schemas))
+    assert note.endswith("(as configured): tools shown by the chat template, results as tool turns")
+    _, note = choose("auto", schemas, tok, True)
+    assert note == "rollout.tool_format=hermes (the chat template of my/model shows no tools): tools described in " \
+                   "the system prompt, results as tool turns"
+    _, note = choose("pythonic", schemas, _tok(STRIPS), True)
+    assert note.endswith("results as user turns")
+    fmt, note = choose("code", schemas, _tok(None), False)
+    assert fmt.role is None and note.endswith("results as plain text")
+    nameless = _tok(GENERIC)
+    nameless.name_or_path = ""
+    assert "the chat template of the model shows no tools" in choose("auto", schemas, nameless, True)[1]
+
+
+def test_hermes_tool_turns_carry_each_calls_name_and_the_template_format_asks_the_tokenizers_parser():
+    from grpo.rollout.episodes.chat import ToolCall
+
+    calls = [ToolCall("add", {}), ToolCall("mul", {})]
+    assert FORMATS["hermes"]("tool").results(calls, ["1", "2"]) == [
+        {"role": "tool", "name": "add", "content": "<tool_response>\n1\n</tool_response>"},
+        {"role": "tool", "name": "mul", "content": "<tool_response>\n2\n</tool_response>"}]
+
+    class Parsing:  # a tokenizer with a response schema (transformers' parse_response)
+        response_template = "{...}"
+
+        def parse_response(self, text, prefix=""):
+            return {"tool_calls": [{"function": {"name": "add", "arguments": {"a": len(text)}}}]}
+
+    assert FORMATS["template"]("tool").parse("abc", Parsing()) == [ToolCall("add", {"a": 3})]
+
+
+def test_pythonic_calls_of_tools_without_parameters_or_with_unknown_keywords():
+    ping = {"type": "function", "function": {"name": "ping"}}  # no parameters at all
+    bare = {"type": "function", "function": {"name": "bare", "parameters": {"type": "object"}}}  # no properties
+    fmt = FORMATS["pythonic"]("tool", [ADD, ping, bare])
+    got = lambda text: [(c.name, c.arguments, c.error) for c in fmt.parse(text, None)]  # noqa: E731
+    assert got("ping()") == [("ping", {}, None)] and got("bare(x=1)") == [("bare", {"x": 1}, None)]
+    assert got("add(c=1)") == [("add", {"c": 1}, None)]  # the tool itself says what it does not take
+    assert got("add(1, 2, 3)") == [("add", {}, "add takes 2 argument(s), the call gives 3")]
+    assert got("add(X, 1)") == [("add", {}, "the argument a of 'add(X, 1)' is not a Python literal")]
+    assert FORMATS["pythonic"]("tool").call_end("see (1) or (2)") is None  # no tools: nothing is a call

@@ -92,3 +92,108 @@ def test_the_trainer_waits_for_a_server_that_is_not_up_yet_saying_so_once():
     never = ServerPool([f"http://127.0.0.1:{free_port()}"], connect_timeout_s=0.5, say=said.append)
     with pytest.raises(ServerError, match="is not up after rollout.server.connect_timeout_s=0.5"):
         never.wait_until_up(poll_s=0.1)
+
+
+def test_every_field_of_a_group_request_and_the_temperature_bound():
+    body = group_request("tiny:llama", (3, 4), 2, Sampling(4, temperature=2.0, top_p=0.5, top_k=3), (2,), seed=0)
+    assert body == {"model": "tiny:llama", "prompt": [3, 4], "n": 2, "max_tokens": 4, "temperature": 2.0,
+                    "top_p": 0.5, "top_k": 3, "stop_token_ids": [2], "ignore_eos": False, "logprobs": 0,
+                    "return_token_ids": True, "skip_special_tokens": False, "seed": 0}  # 2.0 is allowed, seed 0 sent
+    greedy = group_request("m", [3], 2, Sampling(4, temperature=5.0, top_p=0.9, greedy=True), [2], None)
+    assert (greedy["temperature"], greedy["top_p"]) == (0.0, 1.0)
+    assert group_request("m", [3], 2, Sampling(4, top_k=1), [2], None)["top_k"] == 1  # top-1 sampling is sent
+
+
+def test_a_choice_without_tokens_and_prompt_logprobs_given_as_numbers():
+    assert parse_group({"choices": [{"index": 0}, {"index": 1, "token_ids": None, "logprobs": None}]}) == \
+        ([[], []], [[], []])
+    ids, logps = parse_group({"choices": [{"index": 0, "token_ids": [4], "logprobs": {"token_logprobs": [-1]}}]})
+    assert isinstance(logps[0][0], float)
+    rows = [None, {"4": -1.5}, None]  # a bare number per token; a missing row does not cover its token
+    assert prompt_logprobs({"choices": [{"prompt_logprobs": rows[:2]}]}, [3, 4]) == [-1.5]
+    with pytest.raises(ServerError, match="do not cover"):
+        prompt_logprobs({"choices": [{"prompt_logprobs": rows}]}, [3, 4, 5])
+    assert prompt_logprobs({"choices": [{}]}, [3, 4]) == []
+
+
+class _Answers:
+    """A server answering every request with ``code`` and ``body`` (bytes), recording the requests."""
+
+    def __init__(self, code=200, body=b""):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        seen = self.seen = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _go(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                seen.append((self.command, self.path, self.rfile.read(n), self.headers.get("Content-Type")))
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _go
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_requests_are_json_an_empty_answer_is_none_and_an_error_answer_is_not_retried():
+    ok = _Answers(body=b"")
+    try:
+        s = Server(ok.url + "/", retries=3)
+        assert s.url == ok.url and s.post("/reset_prefix_cache") is None and s.get("/health") is None
+        s.post("/v1/completions", {"n": 2})
+        assert [(m, p, b) for m, p, b, _ in ok.seen] == [
+            ("POST", "/reset_prefix_cache", b"{}"), ("GET", "/health", b""), ("POST", "/v1/completions", b'{"n": 2}')]
+        assert all(t == "application/json" for *_, t in ok.seen) and s.up()
+    finally:
+        ok.stop()
+    bad = _Answers(code=500, body=b"model   not\nloaded " + b"x" * 300)
+    try:
+        with pytest.raises(ServerError) as e:
+            Server(bad.url, retries=3, retry_wait_s=0.01).post("/v1/completions", {})
+        assert len(bad.seen) == 1  # the server is up and said no: no retry
+        msg = str(e.value)
+        assert msg.startswith(f"rollout server {bad.url} answered /v1/completions with HTTP 500: model not loaded x")
+        assert len(msg.split("HTTP 500: ")[1]) == 200 and not Server(bad.url).up()
+    finally:
+        bad.stop()
+
+
+def test_the_retries_of_one_request_and_a_server_that_is_down(fakes):
+    flaky = fakes(drop_first=1)
+    s = Server(flaky.url, retries=0, retry_wait_s=0.01)
+    assert s.get("/v1/models", retries=1)["data"]  # this request's own retries win over the server's
+    gone = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match=r"^rollout server http://127\.0\.0\.1:\d+ stopped answering \(/health: "
+                                          r"\[Errno 111\] Connection refused\); restart it") as e:
+        Server(gone, retries=2, retry_wait_s=0.2).get("/health")
+    assert time.monotonic() - t0 >= 0.4 and "\n" not in str(e.value)  # two waits between three tries
+    assert not Server(gone).up()
+
+
+def test_the_pool_builds_its_servers_from_its_settings_and_says_on_stderr(capsys):
+    pool = ServerPool(["http://a:1/", "http://b:2"], timeout_s=7.0, retries=4, connect_timeout_s=9.0)
+    assert [(s.url, s.timeout_s, s.retries, s.in_flight) for s in pool.servers] == [("http://a:1", 7.0, 4, 0),
+                                                                                   ("http://b:2", 7.0, 4, 0)]
+    assert (pool.balance, pool.connect_timeout_s) == ("round_robin", 9.0)
+    pool.say("hello")
+    assert capsys.readouterr().err == "[grpo] hello\n"
+    s = pool.pick()
+    pool.done(s)
+    assert s.in_flight == 0 and pool.pick() is pool.servers[1]
+    three = ServerPool(["http://a:1", "http://b:2", "http://c:3"])
+    assert [three.pick().url for _ in range(4)] == ["http://a:1", "http://b:2", "http://c:3", "http://a:1"]
+    one = ServerPool(["http://a:1"], balance="least_loaded")
+    assert one.pick() is one.pick() and one.servers[0].in_flight == 2  # each group in flight counts

@@ -126,3 +126,122 @@ def test_a_request_before_its_weights_is_refused(fakes):
     with pytest.raises(pipeline.GeneratorError, match="published out of order"):
         gen.receive(timeout=30)
     gen.close()
+
+
+# ------------------------------------------------------------------------------- against a recording backend (fast)
+class _Servers:
+    """A `ServerBackend` stand-in: records each push (its version, the snapshot's tensors) and each check."""
+    check_ids, device = [1, 5, 6, 7], "cpu"
+
+    def __init__(self, fail_check=None):
+        self.version, self.log, self.fail_check = None, [], fail_check
+
+    def push(self, weights, version):
+        import time
+
+        self.log.append(("push", version, {k: (v.clone(), id(v)) for k, v in weights}))
+        time.sleep(0.02)
+        self.version = version
+
+    def check(self, mine=None):
+        self.log.append(("check", mine))
+        if self.fail_check:
+            raise self.fail_check
+
+
+def _recording(servers, log):
+    def sample(step, version):
+        log.append(("sample", step, version, servers.version))
+        return Generated(step, version, batch=None, sampler={"after": step})
+    return sample
+
+
+def _received(gen, timeout=None, within_s=10.0):
+    """``gen.receive(timeout)`` on a thread of its own, failed when it has not come back within ``within_s``: a
+    broken deadline shows in seconds instead of hanging the test (and a mutation run) until something kills it."""
+    import threading
+
+    out = {}
+
+    def call():
+        try:
+            out["batch"] = gen.receive(timeout=timeout)
+        except BaseException as e:  # noqa: BLE001 - handed back to the test as raised
+            out["error"] = e
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(within_s)
+    assert not t.is_alive(), f"receive(timeout={timeout}) did not come back within {within_s} s"
+    if "error" in out:
+        raise out["error"]
+    return out["batch"]
+
+
+def test_the_worker_pushes_each_published_snapshot_before_the_steps_that_use_it():
+    from grpo.rollout.server.backend import trainer_logprobs
+
+    tok = char_tokenizer()
+    trainer = tiny_model("llama", len(tok), seed=1, **TINY)
+    servers = _Servers()
+    gen = ServerGenerator(servers, trainer, _recording(servers, servers.log))
+    assert gen.thread.daemon and gen.thread.name == "grpo-server-generator" and gen.closers == []
+    name, first = next(iter(trainer.state_dict().items()))
+    want = trainer_logprobs(trainer, servers.check_ids)
+    before = first.clone()
+    gen.publish(0)
+    with torch.no_grad():  # the optimizer steps before the worker pushes: the snapshot is version 0's
+        first.add_(1.0)
+    gen.submit(1, 0)
+    gen.submit(2, 0)
+    got = [_received(gen, 10) for _ in range(2)]
+    gen.publish(1)
+    gen.submit(3, 1)
+    got.append(_received(gen, 10))
+    gen.close()
+    kinds = [e[0] for e in servers.log]
+    assert kinds == ["push", "check", "sample", "sample", "push", "check", "sample"]
+    assert [e[1:] for e in servers.log if e[0] == "sample"] == [(1, 0, 0), (2, 0, 0), (3, 1, 1)]
+    pushed0, pushed1 = servers.log[0][2], servers.log[4][2]
+    assert servers.log[0][1] == 0 and servers.log[4][1] == 1
+    assert torch.equal(pushed0[name][0], before) and pushed1[name][1] == pushed0[name][1]  # buffers reused
+    assert torch.equal(pushed1[name][0], first) and pushed0[name][1] != id(first)
+    assert torch.equal(servers.log[1][1], want)  # the trainer's log-probs of the snapshot, taken at publication
+    assert [g.step for g in got] == [1, 2, 3] and all(g.wait_s >= 0 and g.busy_s >= 0 for g in got)
+    assert got[0].load_s >= 0.02 and got[1].load_s == 0 and got[2].load_s >= 0.02  # each push counted once
+    assert not gen.thread.is_alive()
+
+
+def test_receive_raises_the_workers_failure_and_says_when_nothing_comes():
+    from grpo.errors import GRPOError
+
+    tok = char_tokenizer()
+    trainer = tiny_model("llama", len(tok), seed=1, **TINY)
+    own = ServerError("weight sync check failed: a line")
+    gen = ServerGenerator(_Servers(fail_check=own), trainer, lambda s, v: None)
+    gen.publish(0)
+    with pytest.raises(GRPOError) as e:
+        _received(gen, 10)
+    assert e.value is own  # the project's own errors as they are
+    with pytest.raises(pipeline.GeneratorError, match="^the server generator's thread has stopped$"):
+        _received(gen, 10)
+    closed = []
+    idle = ServerGenerator(_Servers(), trainer, lambda s, v: None, closers=[lambda: closed.append(1),
+                                                                          lambda: closed.append(2)])
+    with pytest.raises(TimeoutError, match="no batch from the rollout servers in time"):
+        _received(idle, 0.1)
+    idle.todo.put(("sample", 9, 9))  # never started: dropped at close (the servers hold no version 9)
+    idle.close()
+    assert closed == [1, 2] and not idle.thread.is_alive() and idle.done.empty()
+    early = ServerGenerator(_Servers(), trainer, lambda s, v: None)
+    early.submit(1, 0)  # before any push
+    with pytest.raises(pipeline.GeneratorError, match="^the server generator failed: RuntimeError: step 1 wants the "
+                                                      "weights of version 0, the servers hold None: published out of "
+                                                      "order$"):
+        _received(early, 10)
+    early.close()
+    bare = ServerGenerator(_Servers(), trainer, lambda s, v: None)
+    bare.done.put(("error", KeyError()))
+    with pytest.raises(pipeline.GeneratorError, match="^the server generator failed: KeyError: $"):
+        _received(bare)
+    bare.close()
