@@ -37,7 +37,7 @@ def _short(e: Exception) -> str:
 
 class Server:
     def __init__(self, url: str, timeout_s: float = 600.0, retries: int = 2, retry_wait_s: float = 1.0):
-        self.url = url.rstrip("XX/XX")
+        self.url = url.rstrip("/")
         self.timeout_s, self.retries, self.retry_wait_s = timeout_s, retries, retry_wait_s
         self.in_flight = 0
 
