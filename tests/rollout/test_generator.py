@@ -3,6 +3,7 @@ arrive (through shared memory) before the requests that follow them, results com
 timings, a failure comes back as one line, a dead process is reported, close stops it."""
 import os
 import signal
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -92,15 +93,15 @@ def test_a_loaded_slot_is_reused_with_the_new_weights():
 
 # ------------------------------------------------------------------------------- in this process (mutation testing)
 class _Proc:
-    def __init__(self, alive=True, exitcode=None):
-        self.alive, self.exitcode, self.joined = alive, exitcode, []
+    def __init__(self, alive=True, exitcode=None, stubborn=False):
+        self.alive, self.exitcode, self.joined, self.stubborn, self.pid = alive, exitcode, [], stubborn, 4242
 
     def is_alive(self):
         return self.alive
 
     def join(self, timeout=None):
         self.joined.append(timeout)
-        self.alive = False
+        self.alive = self.alive and self.stubborn
 
 
 class _Pipe:
@@ -165,6 +166,57 @@ def test_receive_reports_a_failure_a_dead_process_and_a_timeout_in_one_line():
     assert gen._send.sent[-1] == ("stop",) and gen.proc.joined == [5]
     dead.close()
     assert dead._send.sent == [] and dead.proc.joined == []
+
+
+class _Scripted:
+    """An inbox that answers each ``get`` from a script (an exception is raised, a message returned) and records the
+    timeout it was asked to wait; past the script the process is dead, so a loop that should have ended fails."""
+
+    def __init__(self, gen, *script):
+        import queue
+
+        self.gen, self.script, self.waits, self.empty = gen, list(script), [], lambda: True
+        self.Empty = queue.Empty
+
+    def get(self, timeout):
+        self.waits.append(timeout)
+        if not self.script:
+            self.gen.proc.alive = False
+            raise self.Empty
+        got = self.script.pop(0)
+        if got is self.Empty:
+            raise got
+        return got
+
+
+def test_receive_polls_at_most_a_second_at_a_time_and_a_timeout_ends_at_its_deadline(monkeypatch):
+    import queue
+
+    from grpo.rollout import generator
+
+    gen = _handle()
+    gen.inbox = _Scripted(gen, queue.Empty, ("batch", Generated(1, 0, None, {})))
+    assert gen.receive().step == 1 and gen.inbox.waits == [1.0, 1.0]  # no timeout: polls until a batch comes
+    monkeypatch.setattr(generator, "time", SimpleNamespace(time=lambda: 100.0))  # a clock that stands still
+    gen.inbox = _Scripted(gen, queue.Empty, ("batch", Generated(2, 0, None, {})))
+    assert gen.receive(timeout=5).step == 2 and gen.inbox.waits == [1.0, 1.0]  # a long timeout: 1 s polls too
+    gen.inbox = _Scripted(gen, queue.Empty)
+    with pytest.raises(TimeoutError, match="no batch from the generator in time"):
+        gen.receive(timeout=0)  # the deadline is now: one poll, then the timeout (not another poll)
+    assert gen.inbox.waits == [0.0]
+
+
+def test_close_kills_a_generator_that_does_not_stop_and_waits_for_it(monkeypatch):
+    from grpo.rollout import generator
+
+    killed = []
+    gen = _handle()
+    gen.proc.stubborn = True
+    monkeypatch.setattr(generator.os, "kill", lambda pid, sig: killed.append((pid, sig)) or
+                        setattr(gen.proc, "stubborn", False))
+    gen.close()
+    assert gen._send.sent == [("stop",)] and killed == [(4242, signal.SIGKILL)] and gen.proc.joined == [5, 5]
+    assert not gen.proc.is_alive()
 
 
 def test_the_reader_thread_moves_every_message_until_the_pipe_closes():
@@ -238,6 +290,21 @@ def test_serve_loads_weights_then_samples_in_order_and_times_each_batch(monkeypa
     assert (first.step, first.version, first.batch) == (1, 0, [(0, {"w": 1})])
     assert second.batch == [(0, {"w": 1}), (1, {"w": 2})]
     assert all(g.wait_s >= 0 and g.busy_s >= 0 and g.load_s >= 0 for g in (first, second))
+
+
+def test_serve_times_the_wait_the_sampling_and_every_load_since_the_previous_batch(monkeypatch, tmp_path):
+    """A clock that reads one second later at each reading: the readings are idle (100), load (101-102), load
+    (103-104), sample (105-106), idle (107), sample (108-109). A batch's wait is the time since the previous batch
+    less the loads in it, its load time the sum of them."""
+    from grpo.rollout import generator
+
+    clock = iter(range(100, 200))
+    monkeypatch.setattr(generator, "time", SimpleNamespace(time=lambda: float(next(clock))))
+    got = _serve_here(monkeypatch, tmp_path, lambda spec: _Side(),
+                      [("weights", 0, {}), ("weights", 1, {}), ("sample", 1, 1), ("sample", 2, 1), ("stop",)])
+    (_, first), (_, second) = got[1:]
+    assert (first.wait_s, first.busy_s, first.load_s) == (3.0, 1.0, 2.0)
+    assert (second.wait_s, second.busy_s, second.load_s) == (1.0, 1.0, 0.0)
 
 
 def test_serve_sends_a_failed_build_or_sample_back_as_one_line(monkeypatch, tmp_path):

@@ -249,6 +249,22 @@ def test_the_server_refusals_follow_the_device_and_auto_is_resolved(cfg_factory)
     assert pipeline._backend(auto, "cpu") == "hf" and pipeline._backend(base, "cpu") == "server"
 
 
+def test_the_device_auto_is_cuda_where_there_is_one_and_auto_backend_follows_it(monkeypatch):
+    """``trainer.device=auto`` with CUDA is the CUDA device (``weight_transfer=auto`` then means nccl: refused), and
+    ``rollout.backend=auto`` resolves with that device (vllm on CUDA where vLLM is installed: refused)."""
+    from grpo.rollout import backends
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SetupError, match="weight_transfer=gloo"):
+        pipeline.check(_cfg(backend="server", device="auto"))
+    pipeline.check(_cfg(backend="server", device="auto", weight_transfer="gloo"))
+    monkeypatch.setattr(backends, "vllm_available", lambda: True)
+    with pytest.raises(SetupError, match=r"\(rollout.backend=auto\); use rollout.backend=hf or server"):
+        pipeline.check(_cfg(backend="auto", device="auto"))
+    assert pipeline._backend(_cfg(backend="auto"), "cuda") == "vllm"
+    assert pipeline._backend(_cfg(backend="auto"), "cpu") == "hf"
+
+
 class _Gen(Recorder):
     """A recorder whose batches carry given versions and timings."""
 
@@ -352,9 +368,13 @@ def test_batches_picks_the_source_and_builds_the_generator_of_this_rank(cfg_fact
     from grpo.trainer import server_side
 
     built = []
+    from grpo.trainer import generator_side
+
+    builders = []
     monkeypatch.setattr(pipeline, "GeneratorProcess", lambda build, spec, name: built.append((spec, name)) or
-                        Recorder())
-    monkeypatch.setattr(server_side, "server_generator", lambda run, cfg: ("server", Recorder())[1])
+                        builders.append(build) or Recorder())
+    servers = []
+    monkeypatch.setattr(server_side, "server_generator", lambda run, cfg: servers.append((run, cfg)) or Recorder())
     monkeypatch.setattr(pipeline.experience, "collect", lambda run: ("collected", run))
     rt = LocalRuntime("cpu", 1, 2)
     run = SimpleNamespace(runtime=rt, settings="settings", splits=SimpleNamespace(train=[{"p": 1}]),
@@ -365,7 +385,7 @@ def test_batches_picks_the_source_and_builds_the_generator_of_this_rank(cfg_fact
     assert isinstance(inline, pipeline.InlineBatches) and inline.batch(1) == ("collected", run)
     assert inline.in_flight() is None and inline.close() is None and not built
     src = pipeline.batches(run, cfg, state, process=True)
-    assert isinstance(src, AsyncBatches) and (src.lag, src.max_steps, src.passes) == (0, 5, 2)
+    assert isinstance(src, AsyncBatches) and (src.lag, src.max_steps, src.passes) == (0, 5, 2) and src.run is run
     (spec, name), = built
     assert name == "grpo-generator-1" and (spec.rank, spec.world_size, spec.device) == (1, 2, "cpu")
     assert (spec.settings, spec.train_rows, spec.sampler, spec.threads) == ("settings", [{"p": 1}], {"pos": 7},
@@ -380,6 +400,14 @@ def test_batches_picks_the_source_and_builds_the_generator_of_this_rank(cfg_fact
                           "trainer": {"max_steps": 3}})
     src = pipeline.batches(run, server, state)
     assert isinstance(src.gen, Recorder) and (src.lag, src.max_steps, src.passes) == (1, 3, 1) and len(built) == 2
+    assert src.run is run and servers == [(run, server)] and src.ready == {}
+    resumed = pipeline.batches(run, server, SimpleNamespace(in_flight={"lag": 1, "batches": {2: "stored"}}))
+    assert resumed.ready == {2: "stored"} and resumed.submitted == {2}
+    gpu = SimpleNamespace(runtime=SimpleNamespace(device=torch.device("cuda", 1), rank=0, world_size=1),
+                          settings="s", splits=run.splits, sampler=run.sampler)
+    pipeline.batches(gpu, cfg, state, process=True)  # a CUDA rank's generator samples on that rank's device
+    assert built[-1][0].device == "cuda:1" and built[-1][1] == "grpo-generator-0"
+    assert builders == [generator_side.build] * 3  # the child builds the generator side from the spec
 
 
 def test_the_trainer_finishes_each_batch_and_its_waits_are_times_not_sums_of_clocks(monkeypatch):
