@@ -133,7 +133,7 @@ def _rollout(run: Run) -> Batch:
     stats.update(run.rollout.stats())  # rollout.backend=server: the sync check's gap, the push's time
     return Batch(rows, prompt_ids, completion_ids, truncated, rewards, torch.zeros_like(rewards), stats=stats,
                  sampling_logps=sampling_logps, completion_masks=masks, episodes=episodes,
-                 scores=_nest(scores, completion_ids) if scores else None, sums=sums)
+                 scores=_nest(scores, completion_ids), sums=sums)
 
 
 def _nest(flat: list, like: list[list]) -> list[list]:

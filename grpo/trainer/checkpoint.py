@@ -249,7 +249,7 @@ def restore(run: Run, cfg: Config) -> LoopState:
         mine = torch.load(own, map_location="cpu", weights_only=False)
         set_rng_state(mine["rng"])
         state.buffer = mine["buffer"]
-        state.in_flight = mine.get("in_flight", state.in_flight)  # asynchronous GRPO: this rank's share
+        state.in_flight = mine.get("in_flight")  # asynchronous GRPO: this rank's share (never rank 0's)
     changed = apply_schedule(run, cfg, saved)
     if rt.is_main:
         print(f"[grpo] resumed from {ckpt} (step {state.step})", file=sys.stderr, flush=True)

@@ -322,19 +322,22 @@ def test_save_final_replaces_final_with_what_the_runtime_wrote(tmp_path, enabled
 
 
 def test_with_many_processes_each_rank_resumes_its_own_rollouts_and_sampling_stream(built):
-    """Rank 1 of 2, first rank of its node (it owns that node's copy): its rank file holds its own RNG and rollouts,
-    which the restore takes over those every rank's copy of the loop state holds."""
+    """Rank 1 of 2, first rank of its node (it owns that node's copy): its rank file holds its own RNG, rollouts and
+    in-flight batches (asynchronous GRPO), which the restore takes over those every rank's copy of the loop state
+    holds (rank 0's)."""
     run, cfg = built
     rt = run.runtime
     rt.rank, rt.world_size = 1, 2
     rt.gather = lambda obj: [obj, obj]  # both ranks see the same checkpoints
-    path = checkpoint.save_checkpoint(run, LoopState(step=2, buffer="shared"), cfg)
+    path = checkpoint.save_checkpoint(run, LoopState(step=2, buffer="shared", in_flight={"batches": ["b0"]}), cfg)
     own = torch.load(path / "rank_1.pt", weights_only=False)
     assert own["buffer"] == "shared" and set(own["rng"]) >= {"python", "numpy", "torch"}
+    assert own["in_flight"] == {"batches": ["b0"]}
     random.seed(11)
     own["rng"] = checkpoint.rng_state()
     expected = random.random()
-    torch.save({**own, "buffer": "rank 1's"}, path / "rank_1.pt")
+    torch.save({**own, "buffer": "rank 1's", "in_flight": {"batches": ["b1"]}}, path / "rank_1.pt")
     random.seed(12)
     state = checkpoint.restore(run, _with(cfg, resume="auto"))
     assert state.buffer == "rank 1's" and state.step == 2 and random.random() == expected
+    assert state.in_flight == {"batches": ["b1"]}  # this rank's share, not rank 0's in trainer_state.pt
