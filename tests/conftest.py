@@ -13,17 +13,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 # Tests that one pytest-xdist worker runs together, one after the other, in file order: those that write a recipe
-# into recipes/ (the docs tell users to) or read every file there (test_docs_commands' commands also build on each
-# other); those that share a module fixture launching a run (run once, not once per worker). Every other test is
-# scheduled on its own. (pytest-xdist's xdist_group mark does not group under pytest 9.2, whose node ids it can no
-# longer rewrite, so the scheduler is given the grouping here.)
+# into this checkout's recipes/ or read every file there (test_docs_commands' commands write theirs into a copy of
+# the checkout); those that share a module fixture launching a run (run once, not once per worker). Every other
+# test is scheduled on its own. (pytest-xdist's xdist_group mark does not group under pytest 9.2, whose node ids it
+# can no longer rewrite, so the scheduler is given the grouping here.)
 TOGETHER = {
     "recipes_dir": ("tests/config/test_compose.py::test_a_recipe_written_from_the_docs_snippets",
+                    "tests/config/test_compose.py::test_a_built_in_folder_recipe_with_a_comment_above",
                     "tests/config/test_schema.py::test_recipes_compose_and_validate",
-                    "tests/e2e/test_config_reference.py::",
-                    "tests/e2e/test_docs_commands.py::"),
+                    "tests/e2e/test_config_reference.py::"),
     "report_sweep": ("tests/trainer/test_report.py::",),           # `sweep`: a two-run smoke sweep
-    "run_output_first_run": ("tests/e2e/test_run_output.py::",),  # `first_run`: a smoke run
+    "run_output_first_run": tuple(f"tests/e2e/test_run_output.py::test_{name}" for name in (  # `first_run`
+        "a_removed_reward", "everything_lands", "train_log_holds", "a_reward_that_raises", "a_quiet_console",
+        "beta_zero_logs", "resume_keeps")),  # a smoke run, resumed by the last
     "server": ("tests/e2e/test_server.py::",),  # `ctx`: one grpo-serve process the walkthrough starts late
     "multinode": ("tests/e2e/test_multinode.py::",),  # `nodes`: one launch of two torchrun nodes
 }

@@ -1,9 +1,13 @@
 """Every command block of README.md and the user docs, run as a user would paste it, scaled down (the tiny
 model, one step), each checked for the effect its text promises. A command added to those docs without a
-case here fails `test_every_documented_command_has_a_case`."""
+case here fails `test_every_documented_command_has_a_case`. Each command runs in a checkout of its own (a copy of
+this one, as getting-started.md's `git clone ... && cd grpo` leaves the user in), so they run in any order, on
+either worker, and the recipe the docs tell the user to write into recipes/ never lands in this checkout; the
+commands that build on each other (`CHAINS`) run in one test, in their order."""
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -236,9 +240,20 @@ CASES = {
 }
 
 
+# commands that use what the one before made: each chain runs in one test, in this order
+CHAINS = [
+    ("grpo-train -m recipe=quickstart algorithm.group_size=2,4,8,16 hydra.sweep.dir=multirun/g",
+     "grpo-report multirun/g"),
+    ("grpo-train recipe=quickstart trainer.output_dir=runs/qs trainer.save_every=10",
+     "grpo-train recipe=quickstart trainer.output_dir=runs/qs trainer.save_every=10 trainer.resume=auto"),
+]
+ALONE = [c for c in CASES if not any(c in chain for chain in CHAINS)]
+
+
 def test_every_documented_command_has_a_case():
     documented = doc_commands()
     assert sorted(documented) == sorted(CASES), (set(documented) ^ set(CASES))
+    assert all(c in CASES for chain in CHAINS for c in chain)
 
 
 class Context:
@@ -247,19 +262,31 @@ class Context:
 
 
 @pytest.fixture(scope="module")
-def ctx(tmp_path_factory):
-    """One working directory for all commands, with the files the docs tell the user to write."""
-    cwd = tmp_path_factory.mktemp("user")
-    (cwd / "myrewards.py").write_text(block_starting_with("README.md", "# myrewards.py"))
-    (cwd / "myenv.py").write_text(block_starting_with("docs/tools-and-environments.md", "# myenv.py"))
-    (cwd / "mytools.py").write_text(block_starting_with("docs/tools-and-environments.md", "# mytools.py"))
-    (cwd / "data").mkdir()
-    (cwd / "data" / "qa.jsonl").write_text(block_starting_with("docs/data.md", '{"prompt"'))
-    _verl_parquet(cwd)
-    recipe = ROOT / "recipes" / "my-first.yaml"  # the docs say: copy a recipe into recipes/ and edit it
-    recipe.write_text(block_starting_with("docs/getting-started.md", "# @package _global_\n# recipes/my-first.yaml"))
-    yield Context(cwd)
-    recipe.unlink()
+def user_files(tmp_path_factory) -> Path:
+    """The files the docs tell the user to write beside the checkout's code (made once per worker)."""
+    files = tmp_path_factory.mktemp("user-files")
+    (files / "myrewards.py").write_text(block_starting_with("README.md", "# myrewards.py"))
+    (files / "myenv.py").write_text(block_starting_with("docs/tools-and-environments.md", "# myenv.py"))
+    (files / "mytools.py").write_text(block_starting_with("docs/tools-and-environments.md", "# mytools.py"))
+    (files / "data").mkdir()
+    (files / "data" / "qa.jsonl").write_text(block_starting_with("docs/data.md", '{"prompt"'))
+    _verl_parquet(files)
+    # the docs say: copy a recipe into recipes/ and edit it
+    (files / "recipes").mkdir()
+    (files / "recipes" / "my-first.yaml").write_text(
+        block_starting_with("docs/getting-started.md", "# @package _global_\n# recipes/my-first.yaml"))
+    return files
+
+
+@pytest.fixture
+def ctx(tmp_path, user_files):
+    """A checkout of the user's own: this one's code, configs and recipes (`python -m grpo.train` run from it
+    imports its grpo/, whose configs/recipe is its recipes/), with the user's files added."""
+    cwd = tmp_path / "grpo"
+    for part in ("grpo", "configs", "recipes"):
+        shutil.copytree(ROOT / part, cwd / part, symlinks=True, ignore=shutil.ignore_patterns("_data"))
+    shutil.copytree(user_files, cwd, dirs_exist_ok=True)
+    return Context(cwd)
 
 
 def _verl_parquet(cwd: Path) -> None:
@@ -286,12 +313,23 @@ def argv(command: str, extra: list[str] | None) -> list[str]:
     return [sys.executable, "-m", "grpo.train", *words, *extra, *scale]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("command", list(CASES))
-def test_documented_command(ctx, command):
+def run_and_check(ctx, command: str) -> None:
     extra, check = CASES[command]
     ctx.before = run_dirs(ctx.cwd)
     p = subprocess.run(argv(command, extra), cwd=ctx.cwd, capture_output=True, text=True, timeout=600)
     if "max_stepz" not in command:
         assert p.returncode == 0, p.stderr[-3000:]
     check(ctx, p)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ALONE)
+def test_documented_command(ctx, command):
+    run_and_check(ctx, command)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chain", CHAINS, ids=lambda chain: chain[-1])
+def test_documented_commands_in_order(ctx, chain):
+    for command in chain:
+        run_and_check(ctx, command)

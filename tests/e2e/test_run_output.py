@@ -104,13 +104,34 @@ def test_beta_zero_logs_no_kl_and_the_report_says_n_a(first_run):
     assert "## Completion length" in md and "KL and completion length" not in md
 
 
-def test_resume_keeps_the_step_zero_evaluation_and_refuses_a_changed_prompt(first_run):
+def grpo_here(monkeypatch, capsys, cwd, *args) -> tuple[int, str]:
+    """`grpo-train recipe=smoke <args>` run from ``cwd`` in this process, which holds torch already: (exit code,
+    stderr)."""
+    from grpo import train
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.syspath_prepend(str(cwd))  # as `python -m` has it
+    monkeypatch.setattr(sys, "argv", ["grpo-train", "recipe=smoke", *args])
+    capsys.readouterr()
+    try:
+        train.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:  # the user's modules (badrewards) are not left to another test of this process
+        for name in [n for n, m in sys.modules.items() if str(getattr(m, "__file__", "")).startswith(str(cwd))]:
+            del sys.modules[name]
+    return code, capsys.readouterr().err
+
+
+def test_resume_keeps_the_step_zero_evaluation_and_refuses_a_changed_prompt(first_run, monkeypatch, capsys):
     cwd, out, _ = first_run
     common = [f"trainer.output_dir={out}", "trainer.save_every=1", "algorithm.beta=0", "~reward.functions.accuracy",
               "+reward.functions.boom.fn=badrewards:boom", "trainer.resume=auto", "reward.max_failed_steps=5"]
-    changed = grpo(cwd, *common, "trainer.max_steps=3", "data.prompt_template='Q: {prompt}'")
-    assert changed.returncode == 2
-    assert "cannot resume" in changed.stderr and "data.prompt_template changed" in changed.stderr
+    changed = [*common, "trainer.max_steps=3", "data.prompt_template='Q: {prompt}'"]
+    code, err = grpo_here(monkeypatch, capsys, cwd, *changed)
+    assert code == 2
+    assert "cannot resume" in err and "data.prompt_template changed" in err
     p = grpo(cwd, *common, "trainer.max_steps=3")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "[grpo] resumed from" in p.stderr and p.stdout == ""
@@ -168,3 +189,16 @@ def test_samples_come_from_every_group_first_then_fill_from_within_groups():
     rows = sample_rows(Run(), two_groups, 3)
     assert [r["completion"] for r in rows] == ["1", "5", "2"] and [r["reward"] for r in rows] == \
         pytest.approx([0.1, 0.5, 0.2])
+
+
+def test_the_tests_of_the_first_run_are_scheduled_together():
+    """tests/conftest.py's TOGETHER lists them by name: one worker runs them in file order (the resume last)."""
+    import inspect
+
+    from tests.conftest import _scope
+
+    users = [f"{__name__.replace('.', '/')}.py::{name}" for name, fn in globals().items()
+             if name.startswith("test_") and "first_run" in inspect.signature(fn).parameters]
+    assert len(users) >= 7 and all(_scope(nodeid) == "run_output_first_run" for nodeid in users), users
+    assert _scope(f"{__name__.replace('.', '/')}.py::test_a_hanging_reward_is_timed_out_once_per_batch") != \
+        "run_output_first_run"
