@@ -395,7 +395,8 @@ STRICT = ("{% if tools %}[tools]{% for t in tools %}{{ t.function.name }};{% end
           "{{ raise_exception('unknown role') }}{% endif %}{% if m.content is not string %}"
           "{{ raise_exception('a content must be a string') }}{% endif %}"
           "{% if m.role == 'tool' and m.name is not string %}{{ raise_exception('a tool turn needs its name') }}"
-          "{% endif %}[{{ m.role }}]{{ m.content }}<eos>{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+          "{% endif %}[{{ m.role }}]{{ m.content }}<eos>{% endfor %}"
+          "{% if add_generation_prompt %}[assistant]{% endif %}")
 # shows tools, but raises on a tool turn
 NO_TOOL_ROLE = ("{% if tools %}[tools]{% for t in tools %}{{ t.function.name }};{% endfor %}<eos>{% endif %}"
                 "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
