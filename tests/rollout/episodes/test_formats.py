@@ -256,6 +256,8 @@ def test_the_system_texts_are_exactly_what_the_model_reads():
         "You can run code blocks:\nadd: Add two integers.\nsay: Say it.\nTo run one, write it inside ```add and ```; "
         "what it prints comes back inside ```output and ```.")
     assert "inside ```python and ```" in FORMATS["code"]("user").system_text([])
+    assert FORMATS["code"]("user").system_text([{"function": {"name": "python"}}]).startswith(
+        "You can run code blocks:\npython: \nTo run one")  # a tool without a description
     from grpo.rollout.episodes.formats import _PY_TYPES, _signature
 
     assert _PY_TYPES == {"string": "str", "integer": "int", "number": "float", "boolean": "bool", "array": "list",
@@ -352,6 +354,10 @@ def test_choose_refuses_the_template_format_where_no_template_shows_tools_and_sa
     nameless = _tok(GENERIC)
     nameless.name_or_path = ""
     assert "the chat template of the model shows no tools" in choose("auto", schemas, nameless, True)[1]
+    bare = SimpleNamespace(apply_chat_template=_tok(GENERIC).apply_chat_template)  # a tokenizer without the attribute
+    assert "the chat template of the model shows no tools" in choose("auto", schemas, bare, True)[1]
+    assert choose("auto", schemas, _tok(None), False)[1] == "rollout.tool_format=hermes (the prompts use no chat " \
+        "template): tools described in the system prompt, results as plain text"
 
 
 def test_hermes_tool_turns_carry_each_calls_name_and_the_template_format_asks_the_tokenizers_parser():
@@ -381,3 +387,37 @@ def test_pythonic_calls_of_tools_without_parameters_or_with_unknown_keywords():
     assert got("add(1, 2, 3)") == [("add", {}, "add takes 2 argument(s), the call gives 3")]
     assert got("add(X, 1)") == [("add", {}, "the argument a of 'add(X, 1)' is not a Python literal")]
     assert FORMATS["pythonic"]("tool").call_end("see (1) or (2)") is None  # no tools: nothing is a call
+
+
+# validates its turns as real templates do (roles, string contents, a tool turn's name); shows tools
+STRICT = ("{% if tools %}[tools]{% for t in tools %}{{ t.function.name }};{% endfor %}<eos>{% endif %}"
+          "{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant', 'tool'] %}"
+          "{{ raise_exception('unknown role') }}{% endif %}{% if m.content is not string %}"
+          "{{ raise_exception('a content must be a string') }}{% endif %}"
+          "{% if m.role == 'tool' and m.name is not string %}{{ raise_exception('a tool turn needs its name') }}"
+          "{% endif %}[{{ m.role }}]{{ m.content }}<eos>{% endfor %}"
+          "{% if add_generation_prompt %}[assistant]{% endif %}")
+# shows tools, but raises on a tool turn
+NO_TOOL_ROLE = ("{% if tools %}[tools]{% for t in tools %}{{ t.function.name }};{% endfor %}<eos>{% endif %}"
+                "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
+                "[{{ m.role }}]{{ m.content }}<eos>{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+def test_the_template_probes_send_turns_a_strict_template_accepts(schemas):
+    """A probe turn a template rejects (a misspelt role or key, no tool name) would read as "no support"."""
+    from grpo.rollout.episodes.formats import renders_tool_role, shows_tools
+
+    tok = _tok(STRICT)
+    assert shows_tools(tok, schemas) and renders_tool_role(tok)
+    assert not shows_tools(tok, []) and not renders_tool_role(_tok(NO_TOOL_ROLE))
+    fmt, note = choose("auto", schemas, tok, True)
+    assert (fmt.name, fmt.role) == ("template", "tool") and note.endswith("results as tool turns")
+
+
+def test_the_template_format_answers_with_tool_turns_even_where_the_template_renders_none(schemas):
+    """The template format always writes its results as ``tool`` turns (`TemplateFormat.results`): the role and the
+    note say so, even where the probe finds the template raising on that role."""
+    for requested in ("template", "auto"):
+        fmt, note = choose(requested, schemas, _tok(NO_TOOL_ROLE), True)
+        assert (fmt.name, fmt.role) == ("template", "tool") and note.endswith("results as tool turns")
+        assert fmt.results([SimpleNamespace(name="add")], ["42"])[0]["role"] == fmt.role
