@@ -6,6 +6,7 @@ the runtime.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -30,6 +31,7 @@ class UpdateSettings:
     max_grad_norm: float       # clip to this norm (0 = no clipping)
     rollout_is: str = "token_truncate"  # algorithm.rollout_is: the correction for a sampler's own log-probs (vLLM)
     rollout_is_cap: float = 2.0         # algorithm.rollout_is_cap
+    policy_loss: Callable | None = None  # the loss algorithm.policy_loss names, resolved once (None: at each call)
 
 
 def loss_mask(batch: Batch, mask_truncated: bool) -> list[bool]:
@@ -111,7 +113,7 @@ def _micro_batch(runtime: Runtime, batch: Batch, mb, keep: list[bool], counts: B
     is_w = meter.weights(old if old is not None else lp, _gather(batch.sampling_logps, flat, lp), mask) \
         if meter is not None and mb else None
     loss, stats = objective(lp, old, ref, adv, mask, token_weights(mask, acfg.loss_agg, counts), acfg,
-                            rollout_weights=is_w, kl_coef=0.0 if acfg.kl_in_reward else acfg.beta)
+                            rollout_weights=is_w, policy_loss=settings.policy_loss)
     runtime.backward(loss)
     ent, _ = pad([t.detach() for group in ents for t in group])
     return {"loss": float(loss.detach()), "entropy": float((ent * mask).sum()),

@@ -1,17 +1,20 @@
-"""grpo/experience.py: collect(run) with a backend injected in the run (no module global patched): the batch's
+"""grpo/experience.py: collect(sampler, ...) with a backend injected in the run's sampler (no module global patched): the batch's
 rewards are those of the completions the backend returned, its advantages group-normalised; `finish`'s log-prob
 passes, KL and advantages (the engine's log-probs replaced by fixed ones); the batch-wide std; the rows shown."""
 import pytest
 import torch
 
-from grpo.experience import collect
+from grpo import experience
 from grpo.rollout.base import Completions
 from grpo.trainer.build import build_run
 
 
+def collect(run):
+    return experience.collect(run.sampler, run.runtime, run.settings.collect, run)
+
+
 class FixedBackend:
     """Every group gets the same completions: the digit strings in ``texts``, tokenized."""
-    name = "hf"
 
     def __init__(self, tokenizer, texts):
         self.ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
@@ -22,8 +25,11 @@ class FixedBackend:
         return Completions([[list(c) for c in self.ids[:group_size]] for _ in prompt_ids],
                            [[False] * group_size for _ in prompt_ids])
 
-    def sync_weights(self, model):
+    def sync_weights(self, model, version):
         pass
+
+    def stats(self):
+        return {}
 
     def sleep(self):
         pass
@@ -36,7 +42,7 @@ def test_collect_scores_what_the_injected_backend_returned(cfg_factory):
     run = build_run(cfg_factory({"reward": {"functions": {"format": {"fn": "number_only", "weight": 1.0},
                                                           "accuracy": {"fn": "arithmetic", "weight": 0.0}}}}))
     try:
-        run.rollout.backend = fake = FixedBackend(run.tokenizer, ["1", "x", "22", "yy"])
+        run.sampler.backend.backend = fake = FixedBackend(run.tokenizer, ["1", "x", "22", "yy"])
         batch = collect(run)
         assert fake.calls == 1 and batch.group_sizes == [4, 4]
         assert batch.rewards.tolist() == [1.0, 0.0, 1.0, 0.0] * 2  # number_only: bare numbers score 1
@@ -53,9 +59,10 @@ class _Tok:
         return "".join(str(i) for i in ids if not (skip_special_tokens and i == 0))
 
 
-class _Run:
+class _Sampler:
     tokenizer = _Tok()
     rewards = [type("R", (), {"name": n})() for n in ("fmt", "acc")]
+    reward_names = ["fmt", "acc"]
 
 
 def _two_groups(**extra):
@@ -70,30 +77,30 @@ def test_sample_rows_take_the_first_of_each_group_then_the_second_and_keep_the_p
     from grpo.experience import sample_rows
 
     eps = [[{"turns": "a0"}, {"turns": "a1"}], [{"turns": "b0"}, {"turns": "b1"}]]
-    rows = sample_rows(_Run(), _two_groups(episodes=eps), 3)
+    rows = sample_rows(_Sampler(), _two_groups(episodes=eps), 3)
     assert [r["completion"] for r in rows] == ["1", "5", "2"]  # special tokens skipped
     assert [r["reward"] for r in rows] == [0.25, 0.75, 0.5] and all(type(r["reward"]) is float for r in rows)
     assert rows[0]["prompt"] == ("x" * 250 + "P")[-200:] and rows[0]["answer"] == 7 and rows[1]["answer"] is None
     assert [r["episode"] for r in rows] == [{"turns": "a0"}, {"turns": "b0"}, {"turns": "a1"}]
-    assert "episode" not in sample_rows(_Run(), _two_groups(), 1)[0]  # single-turn: no episode key
-    assert len(sample_rows(_Run(), _two_groups(), 9)) == 4
+    assert "episode" not in sample_rows(_Sampler(), _two_groups(), 1)[0]  # single-turn: no episode key
+    assert len(sample_rows(_Sampler(), _two_groups(), 9)) == 4
     from grpo.batch import Batch
 
     one = Batch([{"prompt": "p"}], [[9]], [[[1], [2], [3]]], [[False] * 3], torch.zeros(3), torch.zeros(3))
-    assert [r["completion"] for r in sample_rows(_Run(), one, 2)] == ["1", "2"]  # a rank holding one group
+    assert [r["completion"] for r in sample_rows(_Sampler(), one, 2)] == ["1", "2"]  # a rank holding one group
 
 
 def test_completion_rows_list_every_completion_with_each_functions_score():
     from grpo.experience import completion_rows
 
     scores = [[{"fmt": 1.0, "acc": None}, {"fmt": 0.0, "acc": 1.0}], [{"fmt": 0.5}, {"acc": 0.25}]]
-    rows = completion_rows(_Run(), _two_groups(scores=scores))
+    rows = completion_rows(_Sampler(), _two_groups(scores=scores))
     assert [r["completion"] for r in rows] == ["1", "2", "5", "6"]
     assert [r["prompt"] for r in rows] == ["x" * 250 + "P"] * 2 + ["['turn']"] * 2  # whole; a list as text
     assert [(r["reward/fmt"], r["reward/acc"]) for r in rows] == [(1.0, None), (0.0, 1.0), (0.5, None), (None, 0.25)]
     assert [r["reward"] for r in rows] == [0.25, 0.5, 0.75, 1.5] and [r["advantage"] for r in rows] == [-1, 1, -2, 2]
     assert all(type(r["reward"]) is float and type(r["advantage"]) is float for r in rows)
-    bare = completion_rows(_Run(), _two_groups())  # no per-function scores recorded
+    bare = completion_rows(_Sampler(), _two_groups())  # no per-function scores recorded
     assert [(r["reward/fmt"], r["reward/acc"]) for r in bare] == [(None, None)] * 4
     assert list(bare[0]) == ["prompt", "completion", "reward/fmt", "reward/acc", "reward", "advantage"]
 
@@ -153,7 +160,7 @@ def _finish(monkeypatch, batch, **algorithm):
 
     run = _FinishRun(**algorithm)
     monkeypatch.setattr(experience, "nested_logprobs", run.logprobs)
-    return experience.finish(run, batch), run.passes
+    return experience.finish(batch, run.runtime, run.settings.collect, run), run.passes
 
 
 def _one_token():
@@ -192,11 +199,9 @@ def test_finish_scales_the_advantages_with_the_configured_eps(monkeypatch):
 class RecordingBackend(FixedBackend):
     """FixedBackend with the sampler's own log-probs and truncation flags, recording the seed of every call."""
 
-    def __init__(self, tokenizer, texts, name="vllm", seeded=None):
+    def __init__(self, tokenizer, texts):
         super().__init__(tokenizer, texts)
-        self.name, self.seeds = name, []
-        if seeded is not None:
-            self.seeded = seeded
+        self.seeds = []
 
     def generate(self, prompt_ids, group_size, sampling, seed=None, suffixes=None):
         self.seeds.append(seed)
@@ -205,16 +210,19 @@ class RecordingBackend(FixedBackend):
         return Completions(out.ids, [[False, True] * (group_size // 2) for _ in prompt_ids], self.logprobs)
 
 
-@pytest.mark.parametrize("name,seeded", [("vllm", None), ("hf", True), ("hf", False), ("hf", None)])
-def test_collect_seeds_a_seeded_backend_per_step_and_keeps_what_it_returned(cfg_factory, name, seeded):
+@pytest.mark.parametrize("seeded", [True, False])
+def test_collect_seeds_a_seeded_sampler_per_step_and_keeps_what_it_returned(cfg_factory, seeded):
     from grpo.rollout.backends import step_seed
 
     run = build_run(cfg_factory({"reward": {"functions": {"format": {"fn": "number_only", "weight": 1.0}}}}))
     try:
-        run.rollout.backend = fake = RecordingBackend(run.tokenizer, ["1", "x", "22", "yy"], name, seeded)
+        assert run.sampler.seeded is False  # hf in the trainer: torch's own RNG, which the checkpoint holds
+        run.sampler.seeded = seeded  # a backend with a generator of its own (vLLM), or a sampler ahead of the trainer
+        run.sampler.backend.backend = fake = RecordingBackend(run.tokenizer, ["1", "x", "22", "yy"])
         batch = collect(run)
-        want = step_seed(run.settings.collect.seed, 0, run.sampler.epoch, run.sampler.position)
-        assert fake.seeds == [want if name != "hf" or seeded else None]  # unseeded hf: torch's own RNG
+        p = run.sampler.prompts
+        want = step_seed(run.settings.collect.seed, 0, p.epoch, p.position)
+        assert fake.seeds == [want if seeded else None]
         assert batch.truncated == [[False, True, False, True]] * 2 and batch.sampling_logps is fake.logprobs
         assert batch.episodes is None and batch.completion_masks is None
         assert batch.scores == [[{"accuracy": 0.0, "format": v} for v in (1.0, 0.0, 1.0, 0.0)]] * 2
@@ -243,10 +251,10 @@ def test_the_reward_functions_get_the_rows_columns_but_the_prompts_own(monkeypat
         return Scores([1.0, 0.0], {"fmt": [1.0, 0.0], "acc": [None, None]}, {"fmt": 0, "acc": 0})
 
     monkeypatch.setattr(experience, "score", score)
-    run = _Run()
-    run.runtime, run.completion_format = Runtime(), "messages"
+    sampler = _Sampler()
+    sampler.runtime, sampler.completion_format = Runtime(), "messages"
     row = {"prompt": "p", "prompt_ids": [9], "prompt_messages": [], "prompt_turns": [], "answer": 7, "level": 2}
-    experience.score_groups(run, [row], [[[1], [2]]], [[False, True]], {"turns": [1, 2]})
+    experience.score_groups(sampler, [row], [[[1], [2]]], [[False, True]], {"turns": [1, 2]})
     assert seen["fmt"] == "messages"
     assert seen["columns"] == {"answer": [7, 7], "level": [2, 2], "completion_ids": [[1], [2]],
                                "truncated": [False, True], "turns": [1, 2]}
@@ -271,20 +279,19 @@ def test_sample_reports_the_zero_std_share_and_sums_the_refill_rounds_times(monk
 
     run = _RefillRun([group([1.0, 1.0]), group([0.0, 0.0]), group([0.0, 1.0])], filter_zero_std_groups=True,
                      resample_zero_std=3)
-    monkeypatch.setattr(experience, "_rollout", lambda r: r.rounds.pop(0))
-    batch = experience.sample(run)  # one group of no signal, refilled in two more rounds
-    assert batch.stats["zero_std_frac"] == 1.0 and batch.stats["resample_rounds"] == 2
+    monkeypatch.setattr(experience, "_rollout", lambda sampler, s: sampler.rounds.pop(0))
+    batch = experience.sample(run, run.settings.collect)  # one group of no signal, refilled in two more rounds
+    assert batch.sums["zero_std"] == {"zero_std": 1.0, "groups": 1.0} and batch.stats["resample_rounds"] == 2
+    assert batch.sums["refill"] == {"dropped": 2.0, "groups": 1.0}
     assert batch.stats["time/rollout_s"] == 6.0 and batch.stats["time/reward_s"] == 1.5
     assert batch.rewards.tolist() == [0.0, 1.0]
 
 
-def test_reduce_stats_makes_a_generators_statistics_again_over_every_rank(cfg_factory):
-    """A batch sampled apart from the trainer's collectives (asynchronous GRPO, one generator per rank) keeps the
-    local sums of its statistics; `reduce_stats` sums them over every rank: with one process the same numbers, with
-    two ranks that sampled alike the counts double and the means stay."""
-    import dataclasses
-
-    from grpo.experience import reduce_stats, sample
+def test_sampling_leaves_the_statistics_to_finish_which_reduces_them_over_every_rank_once(cfg_factory):
+    """`sample` keeps this rank's sums of its statistics (a generator apart from the trainer's collectives samples
+    the same way); `finish` makes them over every rank in one collective: with one process the numbers of the
+    batch, with two ranks that sampled alike the counts double and the means stay."""
+    from grpo.experience import sample, sampling_stats
     from grpo.runtime.local import LocalRuntime
 
     class TwoAlike(LocalRuntime):
@@ -298,33 +305,31 @@ def test_reduce_stats_makes_a_generators_statistics_again_over_every_rank(cfg_fa
                                  "reward": {"functions": {"format": {"fn": "number_only", "weight": 1.0},
                                                           "accuracy": {"fn": "arithmetic", "weight": 0.0}}}}))
     try:
-        run.rollout.backend = FixedBackend(run.tokenizer, ["1", "1", "22", "22"])  # every group: zero std
-        batch = sample(run)
-        local = dict(batch.stats)
+        run.sampler.backend.backend = FixedBackend(run.tokenizer, ["1", "1", "22", "22"])  # every group: zero std
+        batch = sample(run.sampler, run.settings.collect)
+        assert "reward_mean" not in batch.stats and set(batch.sums) == {"score", "zero_std", "refill"}
+        local = sampling_stats(run.runtime, batch.sums)
         assert local["dropped_groups"] == 2 and local["num_groups"] == 0 and local["zero_std_frac"] == 1.0
-        reduce_stats(run, batch)
-        assert batch.stats == local
+        assert local["reward_mean"] == 1.0 and local["reward/format"] == 1.0 and local["reward_std"] == 0.0
         twice = TwoAlike("cpu")
-        reduce_stats(dataclasses.replace(run, runtime=twice), batch)
-        assert [k for k in twice.seen if "reward" in k] and ["groups", "zero_std"] in twice.seen
-        assert ["dropped", "groups"] in twice.seen and len(twice.seen) == 3  # the first round's rewards, once
+        both = sampling_stats(twice, batch.sums)
+        assert len(twice.seen) == 1 and "score:fn/format/sum" in twice.seen[0]  # every kind in one collective
         doubled = {"dropped_groups", "num_groups", "reward/format_errors", "reward/accuracy_errors"}
-        assert {k: batch.stats[k] for k in doubled} == {k: 2 * local[k] for k in doubled}
+        assert {k: both[k] for k in doubled} == {k: 2 * local[k] for k in doubled}
         for k in ("reward_mean", "zero_std_frac", "completion_len_mean", "truncated_frac", "reward/format"):
-            assert batch.stats[k] == local[k], k
-        assert batch.stats["reward_std"] == local["reward_std"] == 0.0
+            assert both[k] == local[k], k
+        assert both["reward_std"] == 0.0
+        finished = experience.finish(batch, run.runtime, run.settings.collect, run)
+        assert {k: finished.stats[k] for k in local} == local and "time/rollout_s" in finished.stats
     finally:
         run.close()
 
 
-def test_reduce_stats_reduces_each_kind_of_sums_the_batch_kept():
+def test_sampling_stats_makes_each_kind_of_sums_into_its_metrics():
     """Each kind of kept sums (the rewards, a multi-turn batch's episodes, the zero-std share, the refill) is summed
-    over the ranks and made into its metrics again: counts double over two ranks that sampled alike, means stay;
-    kinds the batch did not keep add no metric; a batch that kept no sums calls no collective."""
-    from types import SimpleNamespace
-
-    from grpo.batch import Batch
-    from grpo.experience import reduce_stats
+    over the ranks in one collective and made into its metrics: counts double over two ranks that sampled alike,
+    means stay; kinds the batch did not keep add no metric; no sums call no collective."""
+    from grpo.experience import sampling_stats
 
     class Twice:
         def __init__(self):
@@ -341,11 +346,8 @@ def test_reduce_stats_reduces_each_kind_of_sums_the_batch_kept():
     sums = {"score": score, "episode": episode, "zero_std": {"zero_std": 1.0, "groups": 1.0},
             "refill": {"dropped": 1.0, "groups": 2.0}}
     rt = Twice()
-    run = SimpleNamespace(runtime=rt, rewards=[SimpleNamespace(name="acc")])
-    batch = Batch([{}], [[1]], [[[2]]], [[False]], torch.zeros(1), torch.zeros(1), stats={}, sums=sums)
-    reduce_stats(run, batch)
-    assert rt.seen == [score, episode, sums["zero_std"], sums["refill"]]
-    s = batch.stats
+    s = sampling_stats(rt, sums)
+    assert rt.seen == [{f"{kind}:{k}": v for kind, part in sums.items() for k, v in part.items()}]
     assert (s["reward_mean"], s["completion_len_mean"], s["truncated_frac"]) == (0.75, 2.5, 0.25)
     assert s["reward_std"] == pytest.approx(((10 - 36 / 8) / 7) ** 0.5)  # over the 8 rewards of both ranks
     assert (s["reward/acc"], s["reward/acc_errors"]) == (pytest.approx(2 / 3), 2)
@@ -353,15 +355,9 @@ def test_reduce_stats_reduces_each_kind_of_sums_the_batch_kept():
     assert (s["episode/tool_tokens_mean"], s["episode/tool_time_s"]) == (2.0, 1.0)
     assert (s["zero_std_frac"], s["dropped_groups"], s["num_groups"]) == (1.0, 2, 4)
 
-    one = SimpleNamespace(runtime=SimpleNamespace(all_reduce=lambda v: rt.seen.append(v) or dict(v)),
-                          rewards=run.rewards)  # one process: a rank holding one group of no signal
+    one = sampling_stats(type("One", (), {"all_reduce": staticmethod(dict)})(),
+                         {"score": score, "zero_std": {"zero_std": 1.0, "groups": 1.0}})
+    assert not [k for k in one if k.startswith("episode/") or "groups" in k]
+    assert one["zero_std_frac"] == 1.0 and one["reward_mean"] == 0.75
     rt.seen.clear()
-    single = Batch([{}], [[1]], [[[2]]], [[False]], torch.zeros(1), torch.zeros(1), stats={},
-                   sums={"score": score, "zero_std": {"zero_std": 1.0, "groups": 1.0}})
-    reduce_stats(one, single)
-    assert len(rt.seen) == 2 and not [k for k in single.stats if k.startswith("episode/") or "groups" in k]
-    assert single.stats["zero_std_frac"] == 1.0 and single.stats["reward_mean"] == 0.75
-    rt.seen.clear()
-    none = Batch([{}], [[1]], [[[2]]], [[False]], torch.zeros(1), torch.zeros(1), stats={"kept": 1}, sums={})
-    reduce_stats(run, none)
-    assert rt.seen == [] and none.stats == {"kept": 1}
+    assert sampling_stats(rt, {}) == {} and rt.seen == []

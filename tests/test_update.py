@@ -303,7 +303,7 @@ def test_one_token_and_a_policy_loss_without_statistics(setup, monkeypatch):
     settings = UpdateSettings(_algo(beta=0.0), SPLIT, temperature=TEMP, max_len=MAX_LEN, mask_truncated=False,
                               max_grad_norm=1.0)
     assert policy_update(CaptureRuntime(policy), one, settings)["ratio_mean"] == 1.0
-    monkeypatch.setitem(pl._REGISTRY, "plain", lambda logp, old, adv, mask, a: (-adv[:, None] * logp, {}))
+    monkeypatch.setitem(pl.POLICY_LOSSES._items, "plain", lambda logp, old, adv, mask, a: (-adv[:, None] * logp, {}))
     stats = policy_update(CaptureRuntime(policy), one, dataclasses.replace(settings, algorithm=_algo(
         beta=0.0, policy_loss="plain")))
     assert stats["clip_ratio_low"] is None and stats["clip_ratio"] is None and stats["ratio_mean"] is None

@@ -20,26 +20,20 @@ import torch
 
 from grpo.config.objects import load_object
 from grpo.errors import ConfigError
+from grpo.registry import Registry
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict]]
-_REGISTRY: dict[str, PolicyLoss] = {}
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    def add(fn: PolicyLoss) -> PolicyLoss:
-        _REGISTRY[name] = fn
-        return fn
-
-    return add
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+register_policy_loss = POLICY_LOSSES.register
 
 
 def get_policy_loss(spec: str) -> PolicyLoss:
     """The loss ``algorithm.policy_loss`` names; a one-line ConfigError listing the registered ones."""
-    if spec in _REGISTRY:
-        return _REGISTRY[spec]
+    if spec in POLICY_LOSSES:
+        return POLICY_LOSSES[spec]
     if ":" not in spec:
         raise ConfigError(f"algorithm.policy_loss={spec!r} is not a registered policy loss; one of "
-                          f"{', '.join(sorted(_REGISTRY))}, or 'package.module:function' (docs/architecture.md)")
+                          f"{', '.join(POLICY_LOSSES.names())}, or 'package.module:function' (docs/architecture.md)")
     fn = load_object(spec, "algorithm.policy_loss")
     if not callable(fn):
         raise ConfigError(f"algorithm.policy_loss={spec!r} is not a function")

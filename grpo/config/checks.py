@@ -15,13 +15,8 @@ def check_tools(cfg) -> None:
 
 
 def check_server(cfg) -> None:
-    urls = cfg.rollout.server.urls
-    if cfg.rollout.backend != "server":
-        return
-    if not urls:
-        raise ConfigError("rollout.backend=server needs rollout.server.urls, e.g. "
-                          "rollout.server.urls=[http://127.0.0.1:8000] (start the server with grpo-serve)")
-    for u in urls:
+    """The URLs of rollout.server (the backend that needs them says so: `grpo.rollout.registry`)."""
+    for u in cfg.rollout.server.urls:
         if not isinstance(u, str) or not u.startswith(("http://", "https://")) or len(u.split("://", 1)[1]) == 0:
             raise ConfigError(f"rollout.server.urls: {u!r} is not a URL; give http://HOST:PORT")
 

@@ -16,11 +16,12 @@ from typing import Callable
 
 from grpo.config.objects import import_attr
 from grpo.errors import RewardSpecError
+from grpo.registry import Registry
 from grpo.rewards.adapters import as_text, from_verl
 
 RewardFn = Callable[..., list]
 
-_REGISTRY: dict[str, RewardFn] = {}
+REWARDS: Registry[RewardFn] = Registry("reward")
 
 
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -28,14 +29,11 @@ def register(name: str) -> Callable[[RewardFn], RewardFn]:
     text; the registered function also accepts conversational prompts and completions (TRL's message lists)."""
 
     def deco(fn: RewardFn) -> RewardFn:
-        if name in _REGISTRY and _REGISTRY[name].__wrapped__ is not fn:
-            raise ValueError(f"reward {name!r} is registered twice")
-
         @functools.wraps(fn)
         def text_or_messages(prompts, completions, **columns):
             return fn([as_text(p) for p in prompts], [as_text(c) for c in completions], **columns)
 
-        _REGISTRY[name] = text_or_messages
+        REWARDS.add(name, text_or_messages)  # a conflicting second registration: one line
         return fn
 
     return deco
@@ -44,12 +42,12 @@ def register(name: str) -> Callable[[RewardFn], RewardFn]:
 def available() -> list[str]:
     """Names of the built-in rewards."""
     _load_builtins()
-    return sorted(_REGISTRY)
+    return REWARDS.names()
 
 
 def is_builtin(spec: str) -> bool:
     _load_builtins()
-    return spec in _REGISTRY
+    return spec in REWARDS
 
 
 def _load_builtins() -> None:
@@ -65,8 +63,8 @@ def resolve(spec: str) -> RewardFn:
     batch signature automatically (see :mod:`grpo.rewards.adapters`).
     """
     _load_builtins()
-    if spec in _REGISTRY:
-        return _REGISTRY[spec]
+    if spec in REWARDS:
+        return REWARDS[spec]
     if ":" in spec:
         module_name, _, attr = spec.partition(":")
     elif "." in spec:

@@ -1,7 +1,7 @@
-"""What a rollout backend is asked and returns (`grpo.rollout.backends` picks and builds the backend).
+"""What a rollout backend is asked and returns.
 
 `Sampling`: what to sample, with the same meaning for every backend; `Completions`: what came back;
-`RolloutBackend`: the interface every backend implements.
+`RolloutBackend`: the interface every backend implements (`grpo.rollout.registry`: its name and capabilities).
 """
 from __future__ import annotations
 
@@ -32,14 +32,16 @@ class Completions:
 
 
 class RolloutBackend(Protocol):
-    name: str
+    """Registered by name with what it can do (`grpo.rollout.registry`); made by its maker at the first rollout."""
 
     def generate(self, prompt_ids: list[list[int]], group_size: int, sampling: Sampling, seed: int | None = None,
                  suffixes: list[list[list[int]]] | None = None) -> Completions: ...
     # suffixes (multi-turn, after the first turn): per prompt, the contexts to continue it with (prompt + suffix), one
     # sample each, returned nested and ordered like them; group_size is then 1 and unused
 
-    def sync_weights(self, model) -> None: ...
+    def sync_weights(self, model, version: int) -> None: ...  # the policy's weights after ``version`` optimizer steps
+
+    def stats(self) -> dict[str, float]: ...  # its own metrics of the step (a server's sync time and check), or {}
 
     def sleep(self) -> None: ...  # after a rollout: free what the update needs (vLLM on CUDA), or nothing
 

@@ -16,17 +16,18 @@ from tqdm.auto import tqdm
 from grpo.engine.decode_attention import DECODE_ATTN_NAME, DECODE_KWARG, SharedPrefixKV
 from grpo.engine.patch import check_every_layer, placeholder_mask, shared_prefix_unsupported, switched_attention
 from grpo.engine.unwrap import unwrap_model
-from grpo.rollout.base import cut_at_eos, eos_ids
+from grpo.rollout.base import Sampling, cut_at_eos, eos_ids
 from grpo.rollout.turn_cache import TurnCache, batched, layer_tensors, plain_layers
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 8,
-             greedy: bool = False, desc: str = "rollout", progress: bool = True, share_prompt: bool = True,
+def generate(model, tokenizer, prompt_ids: list[list[int]], sampling: Sampling, *, group_size: int = 1,
+             batch_size: int = 8, desc: str = "rollout", progress: bool = True, share_prompt: bool = True,
              min_new_tokens: int = 0, suffixes: list[list[list[int]]] | None = None, context: Callable | None = None,
              turns: TurnCache | None = None):
-    """Returns ``(completion_ids, truncated)``: per prompt, ``group_size`` token lists and flags.
+    """Returns ``(completion_ids, truncated)``: per prompt, ``group_size`` token lists and flags, sampled as
+    ``sampling`` says (`grpo.rollout.base.Sampling`: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``;
+    ``greedy``: one argmax completion per prompt).
 
     With ``share_prompt`` each prompt is prefilled once and its G samples decode against one copy of its K/V
     (families the prefix engine does not serve: the cache is forked G times); without it every sample
@@ -52,18 +53,15 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
     this call's rows are kept in turn. Not used with ``share_prompt=False`` or a synced runtime (ZeRO-3: every
     rank must run the same forwards)."""
     if suffixes is not None and not share_prompt:
-        ids, cut = generate(model, tokenizer, flatten(prompt_ids, suffixes), group_size=1,
-                            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            batch_size=batch_size, greedy=greedy, desc=desc, progress=progress,
-                            min_new_tokens=min_new_tokens, context=context)
+        ids, cut = generate(model, tokenizer, flatten(prompt_ids, suffixes), sampling, batch_size=batch_size,
+                            desc=desc, progress=progress, min_new_tokens=min_new_tokens, context=context)
         return regroup([g[0] for g in ids], suffixes), regroup([g[0] for g in cut], suffixes)
-    if not greedy:
-        _warn_truncated_sampling(top_p, top_k)
+    if not sampling.greedy:
+        _warn_truncated_sampling(sampling.top_p, sampling.top_k)
     with context() if context is not None else contextlib.nullcontext({}) as extra:
-        return _generate(unwrap_model(model, peft=False), tokenizer, prompt_ids, group_size=group_size,
-                         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                         batch_size=batch_size, greedy=greedy, desc=desc, progress=progress, extra=extra,
-                         share_prompt=share_prompt, min_new_tokens=min_new_tokens, suffixes=suffixes,
+        return _generate(unwrap_model(model, peft=False), tokenizer, prompt_ids, sampling, group_size=group_size,
+                         batch_size=batch_size, desc=desc, progress=progress, extra=extra, share_prompt=share_prompt,
+                         min_new_tokens=min_new_tokens, suffixes=suffixes,
                          turns=None if extra.get("synced_gpus") else turns)
 
 
@@ -91,8 +89,9 @@ def _warn_truncated_sampling(top_p: float, top_k: int) -> None:
                       stacklevel=3)
 
 
-def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, temperature, top_p, top_k, batch_size,
-              greedy, desc, progress, extra, share_prompt, min_new_tokens, suffixes, turns):
+def _generate(model, tokenizer, prompt_ids, sampling: Sampling, *, group_size, batch_size, desc, progress, extra,
+              share_prompt, min_new_tokens, suffixes, turns):
+    greedy, max_new_tokens = sampling.greedy, sampling.max_new_tokens
     device = next(model.parameters()).device
     synced = extra.get("synced_gpus")  # None, or the runtime's any_rank: decode until every rank is done
     eos = eos_ids(model, tokenizer)
@@ -101,8 +100,8 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
     model.eval()
     completions, truncated = [], []
     n_samples = 1 if greedy else group_size
-    pick = greedy_pick if greedy else functools.partial(sample_tokens, temperature=temperature, top_p=top_p,
-                                                          top_k=top_k)
+    pick = greedy_pick if greedy else functools.partial(sample_tokens, temperature=sampling.temperature,
+                                                          top_p=sampling.top_p, top_k=sampling.top_k)
     total = len(prompt_ids) * n_samples if suffixes is None else sum(map(len, suffixes))
     bar = tqdm(total=total, desc=desc, unit="seq", leave=False, disable=not progress)
     if turns is not None:

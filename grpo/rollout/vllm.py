@@ -38,8 +38,6 @@ class WeightSyncError(RuntimeError):
 
 
 class VLLMBackend:
-    name = "vllm"
-
     def __init__(self, model, *, eos_ids: list[int], max_model_len: int, seed: int = 0, device: str = "cpu",
                  gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 1.0, enforce_eager: bool = True,
                  enable_prefix_caching: bool = True, sleep: bool = False, full_weights=None,
@@ -104,7 +102,7 @@ class VLLMBackend:
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
     @torch.no_grad()
-    def sync_weights(self, model) -> None:
+    def sync_weights(self, model, version: int = 0) -> None:
         """Copy the trainer's current weights into the engine (in memory), then drop the prefix cache."""
         self.wake()
         seen: list[str] = []
@@ -172,6 +170,9 @@ class VLLMBackend:
             logps.append(gl)
         return Completions(ids, truncated, logps)
 
+    def stats(self) -> dict[str, float]:
+        return {}
+
     # ------------------------------------------------------------------------------------ memory
     def sleep(self) -> None:
         """CUDA with rollout.vllm.sleep: free the KV cache and offload the weights while the policy updates."""
@@ -194,6 +195,14 @@ class VLLMBackend:
                 pass
             del llm
         shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)
+
+
+def make(ctx) -> VLLMBackend:
+    """``rollout.backend=vllm`` (`grpo.rollout.registry`): ``ctx`` a `BackendContext`; the engine's max length is
+    rollout.vllm.max_model_len, or the data's longest prompt + rollout.max_new_tokens."""
+    r = ctx.rollout
+    max_len = r.vllm.max_model_len or ctx.longest_prompt + r.max_new_tokens
+    return VLLMBackend.for_runtime(ctx.runtime, ctx.tokenizer, r.vllm, max_len, ctx.seed)
 
 
 def _shutdown(llm, keep_process_group: bool) -> None:

@@ -7,28 +7,25 @@ import importlib
 import pkgutil
 from typing import Callable
 
+from grpo.registry import Registry
+
 TaskFn = Callable[..., list[dict]]
-_TASKS: dict[str, TaskFn] = {}
+TASKS: Registry[TaskFn] = Registry("task")
 
 
 def register_task(name: str) -> Callable[[TaskFn], TaskFn]:
     """Decorator: ``fn(n: int, seed: int, **kwargs) -> list[dict]`` becomes ``data.source=builtin:<name>``."""
-
-    def deco(fn: TaskFn) -> TaskFn:
-        _TASKS[name] = fn
-        return fn
-
-    return deco
+    return TASKS.register(name)
 
 
 def available_tasks() -> list[str]:
-    return sorted(_TASKS)
+    return TASKS.names()
 
 
 def get_task(name: str) -> TaskFn:
-    if name not in _TASKS:
+    if name not in TASKS:
         raise KeyError(f"unknown built-in task {name!r}; available: {', '.join(available_tasks())}")
-    return _TASKS[name]
+    return TASKS[name]
 
 
 for _m in pkgutil.iter_modules(__path__):

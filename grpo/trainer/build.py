@@ -17,17 +17,17 @@ import torch
 from grpo import data
 from grpo.algorithm.policy_loss import get_policy_loss
 from grpo.config.schema import Config, TrainerConfig
-from grpo.data import PromptSampler
 from grpo.errors import SetupError
 from grpo.models import check_name, load_model, load_reference, load_tokenizer
-from grpo.rewards.score import RewardFunction, in_worker
+from grpo.rewards.score import RewardFunction
 from grpo.rewards.score import build as build_rewards
-from grpo.rollout.backends import HFBackend, SyncedBackend, check_vllm_cpu, resolve_backend
+from grpo.rollout import registry
+from grpo.rollout.backends import HFBackend
 from grpo.rollout.episodes import formats
-from grpo.rollout.episodes.runs import environment_reward, turn_loop_maker, uses_chat
-from grpo.rollout.episodes.spec import build_toolset, choose_format, multi_turn
-from grpo.rollout.episodes.worker import ToolWorker
+from grpo.rollout.episodes.runs import uses_chat
+from grpo.rollout.episodes.spec import Toolset, build_toolset, choose_format
 from grpo.runtime.base import Runtime
+from grpo.sampler import build_sampler
 from grpo.trainer.checkpoint import resolve_resume
 from grpo.trainer.logger import interactive
 from grpo.trainer.pipeline import check as check_async
@@ -54,10 +54,11 @@ def make_runtime(cfg: Config) -> Runtime:
     return LocalRuntime(cfg.trainer.device)
 
 
-def preflight(cfg: Config) -> list[RewardFunction]:
+def preflight(cfg: Config) -> tuple[list[RewardFunction], Toolset | None]:
     """Every check that needs no model: the command line runs it before a run directory exists (a mistake
     leaves nothing behind), and `build_run` runs it again. Returns the reward functions it resolved and
-    checked (without a worker process: `build_run` attaches one when ``reward.timeout_s`` > 0)."""
+    checked (without a worker process: the sampler attaches one when ``reward.timeout_s`` > 0) and the toolset of
+    a multi-turn run (None: single-turn)."""
     out = cfg.trainer.output_dir
     if not out:
         raise SetupError("trainer.output_dir is not set")
@@ -73,8 +74,7 @@ def preflight(cfg: Config) -> list[RewardFunction]:
         raise SetupError(f"engine.attention_kernel=flex needs a CUDA device (this run is on {device}: "
                          "PyTorch's FlexAttention has no CPU backward); use auto or grouped")
     check_name(cfg.model.name_or_path)
-    if resolve_backend(cfg.rollout.backend, device) == "vllm" and device == "cpu":  # vLLM missing: one line now
-        check_vllm_cpu(cfg.model.name_or_path, cfg.model.tiny)
+    registry.check(cfg.rollout, cfg.model, device)  # what the backend refuses (vLLM missing, no server URL): now
     if cfg.trainer.resume not in (None, "", "auto"):
         try:
             resolve_resume(cfg.trainer.resume, out)  # a checkpoint that is not there: found before the model loads
@@ -87,30 +87,27 @@ def preflight(cfg: Config) -> list[RewardFunction]:
                          "rename the reward function")
     data.check_source(cfg.data)
     get_policy_loss(cfg.algorithm.policy_loss)  # a registered name, or a module:function that imports
-    check_async(cfg)  # rollout.max_staleness > 0: what the generator process does not run with yet
-    return rewards
+    check_async(cfg)  # rollout.max_staleness > 0: what the backend does not sample ahead with yet
+    return rewards, toolset
 
 
 def build_run(cfg: Config) -> Run:
-    rewards = in_worker(preflight(cfg), cfg.reward.timeout_s)
+    rewards, toolset = preflight(cfg)
     runtime = make_runtime(cfg)  # a multi-process runtime checks the number of processes before any collective
     with runtime.peer_failures_as_errors():  # a collective that timed out or lost a rank: one line
-        return _build(cfg, runtime, rewards)
+        return _build(cfg, runtime, rewards, toolset)
 
 
-def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
+def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction], toolset: Toolset | None) -> Run:
     owner = owns_output_dir(runtime, cfg.trainer.output_dir)
     set_seed(cfg.trainer.seed + runtime.rank)
     tokenizer = load_tokenizer(cfg.model.name_or_path)
-    toolset = build_toolset(cfg.rollout.tools, cfg.rollout.environment)
     fmt = None
     if toolset is not None:
         toolset, note = choose_format(toolset, cfg.rollout.tool_format, tokenizer, cfg.data.chat_template)
         if note and runtime.is_main:
             print(f"[grpo] {note}", file=sys.stderr, flush=True)
         fmt = formats.of(toolset) if toolset.protocol == "tools" else None
-        if toolset.env_reward:
-            rewards.append(environment_reward(toolset))
     splits = data.build(cfg.data, tokenizer, tools=fmt.template_tools(list(toolset.schemas)) if fmt else None,
                         keep_turns=toolset is not None,
                         system_text=fmt.system_text(list(toolset.schemas)) if fmt else None)
@@ -135,45 +132,19 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.trainer))
     runtime.setup(policy, optimizer, scheduler)
     from grpo.trainer.budget import plan as plan_memory  # sizes `auto`, refuses a prompt + completion that cannot fit
-    settings = derive(cfg, plan_memory(cfg, splits, runtime), chat=uses_chat(cfg.data, tokenizer))
-    sampler = PromptSampler(len(splits.train), seed=cfg.trainer.seed)
-    worker = turn_loop = None
-    if toolset is not None:
-        worker = ToolWorker(toolset.environment, cfg.rollout.tool_timeout_s)
-        turn_loop = turn_loop_maker(settings.episodes, tokenizer, toolset, worker, cfg.data, runtime)
+    longest = max((len(row["prompt_ids"]) for split in (splits.train, splits.eval) for row in split),
+                  default=cfg.data.max_prompt_tokens)
+    settings = derive(cfg, plan_memory(cfg, splits, runtime), chat=uses_chat(cfg.data, tokenizer),
+                      backend=registry.resolve(cfg.rollout.backend, torch.device(runtime.device).type),
+                      longest_prompt=longest)
     progress = runtime.is_main and interactive()
+    sampler = build_sampler(settings.sampler, runtime, tokenizer, splits.train, toolset, rewards=rewards,
+                            progress=progress)
     greedy = HFBackend(lambda: runtime.model, tokenizer, batch_size=settings.evaluation.batch_size,
                        progress=progress, context=runtime.generation_context, desc="eval",
                        keep_turns=toolset is not None)
-    return Run(runtime, tokenizer, policy, reference, splits, rewards, sampler, settings,
-               SyncedBackend(backend_maker(cfg, runtime, tokenizer, splits), runtime), greedy,
-               completion_format=cfg.reward.completion_format, owns_output_dir=owner, toolset=toolset,
-               tool_worker=worker, turn_loop=turn_loop)
-
-
-SYNC_CHECK_TOKENS = 32  # the first train prompt's first tokens: what the server and the trainer both score
-
-
-def backend_maker(cfg: Config, runtime: Runtime, tokenizer, splits: data.Splits):
-    """``make() -> RolloutBackend``: the backend rollout.backend names (made at the first rollout)."""
-    r = cfg.rollout
-    kind = resolve_backend(r.backend, torch.device(runtime.device).type)
-    longest = max((len(row["prompt_ids"]) for split in (splits.train, splits.eval) for row in split),
-                  default=cfg.data.max_prompt_tokens)
-    max_len = r.vllm.max_model_len or longest + r.max_new_tokens
-    if kind == "vllm":
-        from grpo.rollout.vllm import VLLMBackend
-
-        return lambda: VLLMBackend.for_runtime(runtime, tokenizer, r.vllm, max_len, cfg.trainer.seed)
-    if kind == "server":
-        from grpo.rollout.server.connect import for_runtime
-
-        check_ids = list(splits.train[0]["prompt_ids"][:SYNC_CHECK_TOKENS])  # the sync check's fixed sequence
-        return lambda: for_runtime(runtime, tokenizer, r.server, cfg.model.name_or_path, longest + r.max_new_tokens,
-                                   check_ids)
-    progress = runtime.is_main and interactive()
-    return lambda: HFBackend(lambda: runtime.model, tokenizer, batch_size=r.batch_size, share_prompt=r.share_prompt,
-                             progress=progress, context=runtime.generation_context, keep_turns=multi_turn(r))
+    return Run(runtime, tokenizer, policy, reference, splits, sampler, settings, greedy, owns_output_dir=owner,
+               toolset=toolset)
 
 
 def owns_output_dir(runtime: Runtime, output_dir: str) -> bool:

@@ -203,7 +203,7 @@ def save_checkpoint(run: Run, state: LoopState, cfg: Config) -> Path:
         if run.owns_output_dir:  # every node's copy holds the state (the same on every rank)
             save_state(tmp, {
                 "step": state.step, "optimizer": optimizer_state,
-                "scheduler": run.scheduler.state_dict(), "sampler": run.sampler.state_dict(),
+                "scheduler": run.scheduler.state_dict(), "sampler": run.sampler.prompts.state_dict(),
                 "rng": rng_state(), "buffer": state.buffer, "skipped_steps": state.skipped_steps,
                 "bad_steps": state.bad_steps, "failed_reward_steps": state.failed_reward_steps,
                 "fingerprint": fingerprint(cfg), "config_hash": _hash(fingerprint(cfg)),
@@ -239,7 +239,7 @@ def restore(run: Run, cfg: Config) -> LoopState:
     _check_fingerprint(saved, cfg, ckpt)
     rt.load_model_state(ckpt, saved["optimizer"])
     run.scheduler.load_state_dict(saved["scheduler"])
-    run.sampler.load_state_dict(saved["sampler"])
+    run.sampler.prompts.load_state_dict(saved["sampler"])
     set_rng_state(saved["rng"])
     state = LoopState(step=saved["step"], buffer=saved["buffer"], bad_steps=saved["bad_steps"],
                       skipped_steps=saved["skipped_steps"], failed_reward_steps=saved["failed_reward_steps"],

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from grpo.experience import score_groups
+from grpo.experience import score_groups, score_stats
 from grpo.rollout.base import Sampling
 from grpo.rollout.episodes.runs import episode_columns, seen_rows
 from grpo.rollout.episodes.turns import episode_metrics
@@ -27,19 +27,21 @@ def evaluate(run: Run, label: str) -> dict:
     greedy = Sampling(run.settings.evaluation.max_new_tokens, greedy=True)
     backend.desc = f"eval {label}"
     extra = episode_stats = None
-    if run.turn_loop is None:
+    sampler = run.sampler
+    if sampler.turn_loop is None:
         out = backend.generate([r["prompt_ids"] for r in padded], 1, greedy)
         comps, trunc = out.ids[:len(shard)], out.truncated[:len(shard)]
     else:  # the same turn loop as training, greedy; the padding's episodes are dropped before counting
-        eps = run.turn_loop(backend.generate).run(padded, [r["prompt_ids"] for r in padded], 1, greedy)
+        eps = sampler.turn_loop(backend.generate).run(padded, [r["prompt_ids"] for r in padded], 1, greedy)
         eps.groups, eps.prompt_ids = eps.groups[:len(shard)], eps.prompt_ids[:len(shard)]
         comps, trunc, extra, shard = eps.completion_ids, eps.truncated, episode_columns(eps), seen_rows(shard, eps)
         episode_stats = episode_metrics(rt.all_reduce(eps.sums()), prefix="")
-    _, stats = score_groups(run, shard, comps, trunc, extra)  # eval never stops a run (the loop counts failures)
+    _, _, sums = score_groups(sampler, shard, comps, trunc, extra)  # eval never stops a run (the loop counts failures)
+    stats = score_stats(rt.all_reduce(sums))
     out = {"reward_mean": stats["reward_mean"], "completion_len_mean": stats["completion_len_mean"],
            **(episode_stats or {})}
-    for rf in run.rewards:
-        out[rf.name] = stats[f"reward/{rf.name}"]
+    for name in sampler.reward_names:
+        out[name] = stats[f"reward/{name}"]
     if rt.is_main:
         head = "accuracy" if "accuracy" in out else "reward_mean"
         value = "n/a (no sample scored)" if out[head] is None else f"{out[head]:.3f}"

@@ -88,8 +88,8 @@ def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSi
         metrics.update({f"eval/{k}": v for k, v in evaluate(run, f"step {step}").items()})
     log.log(metrics, console=step % cfg.logging.log_every == 0)
     if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
-        log.samples(step, experience.sample_rows(run, batch, cfg.logging.num_samples))
-        log.completions(step, experience.completion_rows(run, batch))  # wandb's completions table
+        log.samples(step, experience.sample_rows(run.sampler, batch, cfg.logging.num_samples))
+        log.completions(step, experience.completion_rows(run.sampler, batch))  # wandb's completions table
     # 4. the loop's state; checkpoint (with the batches in flight) and stop when asked, or when steps keep going bad
     state.step, state.buffer = step, batch if step % mu else None
     state.stop_requested = run.runtime.any_rank(signals.requested)  # every rank stops after the same step
@@ -126,7 +126,7 @@ def _count_reward_failures(state: LoopState, run: Run, cfg: Config) -> None:
     """Per function, the training rollouts in a row in which it scored no sample (it raised, timed out, returned
     None or a non-finite value on every one), counted over every rank on the first rollout round. The held-out
     evaluation does not count."""
-    for rf in run.rewards:
+    for rf in run.sampler.rewards:
         failed = state.buffer.stats[f"reward/{rf.name}"] is None
         state.failed_reward_steps[rf.name] = state.failed_reward_steps.get(rf.name, 0) + 1 if failed else 0
 
@@ -134,7 +134,7 @@ def _count_reward_failures(state: LoopState, run: Run, cfg: Config) -> None:
 def _stop_on_failed_rewards(state: LoopState, run: Run, cfg: Config, stats: dict) -> None:
     """Stop (after the step is logged) when a function scored no sample in reward.max_failed_steps rollouts in a
     row; the message says what it did the first time it failed."""
-    for rf in run.rewards:
+    for rf in run.sampler.rewards:
         n = state.failed_reward_steps.get(rf.name, 0)
         if n < cfg.reward.max_failed_steps:
             continue
@@ -153,7 +153,7 @@ def _summary_line(run: Run, cfg: Config) -> str:
     return (f"{cfg.model.name_or_path}: {len(run.splits.train)} train / {len(run.splits.eval)} held-out prompts, "
             f"{r.prompts_per_step} prompts x G={cfg.algorithm.group_size} per step, {t.max_steps} steps, "
             f"lr {t.lr:g} ({t.lr_schedule}, warmup {t.warmup_steps}), beta {cfg.algorithm.beta:g}, "
-            f"rewards {', '.join(rf.name for rf in run.rewards)}; output {t.output_dir}"
+            f"rewards {', '.join(rf.name for rf in run.sampler.rewards)}; output {t.output_dir}"
             + (f"; asynchronous, max_staleness {r.max_staleness}" if r.max_staleness else ""))
 
 

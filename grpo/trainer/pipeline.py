@@ -28,7 +28,7 @@ from grpo import experience
 from grpo.batch import Batch
 from grpo.config.schema import Config
 from grpo.errors import SetupError
-from grpo.rollout.backends import resolve_backend
+from grpo.rollout import registry
 from grpo.rollout.generator import Generated, Generator, GeneratorError, GeneratorProcess
 from grpo.trainer.run import LoopState, Run
 
@@ -42,49 +42,37 @@ def sampled_with(step: int, lag: int, passes: int = 1) -> int:
 
 
 def check(cfg: Config) -> None:
-    """What asynchronous GRPO does not run with yet: one line, before any model loads."""
+    """What asynchronous GRPO does not run with yet (as the backend's capabilities say): one line, before any model
+    loads."""
     K, why = cfg.rollout.max_staleness, None
     if K == 0:
         return
     device = cfg.trainer.device if cfg.trainer.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    a, backend, dist = cfg.algorithm, _backend(cfg, device), cfg.distributed.backend
-    if backend not in ("hf", "server"):
-        why = f"drives the hf generator process or the rollout servers (rollout.backend={cfg.rollout.backend}); use " \
-              "rollout.backend=hf or server"
+    a, r, dist = cfg.algorithm, cfg.rollout, cfg.distributed.backend
+    b = registry.backend(registry.pick(r.backend, device))
+    caps = b.capabilities
+    if caps.ahead is None:
+        why = f"drives the hf generator process or the rollout servers (rollout.backend={r.backend}); use " \
+              f"rollout.backend={' or '.join(n for n in registry.BACKENDS if registry.capabilities(n).ahead)}"
     elif dist != "none" and a.filter_zero_std_groups and a.resample_zero_std > 0:
         why = (f"with distributed.backend={dist} samples in one generator per rank, which cannot "
                f"agree on refill rounds (algorithm.resample_zero_std={a.resample_zero_std}); use "
                "algorithm.resample_zero_std=0 (the zero-std filter alone works) or distributed.backend=none")
-    elif backend == "server" and dist != "none":
-        why = f"with rollout.backend=server runs one trainer process for now (distributed.backend={dist}); use " \
+    elif not caps.ahead_ranks and dist != "none":
+        why = f"with rollout.backend={r.backend} runs one trainer process for now (distributed.backend={dist}); use " \
               "distributed.backend=none, or rollout.backend=hf (a generator per rank)"
-    elif backend == "server" and a.num_iterations > 1:
-        why = f"with rollout.backend=server trains each batch once for now (algorithm.num_iterations=" \
+    elif not caps.ahead_passes and a.num_iterations > 1:
+        why = f"with rollout.backend={r.backend} trains each batch once for now (algorithm.num_iterations=" \
               f"{a.num_iterations}); use algorithm.num_iterations=1, or rollout.backend=hf"
-    elif backend == "server":
-        why = server_refusal(cfg.rollout.server, device)
+    elif b.refuse_ahead is not None:
+        why = b.refuse_ahead(r, device)
     if why:
         raise SetupError(f"rollout.max_staleness={K} {why}")
 
 
-def _backend(cfg: Config, device: str) -> str:
-    return cfg.rollout.backend if cfg.rollout.backend != "auto" else resolve_backend("auto", device)
-
-
-def server_refusal(s, device: str) -> str | None:
-    """What the server generator does not run with yet (``s``: rollout.server)."""
-    if s.sync_every != 1:
-        return f"pushes every version the schedule samples with (rollout.server.sync_every={s.sync_every}); the lag " \
-               "is rollout.max_staleness: use rollout.server.sync_every=1"
-    if s.weight_transfer == "nccl" or (s.weight_transfer == "auto" and device == "cuda"):
-        return "pushes a snapshot of each version through the gloo channel (vLLM's nccl engine reads the live " \
-               "model); use rollout.server.weight_transfer=gloo"
-    return None
-
-
 def batches(run: Run, cfg: Config, state: LoopState, process: bool | None = None):
-    """The run's source of batches: `InlineBatches` (K = 0) or `AsyncBatches` with a `GeneratorProcess` (hf) or a
-    `grpo.rollout.server.generator.ServerGenerator` (rollout.backend=server).
+    """The run's source of batches: `InlineBatches` (K = 0) or `AsyncBatches` with the generator the backend samples
+    ahead with (`grpo.trainer.ahead`: a `GeneratorProcess`, or the servers' `ServerGenerator`).
     ``process=True`` drives the generator process at K = 0 too (benchmarks and tests: every batch then samples
     with the trainer's current weights, one side idle while the other works)."""
     K, saved = cfg.rollout.max_staleness, state.in_flight
@@ -93,17 +81,12 @@ def batches(run: Run, cfg: Config, state: LoopState, process: bool | None = None
                          f"resume with that value (it is {K})")
     if not (K > 0 if process is None else process):
         return InlineBatches(run)
-    if _backend(cfg, torch.device(run.runtime.device).type) == "server":  # the servers sample (in this process)
-        from grpo.trainer.server_side import server_generator
+    from grpo.trainer import ahead
 
-        return AsyncBatches(run, server_generator(run, cfg), K, cfg.trainer.max_steps, saved)
-    from grpo.trainer.generator_side import GeneratorSpec, build
-
-    rt = run.runtime  # one generator per rank: it samples that rank's share of every step
-    spec = GeneratorSpec(cfg, run.settings, run.splits.train, run.sampler.state_dict(), torch.get_num_threads(),
-                         rt.rank, rt.world_size, str(rt.device))
-    return AsyncBatches(run, GeneratorProcess(build, spec, name=f"grpo-generator-{rt.rank}"), K, cfg.trainer.max_steps,
-                        saved, passes=cfg.algorithm.num_iterations)
+    if registry.capabilities(run.settings.sampler.backend).ahead == "thread":  # the servers sample, in this process
+        return AsyncBatches(run, ahead.server_generator(run), K, cfg.trainer.max_steps, saved)
+    return AsyncBatches(run, ahead.process_generator(run, cfg.model), K, cfg.trainer.max_steps, saved,
+                        passes=cfg.algorithm.num_iterations)
 
 
 class InlineBatches:
@@ -113,7 +96,8 @@ class InlineBatches:
         self.run = run
 
     def batch(self, step: int) -> Batch:
-        return experience.collect(self.run)
+        run = self.run
+        return experience.collect(run.sampler, run.runtime, run.settings.collect, run)
 
     def in_flight(self) -> dict | None:
         return None
@@ -142,8 +126,8 @@ class AsyncBatches:
         t1 = time.time()
         got = self._take(step)
         t2 = time.time()
-        experience.reduce_stats(self.run, got.batch)  # the generators' statistics, over every rank
-        batch = experience.finish(self.run, got.batch)
+        run = self.run  # the generators' statistics are reduced over every rank here
+        batch = experience.finish(got.batch, run.runtime, run.settings.collect, run)
         stale = [step - 1 - v for v in batch.versions or [got.version]]
         batch.stats.update({
             "async/staleness_mean": sum(stale) / len(stale), "async/staleness_max": max(stale),
@@ -199,7 +183,7 @@ class AsyncBatches:
         while any(s not in self.ready for s in self._pending()):
             self._receive()
         if self.sampler is not None:
-            self.run.sampler.load_state_dict(self.sampler)
+            self.run.sampler.prompts.load_state_dict(self.sampler)
         return {"lag": self.lag, "batches": {s: self.ready[s] for s in self._pending()}}
 
     def _pending(self) -> list[int]:

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from grpo.batch import Batch
-from grpo.data import PromptSampler, Splits
-from grpo.rewards.score import RewardFunction
-from grpo.rollout.backends import SyncedBackend
+from grpo.data import Splits
 from grpo.rollout.base import RolloutBackend
 from grpo.rollout.episodes.spec import Toolset
-from grpo.rollout.episodes.worker import ToolWorker
 from grpo.runtime.base import Runtime
+from grpo.sampler import Sampler
 from grpo.trainer.settings import RunSettings
 
 
@@ -31,19 +28,12 @@ class Run:
     policy: torch.nn.Module               # as loaded; `model` is the one the runtime trains (maybe wrapped)
     reference: torch.nn.Module | None     # None: beta = 0, or LoRA (the policy with its adapter disabled)
     splits: Splits
-    rewards: list[RewardFunction]
-    sampler: PromptSampler
+    sampler: Sampler                      # the backend, rewards, prompt sampler and turn loop (`grpo.sampler`)
     settings: RunSettings                 # what every stage reads (derived from the config once)
-    rollout: SyncedBackend                # the rollout backend (made at the first rollout) and its weight syncs
     eval_backend: RolloutBackend          # held-out evaluation: greedy, our decode loop on the training model
-    completion_format: str = "auto"       # what rewards receive: text | messages | auto (follow the data)
     owns_output_dir: bool = True          # finalises checkpoints in its output_dir (rank 0; a node's first rank
                                           # when that node's output_dir is not rank 0's, see `build.owns_output_dir`)
-    # multi-turn episodes (rollout.tools / rollout.environment): what they are, the process their calls run in, and
-    # ``turn_loop(generate, seed_for=None) -> TurnLoop`` over a backend's generate
-    toolset: Toolset | None = None
-    tool_worker: ToolWorker | None = None
-    turn_loop: Callable | None = None
+    toolset: Toolset | None = None        # multi-turn episodes (rollout.tools / rollout.environment), format chosen
 
     @property
     def model(self) -> torch.nn.Module:
@@ -68,11 +58,7 @@ class Run:
 
     def close(self) -> None:
         """Give back what the run holds outside Python's reach: the rollout engine, the tool and reward workers."""
-        self.rollout.close()
-        if self.tool_worker is not None:
-            self.tool_worker.kill()
-        for worker in {id(rf.worker): rf.worker for rf in self.rewards if rf.worker is not None}.values():
-            worker.kill()
+        self.sampler.close()
 
 
 @dataclass

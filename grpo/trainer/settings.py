@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from grpo.algorithm.policy_loss import get_policy_loss
 from grpo.config.schema import Config
 from grpo.engine.memory import parse_budget
 from grpo.experience import CollectSettings
 from grpo.rollout.base import Sampling
 from grpo.rollout.episodes.spec import max_sampled_tokens, multi_turn
 from grpo.rollout.episodes.turns import EpisodeSettings
+from grpo.sampler import SamplerSettings
 from grpo.update import UpdateSettings
 
 
@@ -29,23 +31,28 @@ class RunSettings:
     evaluation: EvalSettings
     episodes: EpisodeSettings | None  # multi-turn runs (rollout.tools / rollout.environment) only
     seed: int                          # trainer.seed
+    sampler: SamplerSettings           # what the run samples with (`grpo.sampler.build_sampler`)
 
 
-def derive(cfg: Config, max_tokens: int | None = None, chat: bool = False) -> RunSettings:
+def derive(cfg: Config, max_tokens: int | None = None, chat: bool = False, backend: str = "hf",
+           longest_prompt: int = 0) -> RunSettings:
     """Every stage's settings. ``max_tokens``: the micro-batch token budget the run was sized for
     (`grpo.trainer.budget.plan`); None keeps ``engine.max_tokens_per_micro_batch`` as configured (``auto`` is then
-    sized for the model where it is used). ``chat``: multi-turn turns are rendered by the chat template."""
+    sized for the model where it is used). ``chat``: multi-turn turns are rendered by the chat template.
+    ``backend``: rollout.backend resolved for the device; ``longest_prompt``: the data's, in tokens."""
     a, r = cfg.algorithm, cfg.rollout
     engine = cfg.engine if max_tokens is None else \
         dataclasses.replace(cfg.engine, max_tokens_per_micro_batch=max_tokens)  # a copy: cfg stays as checked
     sampling = Sampling(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
     collect = CollectSettings(r.prompts_per_step, a.group_size, sampling, cfg.trainer.seed, a, engine)
     update = UpdateSettings(a, engine, r.temperature, max_sampled_tokens(r), a.mask_truncated,
-                            cfg.trainer.max_grad_norm, a.rollout_is, a.rollout_is_cap)
+                            cfg.trainer.max_grad_norm, a.rollout_is, a.rollout_is_cap, get_policy_loss(a.policy_loss))
     evaluation = EvalSettings(cfg.trainer.eval_max_new_tokens or r.max_new_tokens,
                               max(r.batch_size * a.group_size, 1))
     episodes = None
     if multi_turn(r):
         budget = max_tokens if max_tokens is not None else parse_budget(cfg.engine.max_tokens_per_micro_batch)
         episodes = EpisodeSettings(r.max_turns, r.max_tool_tokens, chat, r.max_new_tokens, max_tokens=budget or 0)
-    return RunSettings(collect, update, evaluation, episodes, cfg.trainer.seed)
+    sampler = SamplerSettings(backend, r, cfg.reward, cfg.data, cfg.model.name_or_path, cfg.trainer.seed,
+                              longest_prompt or cfg.data.max_prompt_tokens, episodes)
+    return RunSettings(collect, update, evaluation, episodes, cfg.trainer.seed, sampler)

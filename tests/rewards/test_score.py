@@ -185,7 +185,7 @@ def test_a_builtins_complaint_is_its_first_line_cut_to_200_characters_or_its_typ
         raise KeyError()
 
     for name, fn in (("long_builtin", long), ("silent_builtin", silent)):
-        monkeypatch.setitem(registry._REGISTRY, name, fn)
+        monkeypatch.setitem(registry.REWARDS._items, name, fn)
     with pytest.raises(RewardSpecError) as e:
         check_kwargs("r", "long_builtin", long, {})
     assert str(e.value) == "reward.functions.r (long_builtin) cannot run with these arguments: " + "x" * 200

@@ -35,8 +35,6 @@ def model_facts(config) -> dict:
 
 
 class ServerBackend:
-    name = "server"
-
     def __init__(self, model, pool: ServerPool, *, model_name: str, facts: dict, eos_ids: list[int],
                  max_model_len: int, check_ids: list[int], tol: float = 1e-3, sync_every: int = 1,
                  transfer=None, full_weights=None, rank: int = 0, barrier=None, all_max=None, device="cpu"):
@@ -48,8 +46,7 @@ class ServerBackend:
         self.transfer, self.full_weights, self.rank = transfer, full_weights, rank
         self.barrier, self.all_max, self.device = barrier or (lambda: None), all_max, device
         self.version: int | None = None     # the weight version the servers hold (None: not pushed yet)
-        self.next_version = 0               # what the next push is labelled (`set_version`)
-        self.stats: dict[str, float] = {}
+        self.metrics: dict[str, float] = {}  # this step's sync: its time, the version lag, the check's gap
         pool.wait_until_up()
         for s in pool.servers:
             check_server(s, model_name, facts, max_model_len)
@@ -57,27 +54,29 @@ class ServerBackend:
             transfer.connect(pool.servers)
 
     # ------------------------------------------------------------------------------------ weights
-    def set_version(self, version: int) -> None:
-        """The label of the weights the next `sync_weights` pushes: the trainer's optimizer step count."""
-        self.next_version = int(version)
-
     @torch.no_grad()
-    def sync_weights(self, model) -> None:
-        """Push the weights when ``sync_every`` steps have passed since the last push (always the first time),
-        then check the sync. Every training rank calls it at the same point."""
-        v = self.next_version
-        self.stats["server/version_lag"] = float(v - (self.version if self.version is not None else v))
+    def sync_weights(self, model, version: int) -> None:
+        """Push the weights, labelled ``version`` (the trainer's optimizer step count), when ``sync_every`` steps
+        have passed since the last push (always the first time), then check the sync. Every training rank calls it
+        at the same point."""
+        v = int(version)
+        self.metrics["server/version_lag"] = float(v - (self.version if self.version is not None else v))
         if self.version is not None and v - self.version < self.sync_every:
-            self.stats["time/sync_s"] = 0.0
+            self.metrics["time/sync_s"] = 0.0
             return
+        t0 = time.time()
         self.push(hf_weights(model, self.full_weights) if self.full_weights else hf_weights(model), v)
+        self.metrics.update({"time/sync_s": time.time() - t0, "server/version_lag": 0.0})
         self.check(model)
+
+    def stats(self) -> dict[str, float]:
+        """This step's sync (`sync_weights`: its time and version lag) and the last sync check's gap."""
+        return dict(self.metrics)
 
     def push(self, weights, version: int) -> None:
         """Stream ``weights`` ((HF name, tensor) pairs) into every server and label them ``version``. The
         asynchronous generator (`grpo.rollout.server.generator`) calls it with a snapshot, then `check` with the
         trainer's log-probs of that snapshot."""
-        t0 = time.time()
         try:
             if self.transfer is not None:
                 self.transfer.send(weights, self.pool.servers)
@@ -92,7 +91,6 @@ class ServerBackend:
                 weights.close()
         self.barrier()  # no rank samples before rank 0's push is done
         self.version = version
-        self.stats.update({"time/sync_s": time.time() - t0, "server/version_lag": 0.0})
 
     def check(self, model=None, mine: torch.Tensor | None = None) -> float:
         """The largest |log p_server - log p_trainer| over the check sequence's tokens and every server; above
@@ -110,7 +108,7 @@ class ServerBackend:
                 gap, worst = (float("inf") if g != g else g), s.url
         if self.all_max is not None:
             gap = self.all_max({"gap": gap})["gap"]
-        self.stats["server/sync_logprob_gap"] = gap
+        self.metrics["server/sync_logprob_gap"] = gap
         if gap > self.tol:
             raise ServerError(f"weight sync check failed: rollout server {worst} scores the check sequence "
                               f"{gap:.3g} away from the trainer (rollout.server.sync_check_tol={self.tol:g}) after "

@@ -56,3 +56,11 @@ def for_runtime(runtime, tokenizer, s, model_name: str, max_model_len: int, chec
                          tol=s.sync_check_tol, sync_every=s.sync_every, transfer=transfer,
                          full_weights=rt.full_weights, rank=rt.rank, barrier=rt.barrier if many else None,
                          all_max=rt.all_max if many else None, device=rt.device)
+
+
+def make(ctx) -> ServerBackend:
+    """``rollout.backend=server`` (`grpo.rollout.registry`): ``ctx`` a `BackendContext`; the servers must hold the
+    data's longest prompt + rollout.max_new_tokens."""
+    r = ctx.rollout
+    return for_runtime(ctx.runtime, ctx.tokenizer, r.server, ctx.model_name, ctx.longest_prompt + r.max_new_tokens,
+                       ctx.check_ids)

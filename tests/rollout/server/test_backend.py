@@ -34,16 +34,14 @@ def test_weights_pushed_at_connect_and_after_a_step_with_their_version(tok, fake
     trainer = tiny_model("llama", len(tok), seed=1, **TINY)
     fake = fakes(model=tiny_model("llama", len(tok), seed=2, **TINY))  # other weights until the first push
     b = _backend(trainer, [fake])
-    b.set_version(0)
-    b.sync_weights(trainer)
+    b.sync_weights(trainer, 0)
     assert fake.received == 1 and fake.version == "0" and b.version == 0
-    assert b.stats["server/sync_logprob_gap"] < 1e-5
+    assert b.stats()["server/sync_logprob_gap"] < 1e-5
     for name, t in trainer.state_dict().items():
         assert torch.equal(fake.model.state_dict()[name], t), name
     _step(trainer)
-    b.set_version(1)
-    b.sync_weights(trainer)
-    assert fake.received == 2 and fake.version == "1" and b.stats["server/sync_logprob_gap"] < 1e-5
+    b.sync_weights(trainer, 1)
+    assert fake.received == 2 and fake.version == "1" and b.stats()["server/sync_logprob_gap"] < 1e-5
     assert ("/reset_prefix_cache", {}) in fake.requests
     out = b.generate([[1, 3, 4], [1, 5]], 3, Sampling(8, temperature=0.7), seed=10)
     assert out.versions == [1, 1]
@@ -59,30 +57,25 @@ def test_sync_every_pushes_every_n_steps_and_logs_the_lag(tok, fakes):
     trainer = tiny_model("llama", len(tok), seed=1, **TINY)
     fake = fakes(model=tiny_model("llama", len(tok), seed=1, **TINY))
     b = _backend(trainer, [fake], sync_every=2)
-    b.set_version(0)
-    b.sync_weights(trainer)
-    b.set_version(1)
-    b.sync_weights(trainer)
-    assert fake.received == 1 and b.version == 0 and b.stats["server/version_lag"] == 1.0
+    b.sync_weights(trainer, 0)
+    b.sync_weights(trainer, 1)
+    assert fake.received == 1 and b.version == 0 and b.stats()["server/version_lag"] == 1.0
     assert b.generate([[1, 3]], 2, Sampling(4), seed=0).versions == [0]
-    b.set_version(2)
-    b.sync_weights(trainer)
-    assert fake.received == 2 and b.version == 2 and b.stats["server/version_lag"] == 0.0
+    b.sync_weights(trainer, 2)
+    assert fake.received == 2 and b.version == 2 and b.stats()["server/version_lag"] == 0.0
 
 
 def test_a_stale_server_stops_the_run_with_one_line(tok, fakes):
     trainer = tiny_model("llama", len(tok), seed=1, **TINY)
     fake = fakes(model=tiny_model("llama", len(tok), seed=1, **TINY), stale=True)
     b = _backend(trainer, [fake])
-    b.set_version(0)
-    b.sync_weights(trainer)  # the same weights: the stale server agrees
+    b.sync_weights(trainer, 0)  # the same weights: the stale server agrees
     _step(trainer)
-    b.set_version(1)
     with pytest.raises(ServerError) as e:
-        b.sync_weights(trainer)
+        b.sync_weights(trainer, 1)
     msg = str(e.value)
     assert "weight sync check failed" in msg and fake.url in msg and "\n" not in msg
-    assert b.stats["server/sync_logprob_gap"] > 1e-3
+    assert b.stats()["server/sync_logprob_gap"] > 1e-3
 
 
 def test_the_check_spans_every_server_and_a_tolerance_decides(tok, fakes):
@@ -91,13 +84,11 @@ def test_the_check_spans_every_server_and_a_tolerance_decides(tok, fakes):
     bad = fakes(model=tiny_model("llama", len(tok), seed=1, **TINY), stale=True)
     b = _backend(trainer, [good, bad], tol=1e-3)
     _step(trainer, 1e-5)  # a gap below the tolerance passes
-    b.set_version(0)
-    b.sync_weights(trainer)
-    assert 0 < b.stats["server/sync_logprob_gap"] < 1e-3 and good.received == bad.received == 1
+    b.sync_weights(trainer, 0)
+    assert 0 < b.stats()["server/sync_logprob_gap"] < 1e-3 and good.received == bad.received == 1
     _step(trainer)
-    b.set_version(1)
     with pytest.raises(ServerError, match=bad.url.replace(".", r"\.")):
-        b.sync_weights(trainer)
+        b.sync_weights(trainer, 1)
 
 
 @pytest.mark.parametrize("what", ["name", "shape", "length"])
@@ -125,9 +116,8 @@ def test_lora_sends_the_merged_weights(tok, fakes):
                 p.normal_(0, 0.5)
     fake = fakes(model=tiny_model("llama", len(tok), seed=1, **TINY))
     b = _backend(trainer, [fake])
-    b.set_version(0)
-    b.sync_weights(trainer)
-    assert b.stats["server/sync_logprob_gap"] < 1e-5  # the server's plain model scores as the adapted trainer
+    b.sync_weights(trainer, 0)
+    assert b.stats()["server/sync_logprob_gap"] < 1e-5  # the server's plain model scores as the adapted trainer
     q = trainer.base_model.model.model.layers[0].self_attn.q_proj
     merged = q.base_layer.weight + q.get_delta_weight("default")
     assert torch.allclose(fake.model.model.layers[0].self_attn.q_proj.weight, merged, atol=1e-6)

@@ -84,7 +84,7 @@ def test_no_push_while_an_older_request_is_out_on_any_server(fakes, no_finish, l
             assert not any(pa < b and a < pb for pa, pb in pushes), f"a push overlapped a request of step {step}"
         last = published[versions[-1]]  # the servers hold the weights of the last version published, exactly
         assert all(torch.equal(fake.model.state_dict()[k], last[k]) for k in last)
-    assert backend.stats["server/sync_logprob_gap"] < 1e-5
+    assert backend.stats()["server/sync_logprob_gap"] < 1e-5
     for t, batch in got.items():
         assert batch.versions == [sampled_with(t, lag)] * 2, t
         assert batch.stats["async/staleness_max"] == t - 1 - sampled_with(t, lag)
