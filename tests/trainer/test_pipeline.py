@@ -9,6 +9,7 @@ import torch
 
 from grpo.batch import Batch
 from grpo.errors import SetupError
+from grpo.rollout import registry
 from grpo.rollout.generator import Generated
 from grpo.runtime.base import Runtime
 from grpo.trainer import pipeline
@@ -63,14 +64,15 @@ class Gathering(Runtime):
 def _run():
     policy = torch.nn.Linear(2, 2)
     policy.bias.requires_grad_(False)  # a frozen weight (LoRA's base): sent once, to a new generator only
-    sampler = SimpleNamespace(state=None)
-    sampler.load_state_dict = lambda s: setattr(sampler, "state", s)
-    return SimpleNamespace(policy=policy, sampler=sampler, runtime=Gathering())
+    prompts = SimpleNamespace(state=None)
+    prompts.load_state_dict = lambda s: setattr(prompts, "state", s)
+    return SimpleNamespace(policy=policy, sampler=SimpleNamespace(prompts=prompts), runtime=Gathering(),
+                           settings=SimpleNamespace(collect="collect settings"))
 
 
 @pytest.fixture
 def no_finish(monkeypatch):
-    monkeypatch.setattr(pipeline.experience, "finish", lambda run, batch: batch)
+    monkeypatch.setattr(pipeline.experience, "finish", lambda batch, runtime, s, reference: batch)
 
 
 def test_every_step_is_asked_once_with_its_version_after_those_weights(no_finish):
@@ -97,7 +99,7 @@ def test_a_checkpoint_stores_the_next_k_batches_and_a_resume_asks_only_for_the_r
     saved = src.in_flight()
     assert sorted(saved["batches"]) == [4, 5] and saved["lag"] == 2
     assert [saved["batches"][s].version for s in (4, 5)] == [1, 2]  # versions older than the checkpoint's (3)
-    assert run.sampler.state == {"drawn_for": 5}  # the checkpoint's sampler: after the stored batches' prompts
+    assert run.sampler.prompts.state == {"drawn_for": 5}  # the checkpoint's sampler: after the stored batches' prompts
     again = Recorder()
     resumed = AsyncBatches(run, again, lag=2, max_steps=8, saved=saved)
     assert resumed.batch(4).versions == [1]  # the stored batch, not a new one
@@ -242,27 +244,25 @@ def test_the_server_refusals_follow_the_device_and_auto_is_resolved(cfg_factory)
     pipeline.check(on("cuda", weight_transfer="gloo"))
     pipeline.check(on("cpu"))
     pipeline.check(on("auto"))  # no CUDA on these machines: the CPU, gloo
-    assert pipeline.server_refusal(on("cpu").rollout.server, "cpu") is None
-    assert "sync_every=3" in pipeline.server_refusal(on("cpu", sync_every=3).rollout.server, "cpu")
+    assert registry.server_refusal(on("cpu").rollout.server, "cpu") is None
+    assert "sync_every=3" in registry.server_refusal(on("cpu", sync_every=3).rollout.server, "cpu")
     auto = cfg_factory({"rollout": {"max_staleness": 1, "backend": "auto"}})
     pipeline.check(auto)
-    assert pipeline._backend(auto, "cpu") == "hf" and pipeline._backend(base, "cpu") == "server"
+    assert registry.pick("auto", "cpu") == "hf" and registry.pick("server", "cpu") == "server"
 
 
 def test_the_device_auto_is_cuda_where_there_is_one_and_auto_backend_follows_it(monkeypatch):
     """``trainer.device=auto`` with CUDA is the CUDA device (``weight_transfer=auto`` then means nccl: refused), and
     ``rollout.backend=auto`` resolves with that device (vllm on CUDA where vLLM is installed: refused)."""
-    from grpo.rollout import backends
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(SetupError, match="weight_transfer=gloo"):
         pipeline.check(_cfg(backend="server", device="auto"))
     pipeline.check(_cfg(backend="server", device="auto", weight_transfer="gloo"))
-    monkeypatch.setattr(backends, "vllm_available", lambda: True)
+    monkeypatch.setitem(registry.BACKENDS._items, "vllm", dataclasses.replace(registry.BACKENDS["vllm"],
+                                                                               available=lambda: True))
     with pytest.raises(SetupError, match=r"\(rollout.backend=auto\); use rollout.backend=hf or server"):
         pipeline.check(_cfg(backend="auto", device="auto"))
-    assert pipeline._backend(_cfg(backend="auto"), "cuda") == "vllm"
-    assert pipeline._backend(_cfg(backend="auto"), "cpu") == "hf"
+    assert registry.pick("auto", "cuda") == "vllm" and registry.pick("auto", "cpu") == "hf"
 
 
 class _Gen(Recorder):
@@ -351,7 +351,7 @@ def test_the_sampler_a_checkpoint_saves_is_the_one_after_the_newest_batch_asked_
     assert src.sampler == {"drawn_for": 3}
     fresh = _run()
     AsyncBatches(fresh, Recorder(), lag=1, max_steps=2).in_flight()
-    assert fresh.sampler.state is None
+    assert fresh.sampler.prompts.state is None
     gen = Recorder()
     src = AsyncBatches(_run(), gen, lag=1, max_steps=2)
     src._publish(0)
@@ -363,34 +363,33 @@ def test_the_sampler_a_checkpoint_saves_is_the_one_after_the_newest_batch_asked_
 
 def test_batches_picks_the_source_and_builds_the_generator_of_this_rank(cfg_factory, monkeypatch):
     """K = 0: the inline source (collect in the loop); K > 0 (or ``process=True``): the generator process built
-    from this rank's spec, or the server generator for rollout.backend=server."""
+    from this rank's spec, or the server generator for a backend that samples ahead on a thread (the server)."""
     from grpo.runtime.local import LocalRuntime
-    from grpo.trainer import server_side
+    from grpo.trainer import ahead
 
-    built = []
-    from grpo.trainer import generator_side
-
-    builders = []
-    monkeypatch.setattr(pipeline, "GeneratorProcess", lambda build, spec, name: built.append((spec, name)) or
+    built, builders = [], []
+    monkeypatch.setattr(ahead, "GeneratorProcess", lambda build, spec, name: built.append((spec, name)) or
                         builders.append(build) or Recorder())
     servers = []
-    monkeypatch.setattr(server_side, "server_generator", lambda run, cfg: servers.append((run, cfg)) or Recorder())
-    monkeypatch.setattr(pipeline.experience, "collect", lambda run: ("collected", run))
+    monkeypatch.setattr(ahead, "server_generator", lambda run: servers.append(run) or Recorder())
+    monkeypatch.setattr(pipeline.experience, "collect", lambda *a: ("collected", a))
     rt = LocalRuntime("cpu", 1, 2)
-    run = SimpleNamespace(runtime=rt, settings="settings", splits=SimpleNamespace(train=[{"p": 1}]),
-                          sampler=SimpleNamespace(state_dict=lambda: {"pos": 7}))
+    settings = SimpleNamespace(sampler=SimpleNamespace(backend="hf"), collect="collect")
+    run = SimpleNamespace(runtime=rt, settings=settings, splits=SimpleNamespace(train=[{"p": 1}]), toolset=None,
+                          sampler=SimpleNamespace(prompts=SimpleNamespace(state_dict=lambda: {"pos": 7})))
     state = SimpleNamespace(in_flight=None)
     cfg = cfg_factory({"algorithm": {"num_iterations": 2}, "trainer": {"max_steps": 5}})
     inline = pipeline.batches(run, cfg, state)
-    assert isinstance(inline, pipeline.InlineBatches) and inline.batch(1) == ("collected", run)
+    assert isinstance(inline, pipeline.InlineBatches)
+    assert inline.batch(1) == ("collected", (run.sampler, rt, "collect", run))
     assert inline.in_flight() is None and inline.close() is None and not built
     src = pipeline.batches(run, cfg, state, process=True)
     assert isinstance(src, AsyncBatches) and (src.lag, src.max_steps, src.passes) == (0, 5, 2) and src.run is run
     (spec, name), = built
     assert name == "grpo-generator-1" and (spec.rank, spec.world_size, spec.device) == (1, 2, "cpu")
-    assert (spec.settings, spec.train_rows, spec.sampler, spec.threads) == ("settings", [{"p": 1}], {"pos": 7},
+    assert (spec.settings, spec.train_rows, spec.sampler, spec.threads) == (settings, [{"p": 1}], {"pos": 7},
                                                                            torch.get_num_threads())
-    assert spec.cfg is cfg
+    assert spec.model is cfg.model and spec.toolset is None
     saved = {"lag": 2, "batches": {4: "stored"}}
     k2 = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_staleness=2))
     again = pipeline.batches(run, k2, SimpleNamespace(in_flight=saved))
@@ -398,16 +397,18 @@ def test_batches_picks_the_source_and_builds_the_generator_of_this_rank(cfg_fact
     assert pipeline.batches(run, k2, state, process=False).__class__ is pipeline.InlineBatches
     server = cfg_factory({"rollout": {"max_staleness": 1, "backend": "server", "server": {"urls": ["http://h:1"]}},
                           "trainer": {"max_steps": 3}})
-    src = pipeline.batches(run, server, state)
+    on_servers = SimpleNamespace(**{**vars(run), "settings": SimpleNamespace(sampler=SimpleNamespace(
+        backend="server"))})
+    src = pipeline.batches(on_servers, server, state)
     assert isinstance(src.gen, Recorder) and (src.lag, src.max_steps, src.passes) == (1, 3, 1) and len(built) == 2
-    assert src.run is run and servers == [(run, server)] and src.ready == {}
-    resumed = pipeline.batches(run, server, SimpleNamespace(in_flight={"lag": 1, "batches": {2: "stored"}}))
+    assert src.run is on_servers and servers == [on_servers] and src.ready == {}
+    resumed = pipeline.batches(on_servers, server, SimpleNamespace(in_flight={"lag": 1, "batches": {2: "stored"}}))
     assert resumed.ready == {2: "stored"} and resumed.submitted == {2}
-    gpu = SimpleNamespace(runtime=SimpleNamespace(device=torch.device("cuda", 1), rank=0, world_size=1),
-                          settings="s", splits=run.splits, sampler=run.sampler)
+    gpu = SimpleNamespace(**{**vars(run), "runtime": SimpleNamespace(device=torch.device("cuda", 1), rank=0,
+                                                                       world_size=1)})
     pipeline.batches(gpu, cfg, state, process=True)  # a CUDA rank's generator samples on that rank's device
     assert built[-1][0].device == "cuda:1" and built[-1][1] == "grpo-generator-0"
-    assert builders == [generator_side.build] * 3  # the child builds the generator side from the spec
+    assert builders == [ahead.build_process_side] * 3  # the child builds the process side from the spec
 
 
 def test_the_trainer_finishes_each_batch_and_its_waits_are_times_not_sums_of_clocks(monkeypatch):
@@ -416,12 +417,13 @@ def test_the_trainer_finishes_each_batch_and_its_waits_are_times_not_sums_of_clo
     run = _run()
     gathered, finished, full = [], [], run.runtime.full_weights
     run.runtime.full_weights = lambda params: gathered.append(params) or full(params)
-    monkeypatch.setattr(pipeline.experience, "finish", lambda r, batch: finished.append(r) or batch)
+    monkeypatch.setattr(pipeline.experience, "finish",
+                        lambda batch, rt, s, ref: finished.append((rt, s, ref)) or batch)
     src = AsyncBatches(run, Recorder(run.runtime), lag=1, max_steps=3)
     t0 = time.time()
     stats = [src.batch(t).stats for t in (1, 2, 3)]
     took = time.time() - t0
-    assert finished == [run, run, run]  # finished with the trainer's run (its reference, its settings)
+    assert finished == [(run.runtime, "collect settings", run)] * 3  # the trainer's runtime, settings, reference
     assert all(0 <= s[k] <= took for s in stats for k in ("time/trainer_wait_s", "time/weights_publish_s"))
     assert 0 <= src.waits["trainer"] <= took and src.waits["steps"] == 2
     trainable = [p for p in run.policy.parameters() if p.requires_grad]
