@@ -16,15 +16,14 @@ class Registry(Generic[T]):
         self.kind = kind
         self._items: dict[str, T] = {}
 
-    def add(self, name: str, obj: T) -> T:
-        """Register ``obj`` as ``name``; a different object already there: ValueError in one line."""
+    def add(self, name: str, obj: T) -> T:  # returns what is registered under ``name``
+        """Register ``obj`` as ``name``; a different object already there (not the same, nor equal): ValueError
+        in one line."""
         old = self._items.get(name)
-        if old is not None and inspect.unwrap(old) is not inspect.unwrap(obj):
+        if old is not None and inspect.unwrap(old) is not inspect.unwrap(obj) and old != obj:
             raise ValueError(f"{self.kind} {name!r} is registered twice: {_where(old)} and {_where(obj)}; "
                              "give one of them another name")
-        if old is None:
-            self._items[name] = obj
-        return obj
+        return self._items.setdefault(name, obj)  # the same again: the one registered first stays
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator form of `add`: ``@REGISTRY.register("name")``."""

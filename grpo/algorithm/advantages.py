@@ -5,7 +5,11 @@ A group whose rewards are all equal gets advantages of exactly 0, never NaN.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+from grpo.registry import Registry
 
 
 def group_ids(group_sizes: list[int], device=None) -> torch.Tensor:
@@ -27,33 +31,52 @@ def group_stats(rewards: torch.Tensor, group_sizes: list[int]) -> tuple[torch.Te
 
 def compute_advantages(rewards: torch.Tensor, group_sizes: list[int], scale: str = "group",
                        eps: float = 1e-4, batch_std: float | None = None) -> torch.Tensor:
-    """Advantages for ``rewards`` laid out group after group.
-
-    scale: ``group`` divides by each group's std (GRPO), ``batch`` by the std of all rewards
-    (``batch_std`` when given: the std over every process's rewards), ``none`` only centres (Dr. GRPO).
+    """Advantages for ``rewards`` laid out group after group: centred on their group's mean, divided by the
+    ``scale`` estimator's std (`ADVANTAGE_SCALES`: ``group`` each group's std (GRPO), ``batch`` the std of all
+    rewards (``batch_std`` when given: the std over every process's rewards), ``none`` only centres (Dr. GRPO)).
     An empty batch (every group filtered out) gives an empty tensor.
     """
     if rewards.numel() != sum(group_sizes):
         raise ValueError(f"{rewards.numel()} rewards for groups of total size {sum(group_sizes)}")
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"scale must be {', '.join(list(ADVANTAGE_SCALES)[:-1])} or {list(ADVANTAGE_SCALES)[-1]}, "
+                         f"got {scale!r}")
     rewards = rewards.float()
     mean, std = group_stats(rewards, group_sizes)
     # a constant group has no signal: exactly 0 (float32 means can be off by an ulp, so test max == min)
     flat = torch.tensor([z for z, g in zip(zero_std_groups(rewards, group_sizes), group_sizes) for _ in range(g)],
                         dtype=torch.bool, device=rewards.device)
     centred = torch.where(flat, torch.zeros_like(rewards), rewards - mean)
-    if scale == "none":
+    std = ADVANTAGE_SCALES[scale](rewards, std, batch_std)
+    if std is None:
         return centred
-    if scale == "batch":
-        if batch_std is not None:
-            std = torch.as_tensor(float(batch_std), dtype=rewards.dtype, device=rewards.device)
-        else:
-            std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
-        std = std.expand_as(rewards)
-    elif scale != "group":
-        raise ValueError(f"scale must be group, batch or none, got {scale!r}")
     adv = centred / (std + eps)
     # exactly zero where there is no spread (also guards eps = 0)
     return torch.where((std > 0) & ~flat, adv, torch.zeros_like(adv))
+
+
+# The std each estimator divides by (``algorithm.scale_rewards``): ``fn(rewards, group_std, batch_std)`` -> the std
+# of every completion ``[N]``, or None (centred only).
+ADVANTAGE_SCALES: Registry[Callable] = Registry("advantage estimator")
+
+
+@ADVANTAGE_SCALES.register("group")
+def group_scale(rewards, group_std, batch_std):
+    return group_std
+
+
+@ADVANTAGE_SCALES.register("batch")
+def batch_scale(rewards, group_std, batch_std):
+    if batch_std is not None:
+        std = torch.as_tensor(float(batch_std), dtype=rewards.dtype, device=rewards.device)
+    else:
+        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
+    return std.expand_as(rewards)
+
+
+@ADVANTAGE_SCALES.register("none")
+def no_scale(rewards, group_std, batch_std):
+    return None
 
 
 def zero_std_groups(rewards: torch.Tensor, group_sizes: list[int]) -> list[bool]:

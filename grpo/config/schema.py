@@ -103,8 +103,9 @@ class RolloutConfig:
     top_k: int = 0                   # sample from the k most likely tokens; 0 = off
     batch_size: int = 8              # prompts generated together (each with G samples)
     share_prompt: bool = True        # prefill each prompt once and fork its KV cache for the G samples
-    # auto | hf | vllm | server: hf = our decode loop on the training model; vllm = a vLLM engine in this process
-    # (pip install -e '.[vllm]'); server = vLLM servers (grpo-serve); auto = vllm on CUDA if installed, else hf
+    # auto | hf | vllm | server | a registered one (grpo.rollout.registry): hf = our decode loop on the training model;
+    # vllm = a vLLM engine in this process (pip install -e '.[vllm]'); server = vLLM servers (grpo-serve); auto =
+    # vllm on CUDA if installed, else hf
     backend: str = "auto"
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # vLLM engine settings (rollout.vllm.*)
     server: ServerConfig = field(default_factory=ServerConfig)  # rollout.backend=server: vLLM servers (grpo-serve)
@@ -223,7 +224,6 @@ _CHOICES = {
     "algorithm.scale_rewards": ("group", "batch", "none"),
     "algorithm.importance_sampling": ("token", "sequence"),
     "algorithm.rollout_is": ROLLOUT_IS_MODES,
-    "rollout.backend": ("auto", "hf", "vllm", "server"),
     "rollout.server.balance": ("round_robin", "least_loaded"),
     "rollout.server.weight_transfer": ("auto", "gloo", "nccl"),
     "rollout.tool_format": ("auto", "template", "hermes", "pythonic", "code"),  # grpo.rollout.episodes.formats.FORMATS

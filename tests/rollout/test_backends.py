@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from grpo.models import char_tokenizer, tiny_model
-from grpo.rollout.backends import HFBackend, Sampling, resolve_backend, step_seed, vllm_available
+from grpo.rollout.backends import HFBackend, Sampling, step_seed
+from grpo.rollout.registry import resolve, vllm_available
 from grpo.rollout.hf import generate
 
 
@@ -15,11 +16,11 @@ def test_hf_backend_is_our_decode_loop():
     torch.manual_seed(5)
     got = backend.generate(prompts, 3, Sampling(max_new_tokens=8, temperature=0.8))
     torch.manual_seed(5)
-    want = generate(model, tok, prompts, group_size=3, max_new_tokens=8, temperature=0.8, batch_size=2,
+    want = generate(model, tok, prompts, Sampling(max_new_tokens=8, temperature=0.8), group_size=3, batch_size=2,
                     progress=False)
     assert (got.ids, got.truncated) == want and got.logprobs is None
     greedy = backend.generate(prompts, 3, Sampling(max_new_tokens=8, greedy=True))
-    assert greedy.ids == generate(model, tok, prompts, group_size=3, max_new_tokens=8, greedy=True,
+    assert greedy.ids == generate(model, tok, prompts, Sampling(max_new_tokens=8, greedy=True), group_size=3,
                                   progress=False)[0]
 
 
@@ -37,14 +38,14 @@ def test_hf_backend_seed_is_reproducible_and_leaves_the_global_stream_alone():
 
 
 def test_backend_choice():
-    assert resolve_backend("hf", "cuda") == "hf"
-    assert resolve_backend("auto", "cpu") == "hf"
-    assert resolve_backend("auto", "cuda") == ("vllm" if vllm_available() else "hf")
+    assert resolve("hf", "cuda") == "hf"
+    assert resolve("auto", "cpu") == "hf"
+    assert resolve("auto", "cuda") == ("vllm" if vllm_available() else "hf")
     if not vllm_available():
         from grpo.errors import SetupError
 
         with pytest.raises(SetupError, match=r"pip install -e '\.\[vllm\]' on CUDA.*rollout.backend=hf"):
-            resolve_backend("vllm", "cpu")
+            resolve("vllm", "cpu")
 
 
 def test_step_seed_depends_on_every_part():
@@ -57,8 +58,12 @@ def test_config_choices(cfg_factory):
     from grpo.config.schema import ConfigError
 
     assert cfg_factory().rollout.backend == "auto" and cfg_factory().algorithm.rollout_is == "token_truncate"
-    with pytest.raises(ConfigError, match="rollout.backend"):
-        cfg_factory({"rollout": {"backend": "sglang"}})
+    from grpo.rollout import registry
+
+    sglang = cfg_factory({"rollout": {"backend": "sglang"}})  # a name is checked against the registry, before a model
+    with pytest.raises(ConfigError, match=r"^rollout.backend='sglang' is not a registered backend; one of auto, vllm, "
+                                          r"hf, server"):
+        registry.check(sglang.rollout, sglang.model, "cpu")
     with pytest.raises(ConfigError, match="algorithm.rollout_is"):
         cfg_factory({"algorithm": {"rollout_is": "tis"}})
     with pytest.raises(ConfigError, match="rollout_is_cap"):

@@ -258,8 +258,7 @@ def test_the_device_auto_is_cuda_where_there_is_one_and_auto_backend_follows_it(
     with pytest.raises(SetupError, match="weight_transfer=gloo"):
         pipeline.check(_cfg(backend="server", device="auto"))
     pipeline.check(_cfg(backend="server", device="auto", weight_transfer="gloo"))
-    monkeypatch.setitem(registry.BACKENDS._items, "vllm", dataclasses.replace(registry.BACKENDS["vllm"],
-                                                                               available=lambda: True))
+    monkeypatch.setattr(registry, "vllm_available", lambda: True)
     with pytest.raises(SetupError, match=r"\(rollout.backend=auto\); use rollout.backend=hf or server"):
         pipeline.check(_cfg(backend="auto", device="auto"))
     assert registry.pick("auto", "cuda") == "vllm" and registry.pick("auto", "cpu") == "hf"

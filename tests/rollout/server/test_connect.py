@@ -19,8 +19,12 @@ def test_a_server_run_without_urls_or_with_a_bad_one_fails_in_one_line(cfg_facto
 
     from grpo.errors import ConfigError
 
+    from grpo.rollout import registry
+
+    cfg = cfg_factory({"rollout": {"backend": "server"}})  # the backend that needs URLs asks for them (preflight)
     with pytest.raises(ConfigError, match=r"^rollout.backend=server needs rollout.server.urls, e.g. "):
-        cfg_factory({"rollout": {"backend": "server"}})
+        registry.check(cfg.rollout, cfg.model, "cpu")
+    registry.check(cfg_factory().rollout, cfg.model, "cpu")  # hf: no URL needed
     with pytest.raises(ConfigError, match=r"^rollout.server.urls: '127.0.0.1:8000' is not a URL; give http://HOST"):
         cfg_factory({"rollout": {"backend": "server", "server": {"urls": ["127.0.0.1:8000"]}}})
     with pytest.raises(ConfigError, match="rollout.server.balance='random' is not allowed"):
