@@ -124,11 +124,11 @@ def main(argv=None) -> int:
             continue
         if name == "hf":
             def run():
-                return generate(model, tok, prompts, group_size=args.group, max_new_tokens=args.new,
-                                temperature=args.temperature, batch_size=args.prompts, progress=False,
+                return generate(model, tok, prompts, Sampling(args.new, temperature=args.temperature),
+                                group_size=args.group, batch_size=args.prompts, progress=False,
                                 min_new_tokens=args.new)[0]
-            greedy[name] = generate(model, tok, prompts, group_size=1, max_new_tokens=args.new, greedy=True,
-                                    batch_size=args.prompts, progress=False)[0]
+            greedy[name] = generate(model, tok, prompts, Sampling(args.new, greedy=True), batch_size=args.prompts,
+                                    progress=False)[0]
         else:
             os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
             from grpo.rollout.base import eos_ids

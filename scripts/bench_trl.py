@@ -155,9 +155,13 @@ def worker_ours(spec: dict) -> dict:
         "logging": {"plot": False, "sample_every": 0},
     })
     run = build_run(cfg)
-    assert [rf.fn.__name__ for rf in run.rewards] == ["bench_reward"], [rf.name for rf in run.rewards]
+    assert [rf.fn.__name__ for rf in run.sampler.rewards] == ["bench_reward"], run.sampler.reward_names
     run.splits.train = [{"prompt": p["text"], "prompt_ids": p["ids"], "answer": ""} for p in spec["prompts"]]
-    run.sampler = PromptSampler(len(run.splits.train), seed=0)
+    run.sampler.rows = run.splits.train  # the sampler draws its prompts from these rows
+    run.sampler.prompts = PromptSampler(len(run.splits.train), seed=0)
+
+    def collect(run):
+        return experience.collect(run.sampler, run.runtime, run.settings.collect, run)
     import functools
 
     import grpo.rollout.hf
@@ -168,14 +172,15 @@ def worker_ours(spec: dict) -> dict:
         _vllm_exact_length(S)
     else:  # the run's hf backend, its decode loop told to sample exactly S tokens
         exact = functools.partial(grpo.rollout.hf.generate, min_new_tokens=S)
-        run.rollout.backend = HFBackend(lambda: run.runtime.model, run.tokenizer, batch_size=n, share_prompt=shared,
-                                        context=run.runtime.generation_context, generate_fn=exact)
+        run.sampler.backend.backend = HFBackend(lambda: run.runtime.model, run.tokenizer, batch_size=n,
+                                                share_prompt=shared, context=run.runtime.generation_context,
+                                                generate_fn=exact)
     settings = dataclasses.replace(run.settings.update, mask_truncated=False)
     times, cpu, upd, lens, roll = [], [], [], [], []
     for step in range(spec["steps"] + 1):
         _sync(spec["device"])
         t0, c0 = time.perf_counter(), time.process_time()
-        batch = experience.collect(run)
+        batch = collect(run)
         _sync(spec["device"])
         t1 = time.perf_counter()
         policy_update(run.runtime, batch, settings)
@@ -190,7 +195,7 @@ def worker_ours(spec: dict) -> dict:
         if lens[-1] != n * G * S:
             raise RuntimeError(f"completions are not all exactly S={S} tokens ({lens[-1]} != {n * G * S})")
     if spec.get("profile"):
-        _profile(lambda: policy_update(run.runtime, experience.collect(run),
+        _profile(lambda: policy_update(run.runtime, collect(run),
                                        dataclasses.replace(settings, temperature=1.0, max_len=S, max_grad_norm=1.0)),
                  spec["profile"])
     return {"step_s": times[1:], "cpu_step_s": cpu[1:], "update_s": upd[1:], "rollout_s": roll[1:],

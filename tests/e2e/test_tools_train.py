@@ -104,9 +104,9 @@ def test_tools_that_raise_or_hang_do_not_stop_training(tmp_path, monkeypatch):
     calls = ['<tool_call>{"name":"broken","arguments":{"x":7}}</tool_call>',
              '<tool_call>{"name":"slow","arguments":{"seconds":30}}</tool_call>']
 
-    def first_turn_calls(model, tok, prompt_ids, *, group_size, suffixes=None, **kw):
-        ids, cut = real(model, tok, prompt_ids, group_size=group_size, suffixes=suffixes, **kw)
-        if suffixes is None and not kw.get("greedy"):
+    def first_turn_calls(model, tok, prompt_ids, sampling, *, group_size, suffixes=None, **kw):
+        ids, cut = real(model, tok, prompt_ids, sampling, group_size=group_size, suffixes=suffixes, **kw)
+        if suffixes is None and not sampling.greedy:
             ids = [[tok(calls[j % 2], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for j in
                     range(len(g))] for g in ids]
             cut = [[False] * len(g) for g in ids]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import grpo.rollout.hf as rollout
+from grpo.rollout.base import Sampling
 from tests.prefix_families import EAGER_ONLY, FAMILIES, WINDOW, tiny_model
 
 torch.set_num_threads(1)
@@ -40,7 +41,7 @@ def test_cascade_decode_matches_full_copies(family, impl, monkeypatch):
     out = []
     for share in (True, False):
         torch.manual_seed(3)
-        out.append(rollout.generate(model, TOKENIZER, PROMPTS, group_size=3, max_new_tokens=NEW, batch_size=3,
+        out.append(rollout.generate(model, TOKENIZER, PROMPTS, Sampling(NEW), group_size=3, batch_size=3,
                                     progress=False, share_prompt=share, min_new_tokens=NEW))
     assert shared[0] is not None and shared[0].calls >= model.config.num_hidden_layers  # the cascade ran
     assert shared[1] is None

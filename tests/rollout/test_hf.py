@@ -3,6 +3,7 @@ import torch
 
 from grpo.models import char_tokenizer, tiny_model
 from grpo.rollout.base import cut_at_eos
+from grpo.rollout.base import Sampling
 from grpo.rollout.hf import generate
 
 
@@ -14,7 +15,7 @@ def test_shared_prompt_prefill_samples_identical_tokens(family):
     out = []
     for share in (True, False):
         torch.manual_seed(1)
-        out.append(generate(model, tok, prompts, group_size=4, max_new_tokens=10, batch_size=2, progress=False,
+        out.append(generate(model, tok, prompts, Sampling(10), group_size=4, batch_size=2, progress=False,
                             share_prompt=share))
     assert out[0] == out[1]
     comps, trunc = out[0]
@@ -26,8 +27,8 @@ def test_greedy_is_deterministic_and_one_per_prompt():
     tok = char_tokenizer()
     model = tiny_model("llama", len(tok), seed=0)
     prompts = [tok("abc")["input_ids"], tok("hello there")["input_ids"]]
-    a = generate(model, tok, prompts, group_size=4, max_new_tokens=6, greedy=True, progress=False)
-    b = generate(model, tok, prompts, group_size=4, max_new_tokens=6, greedy=True, progress=False)
+    a = generate(model, tok, prompts, Sampling(6, greedy=True), group_size=4, progress=False)
+    b = generate(model, tok, prompts, Sampling(6, greedy=True), group_size=4, progress=False)
     assert a == b and [len(g) for g in a[0]] == [1, 1]
 
 
@@ -47,7 +48,7 @@ def test_checkpoint_generation_config_does_not_change_sampling():
             model.generation_config.repetition_penalty = penalty
             model.generation_config.no_repeat_ngram_size = 2
         torch.manual_seed(3)
-        outs.append(generate(model, tok, prompts, group_size=4, max_new_tokens=12, progress=False))
+        outs.append(generate(model, tok, prompts, Sampling(12), group_size=4, progress=False))
     assert outs[0] == outs[1]
 
 
@@ -57,7 +58,7 @@ def test_greedy_decode_matches_hf_generate(family):
     tok = char_tokenizer()
     model = tiny_model(family, len(tok), seed=0)
     prompts = [tok("What is 12 + 7?")["input_ids"], tok("Hi")["input_ids"], tok("x")["input_ids"]]
-    comps, trunc = generate(model, tok, prompts, group_size=3, max_new_tokens=12, greedy=True, progress=False)
+    comps, trunc = generate(model, tok, prompts, Sampling(12, greedy=True), group_size=3, progress=False)
     eos = tok.eos_token_id
     for p, (c,), cut in zip(prompts, comps, trunc):
         ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
@@ -75,9 +76,9 @@ def test_eos_stops_rows_and_min_new_tokens_forbids_it():
         model.lm_head.bias = torch.nn.Parameter(torch.zeros(len(tok)))
         model.lm_head.bias[eos] = 30.0
     prompts = [tok("abc")["input_ids"], tok("hello")["input_ids"]]
-    comps, trunc = generate(model, tok, prompts, group_size=3, max_new_tokens=6, progress=False)
+    comps, trunc = generate(model, tok, prompts, Sampling(6), group_size=3, progress=False)
     assert all(c == [eos] for g in comps for c in g) and not any(f for fl in trunc for f in fl)
-    comps, trunc = generate(model, tok, prompts, group_size=3, max_new_tokens=6, progress=False, min_new_tokens=4)
+    comps, trunc = generate(model, tok, prompts, Sampling(6), group_size=3, progress=False, min_new_tokens=4)
     assert all(len(c) == 5 and c[-1] == eos and eos not in c[:4] for g in comps for c in g)
 
 
@@ -133,14 +134,14 @@ def test_cascade_decode_holds_the_prompt_once_and_matches_the_fork(family, monke
 
     monkeypatch.setattr(rollout, "decode", spy)
     torch.manual_seed(5)
-    cascade = generate(model, tok, prompts, group_size=4, max_new_tokens=8, batch_size=3, progress=False)
+    cascade = generate(model, tok, prompts, Sampling(8), group_size=4, batch_size=3, progress=False)
     shared, own_len, width = seen[-1]
     assert shared is not None and shared.calls >= model.config.num_hidden_layers
     assert shared.keys[0].shape[0] == 3 and shared.keys[0].shape[2] == width - 1  # B prompts, once each
     assert own_len <= 8  # last prompt token + generated tokens, never the prompt
     monkeypatch.setattr(rollout, "_cascade_ok", lambda model, n: False)
     torch.manual_seed(5)
-    fork = generate(model, tok, prompts, group_size=4, max_new_tokens=8, batch_size=3, progress=False)
+    fork = generate(model, tok, prompts, Sampling(8), group_size=4, batch_size=3, progress=False)
     assert seen[-1][0] is None and seen[-1][1] >= width - 1
     assert cascade == fork
 
@@ -198,8 +199,8 @@ def test_suffixes_prefill_each_prompt_once_and_match_whole_contexts(family, monk
         return real_prefill(model, input_ids, attention, synced, cache)
 
     monkeypatch.setattr(rollout, "prefill", spy_prefill)
-    kw = dict(group_size=1, max_new_tokens=6, batch_size=2, progress=False)
-    greedy = [generate(model, tok, prompts, greedy=True, suffixes=suffixes, share_prompt=share, **kw)
+    kw = dict(group_size=1, batch_size=2, progress=False)
+    greedy = [generate(model, tok, prompts, Sampling(6, greedy=True), suffixes=suffixes, share_prompt=share, **kw)
               for share in (True, False)]
     assert greedy[0] == greedy[1] and [len(g) for g in greedy[0][0]] == [3, 1, 2]
     whole = sum(len(c) - 1 for c in contexts)
@@ -215,7 +216,7 @@ def test_suffixes_prefill_each_prompt_once_and_match_whole_contexts(family, monk
 
     monkeypatch.setattr(rollout, "sample_tokens", spy_sample)
     torch.manual_seed(3)
-    comps, _ = generate(model, tok, prompts, temperature=0.7, suffixes=suffixes, **kw)
+    comps, _ = generate(model, tok, prompts, Sampling(6, temperature=0.7), suffixes=suffixes, **kw)
     sampled = [row for group in comps for row in group]
     got = [row for n in (4, 2) for row in torch.stack([s for s in seen if len(s) == n], 1)]  # two chunks: 4, 2 rows
     want = hf_logprobs(model, contexts, sampled, 0.7)

@@ -88,7 +88,7 @@ def test_greedy_tokens_equal_our_decode_loop_and_every_name_maps(tok, family):
     backend = _engine(tok, family)
     backend.sync_weights(model)
     prompts = _ids(tok, PROMPTS)
-    want, want_cut = generate(model, tok, prompts, group_size=4, max_new_tokens=12, greedy=True, progress=False)
+    want, want_cut = generate(model, tok, prompts, Sampling(12, greedy=True), group_size=4, progress=False)
     got = backend.generate(prompts, 4, Sampling(max_new_tokens=12, greedy=True))
     assert got.ids == want and got.truncated == want_cut
     assert [len(lp) for g in got.logprobs for lp in g] == [len(c) for g in want for c in g]
@@ -130,7 +130,7 @@ def test_smollm2_greedy_tokens_equal_our_decode_loop():
         got = backend.generate(prompts, 1, Sampling(max_new_tokens=16, greedy=True))
     finally:
         backend.close()
-    want, want_cut = generate(model, stok, prompts, group_size=1, max_new_tokens=16, greedy=True, progress=False)
+    want, want_cut = generate(model, stok, prompts, Sampling(16, greedy=True), progress=False)
     assert got.ids == want and got.truncated == want_cut
 
 
