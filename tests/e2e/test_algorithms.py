@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from grpo import experience
 from grpo.algorithm.advantages import compute_advantages
 from grpo.algorithm.aggregation import BatchCounts, token_weights
 from grpo.algorithm.loss import grpo_loss
@@ -40,12 +41,16 @@ def _params(model) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _collect(run):
+    return experience.collect(run.sampler, run.runtime, run.settings.collect, run)
+
+
 class SpyBackend:
     """The run's real rollout backend, injected in its place: counts the rollouts (``calls``) and lets a test
     rewrite what comes back (``spy.rewrite(completions)``, in place)."""
 
     def __init__(self, inner, spy):
-        self.inner, self.spy, self.name, self.calls = inner, spy, inner.name, 0
+        self.inner, self.spy, self.calls = inner, spy, 0
 
     def generate(self, *a, **k):
         self.calls += 1
@@ -54,8 +59,11 @@ class SpyBackend:
             self.spy.rewrite(out)
         return out
 
-    def sync_weights(self, model):
-        self.inner.sync_weights(model)
+    def sync_weights(self, model, version):
+        self.inner.sync_weights(model, version)
+
+    def stats(self):
+        return self.inner.stats()
 
     def sleep(self):
         self.inner.sleep()
@@ -77,7 +85,7 @@ def spy(monkeypatch):
     def build_run(cfg):
         s.run = build(cfg)
         s.initial = _params(s.run.policy)
-        s.run.rollout.backend = s.backend = SpyBackend(s.run.rollout.make(), s)
+        s.run.sampler.backend.backend = s.backend = SpyBackend(s.run.sampler.backend.make(), s)
         return s.run
 
     nested, score = grpo.experience.nested_logprobs, grpo.experience.score_groups
@@ -87,9 +95,9 @@ def spy(monkeypatch):
         return nested(*a, **k)
 
     def score_groups(*a, **k):
-        rewards, stats = score(*a, **k)
+        rewards, scores, sums = score(*a, **k)
         s.scores.append(rewards.clone())
-        return rewards, stats
+        return rewards, scores, sums
 
     monkeypatch.setattr(grpo.trainer.loop, "build_run", build_run)
     monkeypatch.setattr(grpo.experience, "nested_logprobs", nested_logprobs)
@@ -479,7 +487,7 @@ def test_each_refill_round_keeps_the_groups_its_own_rewards_select(cfg_factory, 
     monkeypatch.setattr(experience, "_rollout", lambda *a: rounds.append(rollout(*a)) or rounds[-1])
     cfg = cfg_factory(_merge(FAST, {"algorithm": {"filter_zero_std_groups": True, "resample_zero_std": 5,
                                                   "beta": 0.0}}))
-    batch = experience.collect(build_run(cfg))
+    batch = _collect(build_run(cfg))
     assert len(rounds) == 3
     assert batch.stats["resample_rounds"] == 2 and batch.stats["dropped_groups"] == 1 + 2 + 1
     assert batch.stats["num_groups"] == 2 and batch.group_sizes == [4, 4]
@@ -494,7 +502,7 @@ def test_each_refill_round_keeps_the_groups_its_own_rewards_select(cfg_factory, 
     rounds.clear()
     cfg = cfg_factory(_merge(FAST, {"algorithm": {"filter_zero_std_groups": True, "resample_zero_std": 1,
                                                   "beta": 0.0}}))
-    batch = experience.collect(build_run(cfg))
+    batch = _collect(build_run(cfg))
     assert len(rounds) == 2 and batch.stats["resample_rounds"] == 1 and batch.group_sizes == [4]
 
 
@@ -592,11 +600,11 @@ def test_kl_in_the_reward(cfg_factory, spy, monkeypatch):
     cfg = cfg_factory(_merge(FAST, {"algorithm": {"beta": 0.5, "kl_in_reward": True, "kl_estimator": "k3"},
                                     "trainer": {"lr": 0.05}}))
     run = build_run(cfg)
-    first = experience.collect(run)
+    first = experience.collect(run.sampler, run.runtime, run.settings.collect, run)
     assert first.stats["kl"] == pytest.approx(0.0, abs=1e-6)
     stats = _update(run, cfg, first)
     assert "kl" not in stats  # not in the loss
-    batch = experience.collect(run)  # the policy has moved: KL > 0
+    batch = experience.collect(run.sampler, run.runtime, run.settings.collect, run)  # the policy has moved: KL > 0
     task = spy.scores[-1]
     prompts = [p for p, g in zip(batch.prompt_ids, batch.completion_ids) for _ in g]
     with torch.no_grad():
@@ -657,7 +665,7 @@ def test_scale_rewards_batch_through_collect(cfg_factory, spy, monkeypatch):
     rewards = [0.0, 1.0, 3.0, 0.5, 2.0, 2.5, 0.0, 4.0]
     _use_reward(monkeypatch, lambda prompts, completions, **kw: rewards[:len(completions)])
     cfg = cfg_factory(_merge(FAST, {"algorithm": {"scale_rewards": "batch", "beta": 0.0}}))
-    batch = experience.collect(build_run(cfg))
+    batch = _collect(build_run(cfg))
     r = torch.tensor(rewards, dtype=torch.float64)
     groups = r.view(2, 4)
     want = (groups - groups.mean(1, keepdim=True)).flatten() / (r.std() + cfg.algorithm.adv_eps)
@@ -713,12 +721,12 @@ def test_scale_rewards_batch_through_collect_on_two_ranks(cfg_factory, monkeypat
     world = {"slots": [None, None], "barrier": threading.Barrier(2, timeout=120)}
     runs = [build_run(cfg), build_run(cfg)]
     for k, run in enumerate(runs):
-        run.runtime = _ThreadRank(run.runtime, world, k)
+        run.runtime = run.sampler.runtime = _ThreadRank(run.runtime, world, k)
     got, errors = [None, None], []
 
     def rank(k):
         try:
-            got[k] = experience.collect(runs[k])
+            got[k] = experience.collect(runs[k].sampler, runs[k].runtime, runs[k].settings.collect, runs[k])
         except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
             errors.append(e)
             world["barrier"].abort()
@@ -751,13 +759,15 @@ def test_top_p_top_k_warn_once_that_the_rollout_is_off_policy(monkeypatch):
 
     monkeypatch.setattr(rollout, "_warned_truncated", False)
     model, tok = tiny_model("llama", 100), char_tokenizer()
-    kw = dict(group_size=2, max_new_tokens=2, progress=False)
+    from grpo.rollout.base import Sampling
+
+    kw = dict(group_size=2, progress=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rollout.generate(model, tok, [[5, 6]], **kw)  # top_p=1, top_k=0: on-policy, nothing to say
+        rollout.generate(model, tok, [[5, 6]], Sampling(2), **kw)  # top_p=1, top_k=0: on-policy, nothing to say
         assert not [w for w in caught if "on-policy" in str(w.message)]
-        rollout.generate(model, tok, [[5, 6]], top_k=5, **kw)
-        rollout.generate(model, tok, [[5, 6]], top_p=0.9, **kw)
+        rollout.generate(model, tok, [[5, 6]], Sampling(2, top_k=5), **kw)
+        rollout.generate(model, tok, [[5, 6]], Sampling(2, top_p=0.9), **kw)
     msgs = [str(w.message) for w in caught if "on-policy" in str(w.message)]
     assert len(msgs) == 1 and msgs[0].startswith("rollout.top_p=1.0 / rollout.top_k=5: completions are sampled")
 
@@ -780,7 +790,7 @@ def test_a_failed_reward_counts_as_zero_in_its_group(cfg_factory, spy, monkeypat
 
     _use_reward(monkeypatch, flaky)
     cfg = cfg_factory(_merge(FAST, {"algorithm": {"beta": 0.0}}))
-    batch = experience.collect(build_run(cfg))
+    batch = _collect(build_run(cfg))
     r = torch.tensor([2.0, 0.0, 4.0, 0.0, 6.0, 0.0, 8.0, 0.0])  # calls 1, 3, 5, 7 scored 1 + n; the others failed
     assert torch.equal(batch.rewards, r) and batch.stats["reward/accuracy_errors"] == 4
     groups = r.view(2, 4)

@@ -84,7 +84,7 @@ def test_lora_reference_is_the_base_model_with_the_adapter_disabled(cfg_factory)
     assert trainable and all(_is_lora(n) for n in trainable)
     initial = _snapshot(run.policy)
     for _ in range(2):
-        batch = experience.collect(run)
+        batch = experience.collect(run.sampler, run.runtime, run.settings.collect, run)
         settings = dataclasses.replace(derive(cfg).update, mask_truncated=False, max_grad_norm=1.0)
         stats = policy_update(run.runtime, batch, settings)
         assert not stats["skipped"]

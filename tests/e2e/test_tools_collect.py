@@ -27,7 +27,7 @@ def test_collect_measures_the_kl_over_sampled_tokens_only(cfg_factory):
             gen = torch.Generator().manual_seed(0)
             for p in run.reference.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=gen))
-        batch = experience.collect(run)
+        batch = experience.collect(run.sampler, run.runtime, run.settings.collect, run)
     finally:
         run.close()
     masks = [torch.tensor(m, dtype=torch.float32) for g in batch.completion_masks for m in g]
@@ -77,12 +77,12 @@ def test_collect_seeds_every_turn_and_hands_the_episodes_to_the_rewards_and_the_
     real_score = experience.score
     monkeypatch.setattr(experience, "score", lambda f, p, c, cols: columns.update(cols) or real_score(f, p, c, cols))
     try:
-        backend = run.rollout.ready()  # built on first use; collect gets this one
-        backend.seeded, real = True, backend.generate
+        backend = run.sampler.backend.ready()  # built on first use; collect gets this one
+        run.sampler.seeded, real = True, backend.generate  # as a backend with its own generator, or ahead
         backend.generate = lambda ids, g, sampling, seed=None, **kw: seeds.append(seed) or real(ids, g, sampling,
                                                                                                 seed=seed, **kw)
-        batch = experience.collect(run)
-        base = (run.settings.collect.seed, 0, run.sampler.epoch, run.sampler.position)
+        batch = experience.collect(run.sampler, run.runtime, run.settings.collect, run)
+        base = (run.settings.collect.seed, 0, run.sampler.prompts.epoch, run.sampler.prompts.position)
     finally:
         run.close()
     assert len(seeds) >= 2 and seeds == [step_seed(*base)] + [step_seed(*base, t) for t in range(2, len(seeds) + 1)]

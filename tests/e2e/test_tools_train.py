@@ -116,7 +116,7 @@ def test_tools_that_raise_or_hang_do_not_stop_training(tmp_path, monkeypatch):
 
     def build_run(cfg):  # the run's rollout backend: our decode loop, its first turns replaced by those calls
         run = build(cfg)
-        run.rollout.backend = HFBackend(lambda: run.runtime.model, run.tokenizer, batch_size=cfg.rollout.batch_size,
+        run.sampler.backend.backend = HFBackend(lambda: run.runtime.model, run.tokenizer, batch_size=cfg.rollout.batch_size,
                                         context=run.runtime.generation_context, generate_fn=first_turn_calls)
         return run
 

@@ -7,7 +7,7 @@ then on every rank:
 - vLLM's log-prob of a fixed completion equals the trainer's (the weights went in at start);
 - one optimizer step through the runtime (ZeRO's backward and step); vLLM, not yet synced, now differs from the
   trainer (the step moved the log-probs, so a skipped sync would show);
-- the sync the next rollout does (``run.rollout.ready()``), then vLLM's log-probs equal the trainer's again;
+- the sync the next rollout does (``run.sampler.backend.ready()``), then vLLM's log-probs equal the trainer's again;
 - each rank samples its own completions (the rank is in the seed);
 - after the engine is closed the runtime's process group still works (vLLM's shutdown must leave it alone).
 
@@ -63,7 +63,7 @@ def _check_case(out: Path, case: str) -> dict:
     def gap(a, b) -> float:
         return float((a.detach().float() - b.detach().float()).abs().max())
 
-    backend = run.rollout.ready()
+    backend = run.sampler.backend.ready()
     before = trainer()
     rec = {"start": gap(vllm_logprobs_of(backend, prompt, completion), before)}
     rt.expect_backwards(1)
@@ -73,7 +73,7 @@ def _check_case(out: Path, case: str) -> dict:
     rec.update(stepped=stepped, moved=gap(after, before), stale=gap(vllm_logprobs_of(backend, prompt, completion),
                                                                      after))
     gathered = _count_gathered(backend)
-    backend = run.rollout.ready()  # what the next rollout does: the optimizer stepped, so the engine syncs
+    backend = run.sampler.backend.ready()  # what the next rollout does: the optimizer stepped, so the engine syncs
     rec["synced"] = gap(vllm_logprobs_of(backend, prompt, completion), after)
     rec["largest_gather"], rec["params"] = max(gathered), sum(_numel(p) for p in rt.model.parameters())
     got = backend.generate([prompt], 4, Sampling(max_new_tokens=12, temperature=1.0),

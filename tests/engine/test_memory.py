@@ -217,7 +217,7 @@ def test_auto_budget_splits_the_batch_and_keeps_the_gradient(cfg_factory, monkey
         assert isinstance(run.settings.update.engine.max_tokens_per_micro_batch, int)
         assert run.settings.collect.engine == run.settings.update.engine
         assert cfg.engine.max_tokens_per_micro_batch == "auto"
-        batch = experience.collect(run)
+        batch = experience.collect(run.sampler, run.runtime, run.settings.collect, run)
         est = memory.estimate(run.model)
         longest = max(len(p) + max(len(c) for c in g) for p, g in zip(batch.prompt_ids, batch.completion_ids))
         free = int((est.bytes_for(longest + 4)) / memory.MARGIN)  # room for about one sequence

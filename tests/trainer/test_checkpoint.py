@@ -129,7 +129,7 @@ def built(tmp_path):
     rt = LocalRuntime("cpu")
     rt.setup(policy, optimizer, scheduler)
     run = SimpleNamespace(runtime=rt, policy=policy, optimizer=optimizer, scheduler=scheduler,
-                          sampler=PromptSampler(10, seed=t.seed), owns_output_dir=True)
+                          sampler=SimpleNamespace(prompts=PromptSampler(10, seed=t.seed)), owns_output_dir=True)
     return run, cfg
 
 
@@ -145,7 +145,7 @@ def _train_step(run):
     run.optimizer.step()
     run.optimizer.zero_grad()
     run.scheduler.step()
-    run.sampler.next(2)
+    run.sampler.prompts.next(2)
 
 
 def _draws():
@@ -170,7 +170,7 @@ def test_a_checkpoint_restores_weights_optimizer_schedule_sampler_rng_and_the_lo
     assert saved["schedule"] == checkpoint.schedule(cfg) and saved["fingerprint"] == checkpoint.fingerprint(cfg)
     assert saved["config_hash"] == checkpoint._hash(checkpoint.fingerprint(cfg)) and len(saved["config_hash"]) == 12
     weights, moments = _trainable(run), copy.deepcopy(run.optimizer.state_dict()["state"])
-    epoch, sampler = run.scheduler.last_epoch, run.sampler.state_dict()
+    epoch, sampler = run.scheduler.last_epoch, run.sampler.prompts.state_dict()
     _train_step(run)  # the run moves on after the save: a restore must undo all of it
     _draws()
     resumed = checkpoint.restore(run, _with(cfg, resume="auto"))
@@ -180,7 +180,7 @@ def test_a_checkpoint_restores_weights_optimizer_schedule_sampler_rng_and_the_lo
     assert now.keys() == moments.keys() and all(torch.equal(now[k]["exp_avg"], moments[k]["exp_avg"]) and
                                                 torch.equal(now[k]["exp_avg_sq"], moments[k]["exp_avg_sq"])
                                                 for k in now)
-    assert run.scheduler.last_epoch == epoch and run.sampler.state_dict() == sampler
+    assert run.scheduler.last_epoch == epoch and run.sampler.prompts.state_dict() == sampler
     assert _draws() == expected
     err = capsys.readouterr().err
     assert f"[grpo] resumed from {path} (step 3)" in err and "changed since" not in err

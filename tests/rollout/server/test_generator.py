@@ -3,6 +3,8 @@ gloo channel), driven by the trainer's real schedule (`AsyncBatches`) while the 
 steps: no push while a request of an older version is out, on every server; each step's requests are answered by
 servers holding the schedule's version; every push carries the weights of the version published (the sync check
 against the trainer's log-probs at publication passes, and the servers end with the last version's weights)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -26,7 +28,7 @@ class _Runtime:
 class _Run:
     def __init__(self, policy):
         self.policy, self.runtime, self.state = policy, _Runtime(), None
-        self.sampler = self
+        self.sampler, self.settings = SimpleNamespace(prompts=self), SimpleNamespace(collect=None)
 
     def load_state_dict(self, s):
         self.state = s
@@ -61,7 +63,7 @@ def _train(trainer, fakes_, lag: int, steps: int):
 
 @pytest.fixture
 def no_finish(monkeypatch):
-    monkeypatch.setattr(pipeline.experience, "finish", lambda run, batch: batch)
+    monkeypatch.setattr(pipeline.experience, "finish", lambda batch, *a: batch)
 
 
 @pytest.mark.parametrize("lag", [1, 2])
