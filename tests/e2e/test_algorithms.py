@@ -659,7 +659,6 @@ def test_rollout_temperature_reaches_every_log_prob(cfg_factory, spy, ragged, or
 
 def test_scale_rewards_batch_through_collect(cfg_factory, spy, monkeypatch):
     """collect with scale_rewards=batch: (r - group mean) / (std of every reward of the batch + adv_eps)."""
-    from grpo import experience
     from grpo.trainer.build import build_run
 
     rewards = [0.0, 1.0, 3.0, 0.5, 2.0, 2.5, 0.0, 4.0]
@@ -775,7 +774,6 @@ def test_top_p_top_k_warn_once_that_the_rollout_is_off_policy(monkeypatch):
 def test_a_failed_reward_counts_as_zero_in_its_group(cfg_factory, spy, monkeypatch):
     """docs/algorithms.md: a sample a reward function failed on gets 0 from that function (TRL's nansum) and
     still takes part in its group's mean and std."""
-    from grpo import experience
     from grpo.trainer.build import build_run
 
     calls = {"n": 0}

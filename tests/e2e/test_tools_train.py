@@ -116,8 +116,9 @@ def test_tools_that_raise_or_hang_do_not_stop_training(tmp_path, monkeypatch):
 
     def build_run(cfg):  # the run's rollout backend: our decode loop, its first turns replaced by those calls
         run = build(cfg)
-        run.sampler.backend.backend = HFBackend(lambda: run.runtime.model, run.tokenizer, batch_size=cfg.rollout.batch_size,
-                                        context=run.runtime.generation_context, generate_fn=first_turn_calls)
+        run.sampler.backend.backend = HFBackend(lambda: run.runtime.model, run.tokenizer,
+                                                batch_size=cfg.rollout.batch_size,
+                                                context=run.runtime.generation_context, generate_fn=first_turn_calls)
         return run
 
     monkeypatch.setattr(grpo.trainer.loop, "build_run", build_run)

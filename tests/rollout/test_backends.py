@@ -4,8 +4,8 @@ import torch
 
 from grpo.models import char_tokenizer, tiny_model
 from grpo.rollout.backends import HFBackend, Sampling, step_seed
-from grpo.rollout.registry import resolve, vllm_available
 from grpo.rollout.hf import generate
+from grpo.rollout.registry import resolve, vllm_available
 
 
 def test_hf_backend_is_our_decode_loop():

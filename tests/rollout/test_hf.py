@@ -2,8 +2,7 @@ import pytest
 import torch
 
 from grpo.models import char_tokenizer, tiny_model
-from grpo.rollout.base import cut_at_eos
-from grpo.rollout.base import Sampling
+from grpo.rollout.base import Sampling, cut_at_eos
 from grpo.rollout.hf import generate
 
 

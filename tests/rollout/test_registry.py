@@ -69,7 +69,8 @@ def test_auto_picks_by_device_and_installed_packages(monkeypatch):
         ("vllm", "hf", "toy")
     monkeypatch.setattr(registry, "vllm_available", lambda: False)
     assert registry.pick("auto", "cuda") == "hf" and registry.pick("vllm", "cpu") == "vllm"
-    with pytest.raises(Exception, match=r"^rollout.backend=vllm needs vLLM: pip install .*, or use rollout.backend=hf$"):
+    with pytest.raises(Exception, match=r"^rollout.backend=vllm needs vLLM: pip install .*, or use "
+                                        r"rollout.backend=hf$"):
         registry.resolve("vllm", "cpu")
     caps = registry.capabilities
     assert caps("hf").live_weights and not caps("hf").seeded and caps("vllm").starts_synced and caps("toy").seeded

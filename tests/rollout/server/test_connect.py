@@ -18,7 +18,6 @@ def test_a_server_run_without_urls_or_with_a_bad_one_fails_in_one_line(cfg_facto
     import pytest
 
     from grpo.errors import ConfigError
-
     from grpo.rollout import registry
 
     cfg = cfg_factory({"rollout": {"backend": "server"}})  # the backend that needs URLs asks for them (preflight)
