@@ -1,6 +1,7 @@
 """grpo/experience.py: collect(sampler, ...) with a backend injected in the run's sampler (no module global patched):
-the batch's rewards are those of the completions the backend returned, its advantages group-normalised; `finish`'s log-prob
-passes, KL and advantages (the engine's log-probs replaced by fixed ones); the batch-wide std; the rows shown."""
+the batch's rewards are those of the completions the backend returned, its advantages group-normalised; `finish`'s
+statistics (reduced over every rank once), log-prob passes, KL and advantages (the engine's log-probs replaced by fixed
+ones); the batch-wide std; the rows shown."""
 import pytest
 import torch
 
