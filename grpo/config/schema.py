@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
@@ -316,14 +317,12 @@ def open_dict_keys() -> set[str]:
 def suggest(key: str) -> str:
     candidates = schema_keys() + [f.name for f in fields(Config)]
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    close = ["algorithm.beta"] if key.split(".")[-1] == "kl_coef" else close  # the KL coefficient has one name
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _get(cfg: Config, key: str) -> Any:
-    obj: Any = cfg
-    for part in key.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return functools.reduce(getattr, key.split("."), cfg)
 
 
 def validate(cfg: Config) -> Config:

@@ -140,3 +140,23 @@ def test_pad_right_pads_with_zeros_or_the_given_value_and_masks_the_padding():
     assert padded.tolist() == [[1.0, 2.0], [3.0, 0.0]] and mask.tolist() == [[1.0, 1.0], [1.0, 0.0]]
     padded, _ = pad([torch.tensor([1.0, 2.0]), torch.tensor([3.0])], value=-1.0)
     assert padded.tolist() == [[1.0, 2.0], [3.0, -1.0]]
+
+
+def test_the_kl_coefficient_has_one_name_beta():
+    """``kl_coef`` (verl's name) is refused in one line naming ``beta``, in grpo_loss and in the config; with the KL in
+    the reward the loss holds no KL term (beta is then applied to the reward, `grpo.experience.finish`)."""
+    from grpo.algorithm.loss import objective
+    from grpo.config.schema import AlgorithmConfig, ConfigError, load
+
+    logp, ref = torch.tensor([[-1.0, -2.0]], requires_grad=True), torch.tensor([[-1.5, -1.0]])
+    adv, mask, w = torch.tensor([1.0]), torch.ones(1, 2), torch.full((1, 2), 0.5)
+    with pytest.raises(TypeError, match=r"^grpo_loss\(\) takes no kl_coef: the KL penalty's coefficient is beta "
+                                        r"\(algorithm.beta\)$"):
+        grpo_loss(logp, None, ref, adv, mask, w, kl_coef=0.1)
+    with pytest.raises(ConfigError, match=r"^unknown config key 'algorithm.kl_coef' \(did you mean "
+                                          r"'algorithm.beta'\?\)$"):
+        load({"algorithm": {"kl_coef": 0.1}})
+    in_loss, stats = objective(logp, None, ref, adv, mask, w, AlgorithmConfig(beta=0.5))
+    in_reward, no_kl = objective(logp, None, ref, adv, mask, w, AlgorithmConfig(beta=0.5, kl_in_reward=True))
+    plain, _ = objective(logp, None, ref, adv, mask, w, AlgorithmConfig(beta=0.0))
+    assert "kl" in stats and "kl" not in no_kl and torch.equal(in_reward, plain) and not torch.equal(in_loss, plain)
