@@ -14,8 +14,8 @@ from grpo.config.schema import AlgorithmConfig, EngineConfig
 from grpo.engine.batch_logprobs import nested_logprobs
 from grpo.rewards.score import reward_inputs, score
 from grpo.rollout.base import Sampling
-from grpo.rollout.episodes.runs import episode_columns, episode_records, seen_rows
 from grpo.rollout.episodes.turns import episode_metrics
+from grpo.rollout.episodes.wiring import episode_columns, episode_records, seen_rows
 from grpo.runtime.base import Runtime
 from grpo.sampler import Sampler
 
@@ -55,8 +55,8 @@ def collect(sampler: Sampler, runtime: Runtime, s: CollectSettings, reference: R
     5. the KL to the reference (a metric, or with ``kl_in_reward`` a penalty in the reward);
     6. advantages (group-normalised, `grpo.algorithm.advantages`).
 
-    With ``rollout.max_staleness`` > 0 a sampler of its own runs `sample` ahead (`grpo.trainer.ahead_process`,
-    `grpo.trainer.ahead_servers`) and the trainer `finish`es the batch when its step comes (`grpo.trainer.pipeline`).
+    With ``rollout.max_staleness`` > 0 a sampler of its own runs `sample` ahead (`grpo.trainer.generators`) and
+    the trainer `finish`es the batch when its step comes (`grpo.trainer.pipeline`).
     """
     return finish(sample(sampler, s), runtime, s, reference)
 

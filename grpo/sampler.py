@@ -1,6 +1,6 @@
 """`Sampler`: what a run samples with, built in one place (`build_sampler`) for all three places that sample: the
-synchronous loop (`grpo.trainer.build`), the generator process of asynchronous GRPO (`grpo.trainer.ahead_process`)
-and the rollout servers' worker thread (`grpo.trainer.ahead_servers`).
+synchronous loop (`grpo.trainer.build`), the generator process of asynchronous GRPO (`grpo.trainer.generators`)
+and the rollout servers' worker thread (`grpo.trainer.generators`).
 
 A sampler is the rollout backend (`grpo.rollout.registry`: made at the first rollout, its weights kept in step with
 the policy), the reward functions, the prompt sampler over the training rows, and for multi-turn episodes the tool
@@ -18,9 +18,9 @@ from grpo.rewards.score import build as build_rewards
 from grpo.rollout import registry
 from grpo.rollout.backends import SyncedBackend, step_seed
 from grpo.rollout.base import Completions, Sampling
-from grpo.rollout.episodes.runs import environment_reward, turn_loop_maker
 from grpo.rollout.episodes.spec import Toolset, multi_turn
 from grpo.rollout.episodes.turns import EpisodeSettings
+from grpo.rollout.episodes.wiring import environment_reward, turn_loop_maker
 from grpo.rollout.episodes.worker import ToolWorker
 
 SYNC_CHECK_TOKENS = 32  # the first train prompt's first tokens: what a server and the trainer both score

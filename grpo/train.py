@@ -27,7 +27,7 @@ def _hydra_main():
 
         from grpo.config.cli import expand_paths
         from grpo.config.compose import apply_precedence
-        from grpo.trainer.loop import train  # torch and the models: only for a config that passed its checks
+        from grpo.trainer.loop import fit  # torch and the models: only for a config that passed its checks
 
         hc = HydraConfig.get()
         run_dir = hc.runtime.output_dir
@@ -47,7 +47,7 @@ def _hydra_main():
 
         with run_log(cfg.trainer.output_dir, enabled=int(os.environ.get("RANK") or 0) == 0):  # errors too
             try:
-                result = train(cfg)
+                result = fit(cfg)
             except (GRPOError, FileNotFoundError) as e:
                 _fail(e, run_dir)
             except StopNow as e:  # a second Ctrl-C / SIGTERM: the one line it printed is all

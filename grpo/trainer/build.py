@@ -24,8 +24,8 @@ from grpo.rewards.score import build as build_rewards
 from grpo.rollout import registry
 from grpo.rollout.backends import HFBackend
 from grpo.rollout.episodes import formats
-from grpo.rollout.episodes.runs import uses_chat
 from grpo.rollout.episodes.spec import Toolset, build_toolset, choose_format
+from grpo.rollout.episodes.wiring import uses_chat
 from grpo.runtime.base import Runtime
 from grpo.sampler import build_sampler
 from grpo.trainer.checkpoint import resolve_resume

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 from grpo.experience import score_groups, score_stats
 from grpo.rollout.base import Sampling
-from grpo.rollout.episodes.runs import episode_columns, seen_rows
 from grpo.rollout.episodes.turns import episode_metrics
+from grpo.rollout.episodes.wiring import episode_columns, seen_rows
 
 if TYPE_CHECKING:
     from grpo.trainer.run import Run

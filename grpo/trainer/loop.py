@@ -1,5 +1,5 @@
-"""The training loop: `train(cfg)` reads top to bottom: sample, score, normalise, old/ref log-probs, optimise,
-log, evaluate, save. Each stage lives in its own module; the command line (grpo/train.py) calls `train` once
+"""The training loop: `fit(cfg)` reads top to bottom: sample, score, normalise, old/ref log-probs, optimise,
+log, evaluate, save. Each stage lives in its own module; the command line (grpo/train.py) calls `fit` once
 the config is composed and checked, so a mistake on the command line never waits for torch to import.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from grpo.trainer.signals import StopSignals
 from grpo.update import policy_update
 
 
-def train(cfg: Config) -> dict:
+def fit(cfg: Config) -> dict:
     """Run GRPO as configured; returns the final summary (eval accuracy before/after, steps)."""
     logger.quiet_when_not_interactive()
     with logger.run_log(cfg.trainer.output_dir, enabled=int(os.environ.get("RANK") or 0) == 0):  # train.log

@@ -29,7 +29,7 @@ from grpo.batch import Batch
 from grpo.config.schema import Config
 from grpo.errors import SetupError
 from grpo.rollout import registry
-from grpo.rollout.generator import Generated, Generator, GeneratorError
+from grpo.rollout.generator_process import Generated, Generator, GeneratorError
 from grpo.trainer.run import LoopState, Run
 
 
@@ -72,7 +72,7 @@ def check(cfg: Config) -> None:
 
 def batches(run: Run, cfg: Config, state: LoopState, process: bool | None = None):
     """The run's source of batches: `InlineBatches` (K = 0) or `AsyncBatches` with the generator the backend samples
-    ahead with (`grpo.trainer.ahead`: a `GeneratorProcess`, or the servers' `ServerGenerator`).
+    ahead with (`grpo.trainer.generators`: a `GeneratorProcess`, or the servers' `ServerGenerator`).
     ``process=True`` drives the generator process at K = 0 too (benchmarks and tests: every batch then samples
     with the trainer's current weights, one side idle while the other works)."""
     K, saved = cfg.rollout.max_staleness, state.in_flight
@@ -81,11 +81,11 @@ def batches(run: Run, cfg: Config, state: LoopState, process: bool | None = None
                          f"resume with that value (it is {K})")
     if not (K > 0 if process is None else process):
         return InlineBatches(run)
-    from grpo.trainer import ahead
+    from grpo.trainer import generators
 
     if registry.capabilities(run.settings.sampler.backend).ahead == "thread":  # the servers sample, in this process
-        return AsyncBatches(run, ahead.server_generator(run), K, cfg.trainer.max_steps, saved)
-    return AsyncBatches(run, ahead.process_generator(run, cfg.model), K, cfg.trainer.max_steps, saved,
+        return AsyncBatches(run, generators.server_generator(run), K, cfg.trainer.max_steps, saved)
+    return AsyncBatches(run, generators.process_generator(run, cfg.model), K, cfg.trainer.max_steps, saved,
                         passes=cfg.algorithm.num_iterations)
 
 

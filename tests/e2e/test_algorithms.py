@@ -2,7 +2,7 @@
 
 Pure pieces are checked on hand-computed batches; the switches that live in the loop (filtering and
 resampling, several passes per batch, truncation masking, where the KL goes, GSPO) run the real
-`grpo.trainer.loop.train` on the smoke recipe (tiny Llama, a few steps) or the real `policy_update` on a fixed
+`grpo.trainer.loop.fit` on the smoke recipe (tiny Llama, a few steps) or the real `policy_update` on a fixed
 batch with the optimizer step replaced by a gradient capture.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ class SpyBackend:
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Wraps train(): keeps the Run, counts rollouts (a `SpyBackend` injected as the run's rollout backend) and
+    """Wraps fit(): keeps the Run, counts rollouts (a `SpyBackend` injected as the run's rollout backend) and
     log-prob passes, snapshots the initial weights."""
     import grpo.experience
     import grpo.trainer.loop
@@ -106,10 +106,10 @@ def spy(monkeypatch):
 
 
 def _train(cfg_factory, *overrides):
-    from grpo.trainer.loop import train
+    from grpo.trainer.loop import fit
 
     cfg = cfg_factory(_merge(FAST, *overrides))
-    train(cfg)
+    fit(cfg)
     return cfg, _rows(cfg)
 
 

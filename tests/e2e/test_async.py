@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from grpo.trainer import checkpoint, pipeline
-from grpo.trainer.loop import train
+from grpo.trainer.loop import fit
 
 COMPARED = ("loss", "reward_mean", "reward_std", "kl", "grad_norm", "completion_len_mean", "reward/accuracy",
             "reward/format", "entropy", "ratio_mean", "clip_ratio", "rollout_is/logp_diff_abs_mean",
@@ -48,14 +48,14 @@ def k2(tmp_path_factory):
         return load(OmegaConf.to_container(raw, resolve=True))
 
     out = tmp_path_factory.mktemp("k2") / "run"
-    train(make(out))
+    fit(make(out))
     return make, out
 
 
 def test_max_staleness_0_is_the_synchronous_run_exactly(cfg_factory, tmp_path, monkeypatch):
-    plain = train(cfg_factory({"trainer": {"output_dir": str(tmp_path / "plain")}}))
+    plain = fit(cfg_factory({"trainer": {"output_dir": str(tmp_path / "plain")}}))
     monkeypatch.setattr(pipeline, "GeneratorProcess", None)  # K = 0 starts no generator process
-    zero = train(cfg_factory({"trainer": {"output_dir": str(tmp_path / "zero")}, "rollout": {"max_staleness": 0}}))
+    zero = fit(cfg_factory({"trainer": {"output_dir": str(tmp_path / "zero")}, "rollout": {"max_staleness": 0}}))
     a, b = steps(tmp_path / "plain"), steps(tmp_path / "zero")
     timing = {k for m in a.values() for k in m if k.startswith("time/") or k == "step_time_s"}
     same_numbers(a, b, keys=sorted({k for m in a.values() for k in m} - timing))
@@ -73,7 +73,7 @@ def test_k2_logs_staleness_every_step_and_the_same_config_gives_the_same_run(k2,
     # step 1 samples with the trainer's own weights: the behaviour log-probs are the trainer's, bit for bit
     assert got[1]["rollout_is/logp_diff_abs_max"] == 0.0 and got[1]["rollout_is/ratio_max"] == 1.0
     assert all(got[t]["rollout_is/logp_diff_abs_max"] > 0 for t in (2, 3, 4, 5))  # stale: the correction acts
-    train(make(tmp_path / "again"))
+    fit(make(tmp_path / "again"))
     same_numbers(got, steps(tmp_path / "again"))
 
 
@@ -86,7 +86,7 @@ def test_a_resume_from_a_checkpoint_trains_what_was_in_flight(k2, tmp_path):
     shutil.copytree(out / "checkpoints" / "step_2", ckpt)
     saved = torch.load(ckpt / "trainer_state.pt", weights_only=False)["in_flight"]
     assert saved["lag"] == 2 and {s: g.version for s, g in saved["batches"].items()} == {3: 0, 4: 1}
-    train(make(tmp_path / "resumed", resume=str(ckpt)))
+    fit(make(tmp_path / "resumed", resume=str(ckpt)))
     got = steps(tmp_path / "resumed")
     assert sorted(got) == [3, 4, 5]
     same_numbers({t: steps(out)[t] for t in got}, got)
@@ -163,14 +163,14 @@ def test_k1_with_two_passes_per_batch_logs_its_lag_and_resumes_mid_batch(cfg_fac
                             "logging": {"sample_every": 0}, "data": {"num_eval": 0},
                             "trainer": {"max_steps": 5, "save_every": 3, "output_dir": str(out), **trainer}})
 
-    train(make(tmp_path / "full"))
+    fit(make(tmp_path / "full"))
     got = steps(tmp_path / "full")
     assert [got[t]["async/version"] for t in range(1, 6)] == [0, 0, 0, 0, 2]
     assert [got[t]["async/staleness_max"] for t in range(1, 6)] == [0, 0, 2, 2, 2]
     assert all(got[t]["ratio_mean"] != 1.0 for t in (2, 4))  # the second pass of each batch
     saved = torch.load(tmp_path / "full" / "checkpoints" / "step_3" / "trainer_state.pt", weights_only=False)
     assert saved["buffer"] is not None and {s: g.version for s, g in saved["in_flight"]["batches"].items()} == {5: 2}
-    train(make(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoints" / "step_3")))
+    fit(make(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoints" / "step_3")))
     back = steps(tmp_path / "resumed")
     assert sorted(back) == [4, 5]
     same_numbers({t: got[t] for t in back}, back)

@@ -46,7 +46,7 @@ def _ids(run) -> torch.Tensor:
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Keeps the Run that train() builds, its initial weights, and the policy's logits just before save_final."""
+    """Keeps the Run that fit() builds, its initial weights, and the policy's logits just before save_final."""
     import grpo.trainer.loop
 
     s = SimpleNamespace(run=None, initial=None, logits=None)
@@ -114,10 +114,10 @@ def test_lora_run_saves_the_adapter_only_and_it_loads_with_peft(cfg_factory, spy
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from grpo.trainer.loop import train
+    from grpo.trainer.loop import fit
 
     cfg = _cfg(cfg_factory, {"model": {"lora": {"merge_on_save": False}}})
-    train(cfg)
+    fit(cfg)
     run, out = spy.run, Path(cfg.trainer.output_dir)
     for n, p in run.policy.named_parameters():  # only adapter weights changed
         if not _is_lora(n):
@@ -150,17 +150,17 @@ def test_lora_run_saves_the_adapter_only_and_it_loads_with_peft(cfg_factory, spy
     monkeypatch.setattr(grpo.trainer.loop, "restore", spy_restore)
     more = _cfg(cfg_factory, {"model": {"lora": {"merge_on_save": False}},
                               "trainer": {"max_steps": 3, "resume": "auto"}})
-    assert train(more)["steps"] == 3
+    assert fit(more)["steps"] == 3
     assert restored.keys() == state.keys() and all(torch.equal(restored[n], state[n]) for n in state)
 
 
 def test_lora_final_model_is_merged_and_loads_without_peft(cfg_factory, spy):
     from transformers import AutoModelForCausalLM
 
-    from grpo.trainer.loop import train
+    from grpo.trainer.loop import fit
 
     cfg = _cfg(cfg_factory, {"model": {"lora": {"merge_on_save": True}}})
-    train(cfg)
+    fit(cfg)
     final = Path(cfg.trainer.output_dir) / "final"
     assert not (final / "adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(final).eval()

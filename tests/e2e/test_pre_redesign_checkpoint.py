@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grpo.batch import Batch
-from grpo.trainer.loop import train
+from grpo.trainer.loop import fit
 from tests.helpers import ROOT
 
 FIXTURE = ROOT / "tests" / "fixtures" / "pre_redesign_checkpoint"
@@ -25,7 +25,7 @@ def test_a_checkpoint_of_the_pre_redesign_tree_resumes_to_the_same_step(cfg_fact
     assert isinstance(state["buffer"], Batch) and state["buffer"].old_logps is not None
     overrides = json.loads((FIXTURE / "overrides.json").read_text())
     overrides["trainer"].update(output_dir=str(tmp_path / "new"), resume=str(ckpt))
-    assert train(cfg_factory(overrides))["steps"] == 2
+    assert fit(cfg_factory(overrides))["steps"] == 2
     rows = [json.loads(line) for line in (tmp_path / "new" / "metrics.jsonl").read_text().splitlines()]
     step2 = next(r for r in rows if r.get("step") == 2 and "loss" in r)
     expected = json.loads((FIXTURE / "expected.json").read_text())["step_2"]

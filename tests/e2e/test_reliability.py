@@ -13,7 +13,7 @@ import torch
 
 from grpo.errors import SetupError
 from grpo.trainer import checkpoint
-from grpo.trainer.loop import train
+from grpo.trainer.loop import fit
 
 COMPARED = ("loss", "reward_mean", "reward_std", "kl", "grad_norm", "completion_len_mean", "reward/accuracy",
             "reward/format", "entropy", "ratio_mean", "clip_ratio")
@@ -37,16 +37,16 @@ def test_resume_gives_identical_metrics(cfg_factory, tmp_path, mu, stop):
     (run.buffer, saved in the checkpoint) with the same old log-probs."""
     algo = {"num_iterations": mu}
     straight = cfg_factory({"trainer": {"max_steps": 4, "output_dir": str(tmp_path / "a")}, "algorithm": algo})
-    train(straight)
+    fit(straight)
     half = cfg_factory({"trainer": {"max_steps": stop, "output_dir": str(tmp_path / "b")}, "algorithm": algo})
-    train(half)
+    fit(half)
     state = torch.load(tmp_path / "b" / "checkpoints" / f"step_{stop}" / "trainer_state.pt", weights_only=False)
     assert (state["buffer"] is not None) == (mu == 2)
     if mu == 2:
         assert state["buffer"].old_logps is not None
     rest = cfg_factory({"trainer": {"max_steps": 4, "output_dir": str(tmp_path / "b"), "resume": "auto"},
                         "algorithm": algo})
-    out = train(rest)
+    out = fit(rest)
     assert out["steps"] == 4
     assert_same_run(steps(tmp_path / "a"), steps(tmp_path / "b"))
     a = torch.load(tmp_path / "a" / "checkpoints" / "step_4" / "trainer_state.pt", weights_only=False)
@@ -56,9 +56,9 @@ def test_resume_gives_identical_metrics(cfg_factory, tmp_path, mu, stop):
 
 def test_resume_of_a_finished_run_exits_without_training(cfg_factory, tmp_path, capsys):
     cfg = cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "r")}})
-    train(cfg)
+    fit(cfg)
     again = cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "r"), "resume": "auto"}})
-    assert train(again) == {"steps": 1, "resumed": True}
+    assert fit(again) == {"steps": 1, "resumed": True}
     assert "already reached trainer.max_steps=1" in capsys.readouterr().err
 
 
@@ -69,35 +69,35 @@ def test_resume_after_a_stop_before_the_final_save_writes_it(cfg_factory, tmp_pa
     import transformers
 
     cfg = cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "r")}})
-    train(cfg)
+    fit(cfg)
     final = tmp_path / "r" / "final"
     want = transformers.AutoModelForCausalLM.from_pretrained(final).state_dict()
     shutil.rmtree(final)
     again = cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "r"), "resume": "auto"}})
-    assert train(again) == {"steps": 1, "resumed": True, "final_saved": True}
+    assert fit(again) == {"steps": 1, "resumed": True, "final_saved": True}
     assert "stopped before its final model was saved" in capsys.readouterr().err
     got = transformers.AutoModelForCausalLM.from_pretrained(final).state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-    assert train(again) == {"steps": 1, "resumed": True}  # now complete: nothing to do
+    assert fit(again) == {"steps": 1, "resumed": True}  # now complete: nothing to do
 
 
 def test_resume_refuses_a_changed_run_unless_forced(cfg_factory, tmp_path):
-    train(cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "r")}}))
+    fit(cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "r")}}))
     changed = {"algorithm": {"group_size": 3}, "trainer": {"max_steps": 2, "output_dir": str(tmp_path / "r"),
                                                            "resume": "auto"}}
     with pytest.raises(SetupError, match="algorithm.group_size changed"):
-        train(cfg_factory(changed))
+        fit(cfg_factory(changed))
     changed["trainer"]["force_resume"] = True
-    assert train(cfg_factory(changed))["steps"] == 2
+    assert fit(cfg_factory(changed))["steps"] == 2
 
 
 def test_resume_from_explicit_path_and_bad_paths(cfg_factory, tmp_path):
-    train(cfg_factory({"trainer": {"max_steps": 2, "save_every": 1, "output_dir": str(tmp_path / "r")}}))
+    fit(cfg_factory({"trainer": {"max_steps": 2, "save_every": 1, "output_dir": str(tmp_path / "r")}}))
     ckpt = tmp_path / "r" / "checkpoints" / "step_1"
-    out = train(cfg_factory({"trainer": {"max_steps": 2, "output_dir": str(tmp_path / "s"), "resume": str(ckpt)}}))
+    out = fit(cfg_factory({"trainer": {"max_steps": 2, "output_dir": str(tmp_path / "s"), "resume": str(ckpt)}}))
     assert out["steps"] == 2 and sorted(steps(tmp_path / "s")) == [2]
     with pytest.raises(SetupError, match="no such checkpoint directory"):
-        train(cfg_factory({"trainer": {"output_dir": str(tmp_path / "t"), "resume": str(tmp_path / "nope")}}))
+        fit(cfg_factory({"trainer": {"output_dir": str(tmp_path / "t"), "resume": str(tmp_path / "nope")}}))
 
 
 def test_crash_during_save_leaves_previous_checkpoint(tmp_path):
@@ -271,7 +271,7 @@ def fault_module(tmp_path, monkeypatch):
 def test_reward_that_raises_on_some_samples_is_counted(cfg_factory, tmp_path, fault_module):
     cfg = cfg_factory({"reward": {"functions": {"flaky": {"fn": "faulty_rewards:flaky"}}, "max_failed_steps": 100},
                        "trainer": {"max_steps": 3}, "data": {"num_eval": 0}})
-    train(cfg)
+    fit(cfg)
     rows = steps(Path(cfg.trainer.output_dir))
     assert sum(r["reward/flaky_errors"] for r in rows.values()) > 0
     assert all(r["reward/flaky_errors"] < 8 or r["reward/flaky"] is None for r in rows.values())
@@ -287,7 +287,7 @@ def test_reward_scoring_no_sample_stops_the_run(cfg_factory, fault_module, fn, w
                                   "max_failed_steps": 2},
                        "trainer": {"max_steps": 5}, "data": {"num_eval": 2}})
     with pytest.raises(SetupError) as e:
-        train(cfg)
+        fit(cfg)
     assert f"{fn!r} scored no sample in 2 training rollouts in a row (the last at step 2;" in str(e.value)
     assert why in str(e.value) and "\n" not in str(e.value)
     rows = steps(Path(cfg.trainer.output_dir))
@@ -299,7 +299,7 @@ def test_hanging_reward_is_killed_after_timeout(cfg_factory, fault_module, caplo
                                   "max_failed_steps": 10},
                        "trainer": {"max_steps": 1}, "data": {"num_eval": 0}})
     t0 = time.time()
-    train(cfg)
+    fit(cfg)
     row = steps(Path(cfg.trainer.output_dir))[1]
     assert row["reward/hang_errors"] > 0
     assert time.time() - t0 < 120
@@ -319,7 +319,7 @@ def test_non_finite_steps_are_skipped_then_stop(cfg_factory, monkeypatch):
     monkeypatch.setattr(update, "objective", poisoned)
     cfg = cfg_factory({"trainer": {"max_steps": 10, "max_bad_steps": 2}, "data": {"num_eval": 0}})
     with pytest.raises(SetupError, match="2 steps in a row had a non-finite loss or gradient"):
-        train(cfg)
+        fit(cfg)
     out = Path(cfg.trainer.output_dir)
     rows = steps(out)
     assert [r["skipped"] for r in rows.values()] == [True, True]
@@ -357,9 +357,9 @@ def test_bad_reward_signature_and_resume_path(tmp_path):
 
 
 def test_fresh_run_into_a_used_directory_is_refused(cfg_factory, tmp_path):
-    train(cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "r")}}))
+    fit(cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "r")}}))
     with pytest.raises(SetupError, match="already holds checkpoints of another run"):
-        train(cfg_factory({"trainer": {"max_steps": 2, "output_dir": str(tmp_path / "r")}}))
+        fit(cfg_factory({"trainer": {"max_steps": 2, "output_dir": str(tmp_path / "r")}}))
 
 
 def _weights(path: Path) -> dict:
@@ -373,16 +373,16 @@ def test_resuming_an_older_checkpoint_does_nothing_or_abandons_the_later_steps(c
     checkpoints, metrics lines and final/ of steps 3-4 go, and final/ is then the new step 3's model."""
     out = tmp_path / "r"
     base = {"save_every": 1, "keep_last": 4, "output_dir": str(out)}
-    train(cfg_factory({"trainer": {**base, "max_steps": 4}, "data": {"num_eval": 0}}))
+    fit(cfg_factory({"trainer": {**base, "max_steps": 4}, "data": {"num_eval": 0}}))
     old_final = _weights(out / "final" / "model.safetensors")
     metrics = (out / "metrics.jsonl").read_text()
     older = {**base, "resume": str(out / "checkpoints" / "step_2")}
-    assert train(cfg_factory({"trainer": {**older, "max_steps": 2}, "data": {"num_eval": 0}}))["steps"] == 2
+    assert fit(cfg_factory({"trainer": {**older, "max_steps": 2}, "data": {"num_eval": 0}}))["steps"] == 2
     assert "nothing to do" in capsys.readouterr().err
     assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step_1", "step_2", "step_3", "step_4"]
     assert (out / "metrics.jsonl").read_text() == metrics
     assert all(torch.equal(v, old_final[k]) for k, v in _weights(out / "final" / "model.safetensors").items())
-    train(cfg_factory({"trainer": {**older, "max_steps": 3}, "data": {"num_eval": 0}}))
+    fit(cfg_factory({"trainer": {**older, "max_steps": 3}, "data": {"num_eval": 0}}))
     err = capsys.readouterr().err
     assert "removed step_3, step_4, 3 metrics lines, final/" in err, err  # steps 3 and 4, the held-out line at 4
     assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step_1", "step_2", "step_3"]
@@ -398,9 +398,9 @@ def test_resume_applies_a_changed_learning_rate(cfg_factory, tmp_path, capsys):
     """trainer.lr lowered on resume: the resumed step trains at it (weights barely move) and says what changed."""
     out = tmp_path / "r"
     base = {"save_every": 1, "keep_last": 3, "output_dir": str(out), "lr": 1e-3}
-    train(cfg_factory({"trainer": {**base, "max_steps": 2}, "data": {"num_eval": 0}}))
+    fit(cfg_factory({"trainer": {**base, "max_steps": 2}, "data": {"num_eval": 0}}))
     capsys.readouterr()
-    train(cfg_factory({"trainer": {**base, "max_steps": 3, "resume": "auto", "lr": 1e-12, "weight_decay": 0.1},
+    fit(cfg_factory({"trainer": {**base, "max_steps": 3, "resume": "auto", "lr": 1e-12, "weight_decay": 0.1},
                        "data": {"num_eval": 0}}))
     err = capsys.readouterr().err
     notice = [line for line in err.splitlines() if "changed since the checkpoint" in line]
@@ -417,10 +417,10 @@ def test_wandb_resume_continues_the_run_and_logs_a_completions_table(cfg_factory
     every sample_every step logs the `completions` table (prompt, completion, each reward, advantage)."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "r"
-    train(cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(out)}, "data": {"num_eval": 0},
+    fit(cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(out)}, "data": {"num_eval": 0},
                        "logging": {"sample_every": 1}}))
     run_id = (out / "wandb_run_id").read_text().strip()
-    train(cfg_factory({"trainer": {"max_steps": 2, "output_dir": str(out), "resume": "auto"},
+    fit(cfg_factory({"trainer": {"max_steps": 2, "output_dir": str(out), "resume": "auto"},
                        "data": {"num_eval": 0}, "logging": {"sample_every": 1}}))
     assert (out / "wandb_run_id").read_text().strip() == run_id
     launches = sorted((out / "wandb").glob("offline-run-*"))
@@ -437,20 +437,20 @@ def test_logged_lr_is_the_one_each_step_trained_with(cfg_factory, tmp_path):
     """Warmup visible from step 1, the last step of a decaying schedule not 0."""
     cfg = cfg_factory({"trainer": {"max_steps": 4, "lr": 1e-3, "warmup_steps": 2, "lr_schedule": "linear"},
                        "data": {"num_eval": 0}})
-    train(cfg)
+    fit(cfg)
     assert [r["lr"] for r in steps(Path(cfg.trainer.output_dir)).values()] == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])
 
 
 def test_train_restores_signal_handlers(cfg_factory):
     before = signal.getsignal(signal.SIGINT)
-    train(cfg_factory({"trainer": {"max_steps": 1}, "data": {"num_eval": 0}}))
+    fit(cfg_factory({"trainer": {"max_steps": 1}, "data": {"num_eval": 0}}))
     assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_eval_with_no_scored_sample_prints_na_not_a_traceback(cfg_factory, fault_module, capsys):
     cfg = cfg_factory({"reward": {"functions": {"accuracy": {"fn": "faulty_rewards:always_fails"}},
                                   "max_failed_steps": 5}, "trainer": {"max_steps": 1}})
-    train(cfg)
+    fit(cfg)
     assert "n/a (no sample scored)" in capsys.readouterr().err
 
 

@@ -98,7 +98,7 @@ def test_tools_that_raise_or_hang_do_not_stop_training(tmp_path, monkeypatch):
     from grpo.config.schema import load
     from grpo.rollout.backends import HFBackend
     from grpo.rollout.hf import generate as real
-    from grpo.trainer.loop import train
+    from grpo.trainer.loop import fit
     from tests.helpers import smoke_raw
 
     calls = ['<tool_call>{"name":"broken","arguments":{"x":7}}</tool_call>',
@@ -131,7 +131,7 @@ def test_tools_that_raise_or_hang_do_not_stop_training(tmp_path, monkeypatch):
                                         "rollout": {"tools": ["tests.tool_fixtures:broken", "tests.tool_fixtures:slow"],
                                                     "max_turns": 2, "max_new_tokens": 64, "tool_timeout_s": 1.0,
                                                     "max_tool_tokens": 64}})
-    train(load(OmegaConf.to_container(raw, resolve=True)))
+    fit(load(OmegaConf.to_container(raw, resolve=True)))
     steps = [r for r in _metrics(out) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:  # 2 prompts x G=4: half call the raising tool, half the hanging one
@@ -189,7 +189,7 @@ def record(prompts, completions, **columns):
 def test_rewards_and_samples_see_the_prompt_with_the_text_reset_added(tmp_path, monkeypatch, cfg_factory):
     """The text an environment's reset(row) adds is part of the prompt the model answered: the rewards' ``prompts``
     (training and held-out) and samples.jsonl show it."""
-    from grpo.trainer.loop import train
+    from grpo.trainer.loop import fit
 
     (tmp_path / "seen_env.py").write_text(SEEN)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -200,7 +200,7 @@ def test_rewards_and_samples_see_the_prompt_with_the_text_reset_added(tmp_path, 
         cfg = cfg_factory({"rollout": {"environment": "seen_env:Briefed", "max_turns": 1},
                            "reward": {"functions": {"seen": {"fn": "seen_env:record"}}},
                            "trainer": {"max_steps": 1}, "data": {"num_eval": 2}})
-        train(cfg)
+        fit(cfg)
         # held-out before (2 prompts), one training rollout (2 prompts x G=4), held-out after (2 prompts)
         assert len(seen_env.SEEN) == 2 + 8 + 2
         assert all(p.endswith("\n\nAnswer in one line.") for p in seen_env.SEEN)

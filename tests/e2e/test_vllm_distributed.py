@@ -112,14 +112,14 @@ def _train(out: Path, case: str) -> dict:
     from omegaconf import OmegaConf
 
     from grpo.config.schema import load
-    from grpo.trainer.loop import train
+    from grpo.trainer.loop import fit
     from tests.helpers import VLLM_TINY, compose_recipe
 
     tiny = [f"model.tiny.{k}={v}" for k, v in VLLM_TINY.items()]
     raw = compose_recipe("smoke", [f"trainer.output_dir={out / case}", "rollout.backend=vllm", "trainer.lr=1e-2",
                                    "rollout.vllm.max_model_len=128", "data.num_eval=0", "logging.sample_every=0",
                                    *tiny, *CASES["zero3"]])
-    summary = train(load(OmegaConf.to_container(raw, resolve=True)))
+    summary = fit(load(OmegaConf.to_container(raw, resolve=True)))
     rows = [_json.loads(line) for line in (out / case / "metrics.jsonl").read_text().splitlines()]
     return {"steps": summary["steps"], "final": (out / case / "final" / "config.json").exists(),
             "diffs": [r["rollout_is/logp_diff_abs_max"] for r in rows if "loss" in r]}

@@ -45,13 +45,13 @@ registry.register_backend("toy", registry.Capabilities(), ToyBackend)  # the one
 def test_a_registered_backend_trains_a_run(cfg_factory, tmp_path):
     """Two steps of the smoke recipe sampled by the toy backend: synced before its first rollout (the weights after
     0 optimizer steps) and after the step (1), seeded every rollout, its metrics logged, closed at the end."""
-    from grpo.trainer.loop import train
+    from grpo.trainer.loop import fit
 
     made.clear()
     out = tmp_path / "toy"
     cfg = cfg_factory({"rollout": {"backend": "toy"}, "trainer": {"max_steps": 2, "output_dir": str(out)},
                        "data": {"num_eval": 0}})
-    summary = train(cfg)
+    summary = fit(cfg)
     toy, = made
     assert summary["steps"] == 2 and toy.synced == [0, 1] and toy.closed
     r = cfg.rollout

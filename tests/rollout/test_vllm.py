@@ -232,12 +232,12 @@ def test_unsupported_family_says_which_backend_to_use(tok):
 def test_smoke_run_with_the_vllm_backend(cfg_factory):
     """Two optimizer steps with rollout.backend=vllm on the tiny model: the rollout's log-probs match the
     trainer's (fp32), the mismatch is logged every step, and the run finishes."""
-    from grpo.trainer.loop import train
+    from grpo.trainer.loop import fit
 
     _close_engines()  # the run starts its own
     cfg = cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 2},
                                        "algorithm": {"rollout_is": "token_truncate", "rollout_is_cap": 2.0}}))
-    out = train(cfg)
+    out = fit(cfg)
     assert out["steps"] == 2
     rows = [json.loads(line) for line in open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"))]
     steps = [r for r in rows if "reward_mean" in r]
@@ -251,7 +251,7 @@ def test_multi_turn_episodes_with_the_vllm_backend(cfg_factory, tmp_path, monkey
     """The one turn loop over vLLM (docs/tools-and-environments.md): an environment's observations enter every
     episode and stay out of the loss, and vLLM's log-probs of the model's own tokens, turn after turn, match the
     trainer's."""
-    from grpo.trainer.loop import train
+    from grpo.trainer.loop import fit
     from tests.e2e.test_tools_train import ENV
 
     (tmp_path / "vllm_steps_env.py").write_text(ENV)
@@ -261,7 +261,7 @@ def test_multi_turn_episodes_with_the_vllm_backend(cfg_factory, tmp_path, monkey
         "trainer": {"max_steps": 2},
         "rollout": {"environment": "vllm_steps_env:Steps", "max_turns": 3, "max_new_tokens": 8, "max_tool_tokens": 16},
         "algorithm": {"rollout_is": "token_truncate", "rollout_is_cap": 2.0}}))
-    assert train(cfg)["steps"] == 2
+    assert fit(cfg)["steps"] == 2
     rows = [json.loads(line) for line in open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"))]
     steps = [r for r in rows if "reward_mean" in r]
     assert len(steps) == 2
@@ -285,13 +285,13 @@ def _with(*parts):
 def test_resume_samples_what_an_uninterrupted_run_samples(cfg_factory, tmp_path):
     """Three steps straight vs one step, then resumed for two: the same completions (same lengths and rewards),
     loss and gradient norms, and the engine's start does not disturb the trainer's random state."""
-    from grpo.trainer.loop import train
+    from grpo.trainer.loop import fit
     from tests.e2e.test_reliability import assert_same_run, steps
 
     _close_engines()
-    train(cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 3, "output_dir": str(tmp_path / "a")}})))
-    train(cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "b")}})))
-    out = train(cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 3, "output_dir": str(tmp_path / "b"),
+    fit(cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 3, "output_dir": str(tmp_path / "a")}})))
+    fit(cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "b")}})))
+    out = fit(cfg_factory(_with(VLLM_RUN, {"trainer": {"max_steps": 3, "output_dir": str(tmp_path / "b"),
                                                          "resume": "auto"}})))
     assert out["steps"] == 3
     a, b = steps(tmp_path / "a"), steps(tmp_path / "b")

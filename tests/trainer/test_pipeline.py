@@ -10,7 +10,7 @@ import torch
 from grpo.batch import Batch
 from grpo.errors import SetupError
 from grpo.rollout import registry
-from grpo.rollout.generator import Generated
+from grpo.rollout.generator_process import Generated
 from grpo.runtime.base import Runtime
 from grpo.trainer import pipeline
 from grpo.trainer.pipeline import AsyncBatches, sampled_with
@@ -364,13 +364,13 @@ def test_batches_picks_the_source_and_builds_the_generator_of_this_rank(cfg_fact
     """K = 0: the inline source (collect in the loop); K > 0 (or ``process=True``): the generator process built
     from this rank's spec, or the server generator for a backend that samples ahead on a thread (the server)."""
     from grpo.runtime.local import LocalRuntime
-    from grpo.trainer import ahead
+    from grpo.trainer import generators
 
     built, builders = [], []
-    monkeypatch.setattr(ahead, "GeneratorProcess", lambda build, spec, name: built.append((spec, name)) or
+    monkeypatch.setattr(generators, "GeneratorProcess", lambda build, spec, name: built.append((spec, name)) or
                         builders.append(build) or Recorder())
     servers = []
-    monkeypatch.setattr(ahead, "server_generator", lambda run: servers.append(run) or Recorder())
+    monkeypatch.setattr(generators, "server_generator", lambda run: servers.append(run) or Recorder())
     monkeypatch.setattr(pipeline.experience, "collect", lambda *a: ("collected", a))
     rt = LocalRuntime("cpu", 1, 2)
     settings = SimpleNamespace(sampler=SimpleNamespace(backend="hf"), collect="collect")
@@ -407,7 +407,7 @@ def test_batches_picks_the_source_and_builds_the_generator_of_this_rank(cfg_fact
                                                                        world_size=1)})
     pipeline.batches(gpu, cfg, state, process=True)  # a CUDA rank's generator samples on that rank's device
     assert built[-1][0].device == "cuda:1" and built[-1][1] == "grpo-generator-0"
-    assert builders == [ahead.build_process_side] * 3  # the child builds the process side from the spec
+    assert builders == [generators.build_process_side] * 3  # the child builds the process side from the spec
 
 
 def test_the_trainer_finishes_each_batch_and_its_waits_are_times_not_sums_of_clocks(monkeypatch):

@@ -75,7 +75,7 @@ class ServerBackend:
 
     def push(self, weights, version: int) -> None:
         """Stream ``weights`` ((HF name, tensor) pairs) into every server and label them ``version``. The
-        asynchronous generator (`grpo.rollout.server.generator`) calls it with a snapshot, then `check` with the
+        asynchronous generator (`grpo.rollout.server.generator_thread`) calls it with a snapshot, then `check` with the
         trainer's log-probs of that snapshot."""
         try:
             if self.transfer is not None:

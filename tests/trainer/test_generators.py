@@ -1,20 +1,20 @@
-"""grpo/trainer/ahead.py: the samplers of asynchronous GRPO come from the run's one factory. The generator process's
-side samples with its own copy of the policy, loads published weights and samples only with the version it holds;
-the servers' side has parts of its own (tokenizer, rewards, prompt sampler), sees only the weights pushed to the
-servers, refuses a batch whose requests were answered by several versions, and closes what it opened."""
+"""grpo/trainer/generators.py: the samplers of asynchronous GRPO come from the run's one factory. The generator
+process's side samples with its own copy of the policy, loads published weights and samples only with the version it
+holds; the servers' side has parts of its own (tokenizer, rewards, prompt sampler), sees only the weights pushed to
+the servers, refuses a batch whose requests were answered by several versions, and closes what it opened."""
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from grpo.batch import Batch
-from grpo.trainer import ahead
+from grpo.trainer import generators
 from grpo.trainer.build import build_run
 
 
 def _spec(cfg, run, **kw):
-    return ahead.ProcessSpec(run.settings, cfg.model, run.toolset, run.splits.train, run.sampler.prompts.state_dict(),
-                             **kw)
+    return generators.ProcessSpec(run.settings, cfg.model, run.toolset, run.splits.train,
+                                  run.sampler.prompts.state_dict(), **kw)
 
 
 @pytest.mark.parametrize("tools", [False, True])
@@ -27,7 +27,7 @@ def test_the_generator_process_samples_as_the_trainer_does_but_seeded(cfg_factor
     cfg = cfg_factory({**extra, "data": {"num_eval": 0}})
     run = build_run(cfg)
     run.sampler.prompts.next(3)
-    side = ahead.build_process_side(_spec(cfg, run))
+    side = generators.build_process_side(_spec(cfg, run))
     mine = side.sampler
     try:
         assert mine.seeded and not run.sampler.seeded
@@ -50,7 +50,7 @@ def test_the_process_side_loads_published_weights_and_samples_only_with_the_vers
                        "reward": {"completion_format": "text"}})
     run = build_run(cfg)
     try:
-        side = ahead.build_process_side(_spec(cfg, run, threads=1, rank=1, world_size=2))
+        side = generators.build_process_side(_spec(cfg, run, threads=1, rank=1, world_size=2))
     finally:
         run.close()
     mine = side.sampler
@@ -74,8 +74,8 @@ def test_the_process_side_loads_published_weights_and_samples_only_with_the_vers
         sampler.prompts.next(2)
         return batch
 
-    monkeypatch.setattr(ahead.experience, "sample", sample)
-    monkeypatch.setattr(ahead, "nested_logprobs", lambda *a: asked.append(a) or "logps")
+    monkeypatch.setattr(generators.experience, "sample", sample)
+    monkeypatch.setattr(generators, "nested_logprobs", lambda *a: asked.append(a) or "logps")
     got = side.sample(7, 4)
     assert (got.step, got.version, got.batch, got.sampler) == (7, 4, batch, mine.prompts.state_dict())
     assert got.sampler != run.sampler.prompts.state_dict()  # its own sampler moved on, the trainer's did not
@@ -132,8 +132,8 @@ def test_the_server_generator_samples_with_its_own_parts_and_the_pushed_versions
         mine.prompts.next(2)
         return _batch()
 
-    monkeypatch.setattr(ahead.experience, "sample", sample)
-    gen = ahead.server_generator(run)
+    monkeypatch.setattr(generators.experience, "sample", sample)
+    gen = generators.server_generator(run)
     try:
         got = gen.sample(5, 3)
         mine, = seen

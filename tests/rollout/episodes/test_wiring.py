@@ -1,8 +1,8 @@
-"""grpo/rollout/episodes/runs.py: the columns episodes give the rewards, the rows as the model saw them, and the
+"""grpo/rollout/episodes/wiring.py: the columns episodes give the rewards, the rows as the model saw them, and the
 environment's reward() as a reward function."""
-from grpo.rollout.episodes.runs import environment_reward, episode_columns, episode_records, seen_rows
 from grpo.rollout.episodes.spec import Toolset
 from grpo.rollout.episodes.turns import Episode, Episodes
+from grpo.rollout.episodes.wiring import environment_reward, episode_columns, episode_records, seen_rows
 
 
 def _episodes():

@@ -1,4 +1,4 @@
-"""Asynchronous GRPO on the server backend (grpo/trainer/server_side.py): whole training runs in process against two
+"""Asynchronous GRPO on the server backend (grpo/trainer/generators.py): whole training runs in process against two
 fake servers that hold a real tiny model (the pushed weights go through the real gloo channel; completions are
 canned by seed, their log-probs the held model's). K = 1 logs its staleness, the servers' version lag and the sync
 check's gap every step; the servers are asked for the same prompts with the same seeds as the synchronous server
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from grpo.models import load_model, load_tokenizer
-from grpo.trainer.loop import train
+from grpo.trainer.loop import fit
 from grpo.trainer.pipeline import sampled_with
 from tests.e2e.test_async import same_numbers, steps
 from tests.rollout.server.conftest import fakes  # noqa: F401  (the fixture)
@@ -63,10 +63,10 @@ def _clear(servers) -> None:
 def test_k1_on_two_servers_logs_staleness_and_the_sync_gap_and_asks_what_the_sync_run_asks(setup, tmp_path,
                                                                                             capfd):
     make, servers = setup
-    train(make(tmp_path / "k0", 0))
+    fit(make(tmp_path / "k0", 0))
     sync = _asked(servers)
     _clear(servers)
-    train(make(tmp_path / "k1", 1))
+    fit(make(tmp_path / "k1", 1))
     assert "is the bottleneck" in capfd.readouterr().err
     got, plain = steps(tmp_path / "k1"), steps(tmp_path / "k0")
     for t, m in got.items():
@@ -90,14 +90,14 @@ def test_k1_on_two_servers_logs_staleness_and_the_sync_gap_and_asks_what_the_syn
 def test_a_checkpoint_stores_the_batch_in_flight_and_a_resume_continues_exactly(setup, tmp_path):
     make, servers = setup
     out = tmp_path / "k1"
-    train(make(out, 1))
+    fit(make(out, 1))
     everything = _asked(servers)
     ckpt = tmp_path / "step_2"
     shutil.copytree(out / "checkpoints" / "step_2", ckpt)
     saved = torch.load(ckpt / "trainer_state.pt", weights_only=False)["in_flight"]
     assert saved["lag"] == 1 and {s: g.version for s, g in saved["batches"].items()} == {3: 1}
     _clear(servers)
-    train(make(tmp_path / "resumed", 1, resume=str(ckpt)))
+    fit(make(tmp_path / "resumed", 1, resume=str(ckpt)))
     got = steps(tmp_path / "resumed")
     assert sorted(got) == [3, 4]
     same_numbers({t: steps(out)[t] for t in got}, got)
@@ -120,7 +120,7 @@ def test_lora_and_multi_turn_episodes_run_on_the_servers_at_a_lag(setup, tmp_pat
     make, servers = setup
     out = tmp_path / name
     base = OmegaConf.structured(make(out, 1, max_steps=3, save_every=0))
-    train(load(OmegaConf.to_container(OmegaConf.merge(base, extra), resolve=True)))
+    fit(load(OmegaConf.to_container(OmegaConf.merge(base, extra), resolve=True)))
     got = steps(out)
     assert [m["async/staleness_max"] for m in got.values()] == [0, 1, 1]
     assert all(m["server/sync_logprob_gap"] < 1e-5 for m in got.values())

@@ -1,4 +1,4 @@
-"""grpo/rollout/generator.py: the generator process's protocol with a trivial worker built in the child: weights
+"""grpo/rollout/generator_process.py: the generator process's protocol with a trivial worker built in the child: weights
 arrive (through shared memory) before the requests that follow them, results come back in order with their
 timings, a failure comes back as one line, a dead process is reported, close stops it."""
 import os
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo.rollout.generator import Generated, GeneratorError, GeneratorProcess
+from grpo.rollout.generator_process import Generated, GeneratorError, GeneratorProcess
 
 
 class Echo:
@@ -224,7 +224,7 @@ def test_the_reader_thread_moves_every_message_until_the_pipe_closes():
     import queue
     import threading
 
-    from grpo.rollout.generator import _read_into
+    from grpo.rollout.generator_process import _read_into
 
     theirs, mine = mp.Pipe(duplex=False)
     inbox = queue.Queue()

@@ -1,13 +1,14 @@
 """The server backend as the generator of asynchronous GRPO (``rollout.backend=server``, ``rollout.max_staleness`` > 0).
 
-`ServerGenerator` is a `grpo.rollout.generator.Generator` that lives in the trainer's process: the servers hold the
-sampling weights, so no second copy of the policy is needed. One worker thread does, strictly in the order the
+`ServerGenerator` is a `grpo.rollout.generator_process.Generator` that lives in the trainer's process: the servers
+hold the sampling weights, so no second copy of the policy is needed. One worker thread does, strictly in the order the
 trainer asked, two kinds of work:
 
 - **push** version v (after ``publish``): stream a snapshot of version v's weights into every server
   (`ServerBackend.push`), then the sync check against the trainer's log-probs of that snapshot;
 - **sample** step t with version v (after ``submit``): ``sample(step, version)``, given by the trainer
-  (`grpo.trainer.server_side`): the step's prompts, its HTTP requests to the servers, its rewards, its refill rounds.
+  (`grpo.trainer.generators.server_generator`): the step's prompts, its HTTP requests to the servers, its rewards,
+  its refill rounds.
 
 Because one thread does both in order, the push of version v starts only after every request sampled with an older
 version has come back (a sample task returns when all of its requests have: the servers never reload weights under
@@ -30,7 +31,7 @@ from typing import Callable
 import torch
 
 from grpo.errors import GRPOError
-from grpo.rollout.generator import Generated, GeneratorError
+from grpo.rollout.generator_process import Generated, GeneratorError
 from grpo.rollout.server.backend import ServerBackend, trainer_logprobs
 from grpo.rollout.vllm import hf_weights
 

@@ -2,7 +2,7 @@
 (`grpo.sampler.build_sampler`, ``ahead=True``) for the two ways a backend samples ahead (its capabilities'
 ``ahead``, `grpo.rollout.registry`):
 
-- ``process``: a generator process per rank (`grpo.rollout.generator.GeneratorProcess`) with its own copy of the
+- ``process``: a generator process per rank (`grpo.rollout.generator_process.GeneratorProcess`) with its own copy of the
   policy and one thread. `ProcessSide` is what runs inside it: it loads the weights published to it and samples
   exactly what `grpo.experience.sample` samples in the trainer, then takes the behaviour log-probs of what it
   sampled with the trainer's own engine (`grpo.engine.batch_logprobs.nested_logprobs`, the same micro-batches):
@@ -10,7 +10,7 @@
   is 1. With many training processes (ZeRO-2/3) each rank's generator samples that rank's share of each step's
   prompts with that rank's seeds (a `LocalRuntime` of that rank, its collectives over itself) and keeps the sums
   its statistics come from, which the trainers reduce (`grpo.experience.finish`).
-- ``thread``: the rollout servers (`grpo.rollout.server.generator.ServerGenerator`): `server_generator`'s sampler
+- ``thread``: the rollout servers (`grpo.rollout.server.generator_thread.ServerGenerator`): `server_generator`'s sampler
   lives in the trainer's process and runs on the worker thread, the weights it samples with are the worker's
   pushes; the behaviour log-probs are the servers' own, as in the synchronous server run.
 
@@ -30,8 +30,8 @@ from grpo.config.schema import ModelConfig
 from grpo.engine.batch_logprobs import nested_logprobs
 from grpo.models import load_model, load_tokenizer
 from grpo.rollout.episodes.spec import Toolset
-from grpo.rollout.generator import Generated, GeneratorProcess
-from grpo.rollout.server.generator import ServerGenerator
+from grpo.rollout.generator_process import Generated, GeneratorProcess
+from grpo.rollout.server.generator_thread import ServerGenerator
 from grpo.runtime.local import LocalRuntime
 from grpo.sampler import Sampler, build_sampler
 from grpo.trainer.run import Run
@@ -53,7 +53,7 @@ class ProcessSpec:
 
 
 class ProcessSide:
-    """``load(version, weights)`` and ``sample(step, version)``: what `grpo.rollout.generator` calls."""
+    """``load(version, weights)`` and ``sample(step, version)``: what `grpo.rollout.generator_process` calls."""
 
     def __init__(self, sampler: Sampler, policy: torch.nn.Module, settings: RunSettings):
         self.sampler, self.policy, self.settings, self.version = sampler, policy, settings, None

@@ -1,5 +1,5 @@
-"""grpo/rollout/server/generator.py against fake servers holding a real tiny model (the weights go through the real
-gloo channel), driven by the trainer's real schedule (`AsyncBatches`) while the trainer's weights change between
+"""grpo/rollout/server/generator_thread.py against fake servers holding a real tiny model (the weights go through the
+real gloo channel), driven by the trainer's real schedule (`AsyncBatches`) while the trainer's weights change between
 steps: no push while a request of an older version is out, on every server; each step's requests are answered by
 servers holding the schedule's version; every push carries the weights of the version published (the sync check
 against the trainer's log-probs at publication passes, and the servers end with the last version's weights)."""
@@ -11,9 +11,9 @@ import torch
 from grpo.batch import Batch
 from grpo.models import char_tokenizer, tiny_model
 from grpo.rollout.base import Sampling
-from grpo.rollout.generator import Generated
+from grpo.rollout.generator_process import Generated
 from grpo.rollout.server.client import ServerError
-from grpo.rollout.server.generator import ServerGenerator
+from grpo.rollout.server.generator_thread import ServerGenerator
 from grpo.runtime.local import LocalRuntime
 from grpo.trainer import pipeline
 from grpo.trainer.pipeline import AsyncBatches, sampled_with
