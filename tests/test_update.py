@@ -307,6 +307,10 @@ def test_one_token_and_a_policy_loss_without_statistics(setup, monkeypatch):
     stats = policy_update(CaptureRuntime(policy), one, dataclasses.replace(settings, algorithm=_algo(
         beta=0.0, policy_loss="plain")))
     assert stats["clip_ratio_low"] is None and stats["clip_ratio"] is None and stats["ratio_mean"] is None
+    calls = []  # the loss the run resolved once (`derive`) is the one each micro-batch runs: no lookup by name
+    monkeypatch.setattr(pl, "get_policy_loss", lambda spec: pytest.fail(f"looked up {spec!r} again"))
+    resolved = dataclasses.replace(settings, policy_loss=lambda *a: calls.append(1) or (-a[2][:, None] * a[0], {}))
+    assert policy_update(CaptureRuntime(policy), one, resolved)["ratio_mean"] is None and calls
 
 
 def test_with_the_kl_in_the_reward_the_loss_has_no_kl_term(setup):

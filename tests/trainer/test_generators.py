@@ -2,6 +2,7 @@
 process's side samples with its own copy of the policy, loads published weights and samples only with the version it
 holds; the servers' side has parts of its own (tokenizer, rewards, prompt sampler), sees only the weights pushed to
 the servers, refuses a batch whose requests were answered by several versions, and closes what it opened."""
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -119,8 +120,10 @@ def test_the_server_generator_samples_with_its_own_parts_and_the_pushed_versions
         if episodes else {}
     cfg = cfg_factory({**extra, "data": {"num_eval": 0}, "reward": {"timeout_s": 30.0}})
     run = build_run(cfg)
+    on_servers = dataclasses.replace(run.settings.sampler, backend="server")  # a backend that samples ahead on a thread
+    run.settings = dataclasses.replace(run.settings, sampler=on_servers)
     servers = FakeServers([3, 3], [3], None, [2, 3])
-    monkeypatch.setattr(registry, "make", lambda name, ctx: servers)
+    monkeypatch.setattr(registry, "make", lambda name, ctx: name == "server" and servers)
     run.sampler.prompts.next(3)
     trainer_prompts = run.sampler.prompts.state_dict()
     seen = []
@@ -144,6 +147,7 @@ def test_the_server_generator_samples_with_its_own_parts_and_the_pushed_versions
         assert mine.prompts is not run.sampler.prompts and mine.rewards is not run.sampler.rewards
         assert mine.tokenizer is not run.tokenizer and mine.tokenizer("3+4=") == run.tokenizer("3+4=")
         assert mine.backend.stats() == {"server/sync_logprob_gap": 0.125} and mine.seeded
+        assert not mine.backend.follow  # the weights are the worker's pushes: never synced from the live model
         assert gen.backend is servers and gen.model is run.runtime.model and gen.full_weights is not None
         with pytest.raises(RuntimeError, match=r"^the batch of step 6 was sampled with weight versions \[2, 3\], "
                                                r"not 3: a push came between its requests$"):
