@@ -21,5 +21,5 @@ def test_measure_restart_times_each_event_after_the_kill(capsys, monkeypatch):
     assert script.main(["--zero", "3"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got == {"zero": 3, "nproc": 2, "die_at": 3, "start_to_kill_s": 15.0, "survivor_stopped_s": 0.2,
-                   "resumed_s": 35.0, "first_step_again_s": 36.3, "resumed_from": "/tmp/x/run/checkpoints/step_2 (step 2)",
-                   "completed_steps_lost": 0, "total_s": 60.0}
+                   "resumed_s": 35.0, "first_step_again_s": 36.3,
+                   "resumed_from": "/tmp/x/run/checkpoints/step_2 (step 2)", "completed_steps_lost": 0, "total_s": 60.0}
