@@ -90,3 +90,16 @@ def test_each_documented_training_command_passes_the_checks_a_run_starts_with(mo
             prepare_argv(["grpo-train", "--cfg", "job", *overrides])
         assert e.value.code == 0, overrides
         assert "trainer:" in capsys.readouterr().out, overrides
+
+
+@pytest.mark.parametrize("target,runs", [("train", "-m grpo.train recipe=quickstart"),
+                                         ("bench-prefix", "scripts/bench_prefix.py"),
+                                         ("bench-prefix", "scripts/bench_prefix_scaling.py --md docs/prefix-scaling.md "
+                                                          "--plot docs/prefix-scaling.png"),
+                                         ("recipes-check", "scripts/recipes_check.py")])
+def test_the_make_targets_the_page_names_run_its_commands(target, runs):
+    """docs/benchmarks.md gives `make train`, `make bench-prefix` and `make recipes-check` for figures whose
+    commands it shows: the targets (printed by `make -n`) run those commands."""
+    assert f"make {target}" in (ROOT / "docs" / "benchmarks.md").read_text()
+    p = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and runs in p.stdout, p.stdout + p.stderr
