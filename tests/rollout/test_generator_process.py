@@ -192,7 +192,7 @@ class _Scripted:
 def test_receive_polls_at_most_a_second_at_a_time_and_a_timeout_ends_at_its_deadline(monkeypatch):
     import queue
 
-    from grpo.rollout import generator
+    from grpo.rollout import generator_process as generator
 
     gen = _handle()
     gen.inbox = _Scripted(gen, queue.Empty, ("batch", Generated(1, 0, None, {})))
@@ -207,7 +207,7 @@ def test_receive_polls_at_most_a_second_at_a_time_and_a_timeout_ends_at_its_dead
 
 
 def test_close_kills_a_generator_that_does_not_stop_and_waits_for_it(monkeypatch):
-    from grpo.rollout import generator
+    from grpo.rollout import generator_process as generator
 
     killed = []
     gen = _handle()
@@ -257,7 +257,7 @@ def _serve_here(monkeypatch, tmp_path, build, messages):
     import signal
     import sys
 
-    from grpo.rollout import generator
+    from grpo.rollout import generator_process as generator
 
     said = []
     monkeypatch.setattr(generator, "_die_with_parent", lambda: said.append("pdeathsig"))
@@ -296,7 +296,7 @@ def test_serve_times_the_wait_the_sampling_and_every_load_since_the_previous_bat
     """A clock that reads one second later at each reading: the readings are idle (100), load (101-102), load
     (103-104), sample (105-106), idle (107), sample (108-109). A batch's wait is the time since the previous batch
     less the loads in it, its load time the sum of them."""
-    from grpo.rollout import generator
+    from grpo.rollout import generator_process as generator
 
     clock = iter(range(100, 200))
     monkeypatch.setattr(generator, "time", SimpleNamespace(time=lambda: float(next(clock))))
@@ -321,7 +321,7 @@ def test_serve_ends_when_orphaned_and_reads_on_a_daemon_thread(monkeypatch, tmp_
     requests never keeps the process alive."""
     import threading
 
-    from grpo.rollout import generator
+    from grpo.rollout import generator_process as generator
 
     started = []  # recorded at start: the reader ends by itself once the test's end of the pipe is gone
 

@@ -270,7 +270,7 @@ def test_receive_waits_for_a_late_batch_and_a_timeout_ends_at_the_first_poll_pas
     import time
     import types
 
-    from grpo.rollout.server import generator
+    from grpo.rollout.server import generator_thread as generator
 
     trainer = tiny_model("llama", len(char_tokenizer()), seed=1, **TINY)
     servers = _Servers()
