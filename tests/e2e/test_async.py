@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.trainer import checkpoint, pipeline
+from grpo.trainer import checkpoint, generators, pipeline
 from grpo.trainer.loop import fit
 
 COMPARED = ("loss", "reward_mean", "reward_std", "kl", "grad_norm", "completion_len_mean", "reward/accuracy",
@@ -54,7 +54,7 @@ def k2(tmp_path_factory):
 
 def test_max_staleness_0_is_the_synchronous_run_exactly(cfg_factory, tmp_path, monkeypatch):
     plain = fit(cfg_factory({"trainer": {"output_dir": str(tmp_path / "plain")}}))
-    monkeypatch.setattr(pipeline, "GeneratorProcess", None)  # K = 0 starts no generator process
+    monkeypatch.setattr(generators, "GeneratorProcess", None)  # K = 0 starts no generator process
     zero = fit(cfg_factory({"trainer": {"output_dir": str(tmp_path / "zero")}, "rollout": {"max_staleness": 0}}))
     a, b = steps(tmp_path / "plain"), steps(tmp_path / "zero")
     timing = {k for m in a.values() for k in m if k.startswith("time/") or k == "step_time_s"}
