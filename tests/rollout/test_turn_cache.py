@@ -52,9 +52,10 @@ def test_kept_turns_match_reprefilling_every_context(family, monkeypatch):
 
     monkeypatch.setattr(rollout, "sample_tokens", spy_sample)
     turns = TurnCache()
-    kw = dict(max_new_tokens=5, batch_size=2, progress=False, temperature=1.0)
+    kw = dict(batch_size=2, progress=False)
+    s = Sampling(5, temperature=1.0)
     torch.manual_seed(1)
-    comps, _ = rollout.generate(model, tok, prompts, group_size=3, turns=turns, **kw)
+    comps, _ = rollout.generate(model, tok, prompts, s, group_size=3, turns=turns, **kw)
     assert len(turns.rows) == 9 and len({tuple(c) for c in comps[0]}) > 1
     suffixes = [[[] for _ in g] for g in comps]
     for turn in (2, 3):
@@ -63,11 +64,11 @@ def test_kept_turns_match_reprefilling_every_context(family, monkeypatch):
         prefilled.clear()
         seen.clear()
         torch.manual_seed(turn)
-        kept = rollout.generate(model, tok, prompts, group_size=1, suffixes=suffixes, turns=turns, **kw)
+        kept = rollout.generate(model, tok, prompts, s, group_size=1, suffixes=suffixes, turns=turns, **kw)
         new_tokens, kept_logps = sum(prefilled), list(seen)
         seen.clear()
         torch.manual_seed(turn)  # the same draws, in the same order: the same tokens when the logits are the same
-        plain = rollout.generate(model, tok, prompts, group_size=1, suffixes=suffixes, **kw)
+        plain = rollout.generate(model, tok, prompts, s, group_size=1, suffixes=suffixes, **kw)
         assert kept == plain and len({tuple(c) for g in kept[0] for c in g}) > 3
         torch.testing.assert_close(torch.cat(kept_logps), torch.cat(seen), atol=1e-5, rtol=1e-5)
         # only the tokens after what the previous turn held (its samples but the last, tool text) were prefilled
@@ -83,9 +84,10 @@ def test_kept_turns_sample_from_the_whole_contexts_distribution(monkeypatch):
     model = tiny_model("llama", len(tok), seed=0)
     prompts = [_enc(tok, "What is 12 + 7?"), _enc(tok, "x")]
     turns = TurnCache()
-    kw = dict(max_new_tokens=6, batch_size=2, progress=False)
+    kw = dict(batch_size=2, progress=False)
+    s = Sampling(6, temperature=0.7)
     torch.manual_seed(2)
-    comps, _ = rollout.generate(model, tok, prompts, group_size=2, temperature=0.7, turns=turns, **kw)
+    comps, _ = rollout.generate(model, tok, prompts, s, group_size=2, turns=turns, **kw)
     suffixes = _next_suffixes(tok, [[[] for _ in g] for g in comps], comps, 2)
     seen, real_sample = [], rollout.sample_tokens
 
@@ -95,7 +97,7 @@ def test_kept_turns_sample_from_the_whole_contexts_distribution(monkeypatch):
         return token
 
     monkeypatch.setattr(rollout, "sample_tokens", spy)
-    out, _ = rollout.generate(model, tok, prompts, group_size=1, temperature=0.7, suffixes=suffixes, turns=turns, **kw)
+    out, _ = rollout.generate(model, tok, prompts, s, group_size=1, suffixes=suffixes, turns=turns, **kw)
     sampled = [row for group in out for row in group]
     want = hf_logprobs(model, rollout.flatten(prompts, suffixes), sampled, 0.7)
     got = torch.stack(seen, 1)
