@@ -38,7 +38,11 @@ HYBRID = {
                        moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1),
     "zamba2": dict(num_hidden_layers=3, mamba_d_state=8, mamba_d_conv=KERNEL, mamba_expand=2, mamba_ngroups=1,
                    n_mamba_heads=4, chunk_size=CHUNK, attention_head_dim=8, num_key_value_heads=4,
-                   hybrid_layer_ids=[1], num_mem_blocks=1),
+                   layers_block_type=[LIN, "hybrid", LIN], num_mem_blocks=1),
+    "jamba": dict(num_hidden_layers=3, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=3,
+                  expert_layer_offset=2, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=KERNEL,
+                  mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False),
+    "olmo_hybrid": dict(_GDN, num_hidden_layers=3, layer_types=[LIN, FULL, LIN]),
     "lfm2": dict(num_hidden_layers=3, layer_types=["conv", FULL, "conv"], conv_L_cache=KERNEL, conv_bias=True,
                  block_auto_adjust_ff_dim=False),
 }

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from grpo.engine.state_layers import handed_over, recurrent, state_layers
+from grpo.engine.state_layers import handed_over, not_handed_over, recurrent, state_layers
 
 _ATTENTION_ENTRY = "ALL_ATTENTION_FUNCTIONS"  # what a layer calls when it goes through transformers' interface
 _LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -102,7 +102,7 @@ def _layer_types(cfg, attn, states, foreign) -> str | None:
     other = {t for i, t in enumerate(types) if t not in _LAYER_TYPES | _PER_TOKEN_TYPES and i not in served}
     if not other and not foreign:
         return None
-    why = f" ({', '.join(foreign)}: a recurrent state outside transformers' linear-attention cache)" if foreign else ""
+    why = f" ({'; '.join(foreign)})" if foreign else ""
     return f"layers of type {', '.join(sorted(other)) or 'recurrent'}{why}"
 
 
@@ -135,7 +135,8 @@ REFUSED = (
 def model_features(lm) -> tuple[list[str], str | None]:
     """(the served features ``lm`` has, the first feature the shared layout does not implement or None)."""
     cfg, attn, states = lm.config, attention_modules(lm), state_layers(lm)
-    foreign = sorted({type(m).__name__ for m in lm.modules() if recurrent(m) and not handed_over(m)})
+    foreign = sorted({f"{type(m).__name__}: {not_handed_over(m)}" for m in lm.modules() if recurrent(m)
+                      and not handed_over(m)})
     for check in REFUSED:
         reason = check(cfg, attn, states, foreign)
         if reason:

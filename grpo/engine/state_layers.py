@@ -53,11 +53,21 @@ def _cache_arg(cls) -> str | None:
 
 
 def handed_over(module) -> bool:
-    """Whether ``module`` is a recurrent layer whose state the engine hands from the prompt to its completions:
-    a layer (``layer_idx``) that keeps its state in transformers' linear-attention cache and takes it as an
-    argument."""
+    """Whether ``module`` is a recurrent layer whose state the engine hands from the prompt to its completions."""
+    return hasattr(module, "layer_idx") and not_handed_over(module) is None
+
+
+def not_handed_over(module) -> str | None:
+    """Why the recurrent layer ``module`` cannot continue a completion from its prompt's state, or None: it must
+    keep its state in transformers' linear-attention cache, take the cache as an argument, and its multi-token
+    form must start from the recurrent state it is given (Jamba's Mamba scan does not: it reads it only when
+    decoding one token)."""
     src = _forward_source(type(module))
-    return hasattr(module, "layer_idx") and any(k in src for k in _INTERFACE) and _cache_arg(type(module)) is not None
+    if not any(k in src for k in _INTERFACE) or _cache_arg(type(module)) is None:
+        return "a recurrent state outside transformers' linear-attention cache"
+    if "get_recurrent_state" in src and "initial_state" not in src:
+        return "its multi-token scan does not start from a given state"
+    return None
 
 
 def recurrent(module) -> bool:
@@ -65,7 +75,7 @@ def recurrent(module) -> bool:
     attention, whatever its class is called (MiniMax's ``MiniMaxLightningAttention``, Kimi's
     ``KimiDeltaAttention``)."""
     src = _forward_source(type(module))
-    return hasattr(module, "layer_idx") and (handed_over(module) or any(k in src for k in _OTHER_STATE))
+    return hasattr(module, "layer_idx") and any(k in src for k in _INTERFACE + _OTHER_STATE)
 
 
 def state_layers(model) -> list:
@@ -157,16 +167,20 @@ def _dispatching(module, forward):
             return shared_state_forward(module, forward, hidden_states, layout)
         return forward(hidden_states, *args, **kwargs)
 
+    run.grpo_switched = True
     return run
 
 
 @contextlib.contextmanager
 def switched_state_layers(layers: list):
     """For the duration, each of ``layers`` runs :func:`shared_state_forward` inside a shared-prefix forward
-    (an instance attribute over the class's forward, removed on exit, also on exception)."""
+    (an instance attribute over the class's forward, removed on exit, also on exception). Re-entered (the
+    recompute of gradient checkpointing inside the forward) it leaves switched layers as they are."""
     saved = []
     try:
         for m in layers:
+            if getattr(vars(m).get("forward"), "grpo_switched", False):
+                continue
             saved.append((m, vars(m).get("forward")))
             m.forward = _dispatching(m, saved[-1][1] or m.forward)
         yield
