@@ -16,11 +16,12 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 
 from grpo.engine.decode_attention import DECODE_ATTN_NAME, prefix_decode_attention_forward
-from grpo.engine.features import attention_layers, mixing_layers, model_features
+from grpo.engine.features import attention_layers, attention_modules, mixing_layers, model_features
 from grpo.engine.layout import ACTIVE
 from grpo.engine.prefix_attention import ATTN_NAME, prefix_attention_forward
 from grpo.engine.state_layers import state_layers, switched_state_layers
@@ -44,6 +45,17 @@ def shared_prefix_unsupported(model, max_seq_len: int) -> str | None:
     if not _checkpointing_is_wrappable(lm):
         return "gradient checkpointing is applied by a mechanism the engine cannot follow"
     return None
+
+
+def shared_decode_unsupported(model, max_seq_len: int) -> str | None:
+    """Why the rollout cannot decode ``model``'s rows against one shared copy of each prompt's K/V, or None: what
+    the shared layout refuses, and attention blocks shared between decoder layers (Zamba2), whose one module
+    serves several layers' K/V."""
+    reason = shared_prefix_unsupported(model, max_seq_len)
+    if reason is None and any("layer_idx" in inspect.signature(type(m).forward).parameters
+                              for m in attention_modules(unwrap_model(model))):
+        return "attention blocks shared between decoder layers"
+    return reason
 
 
 def _checkpointing_is_wrappable(model) -> bool:

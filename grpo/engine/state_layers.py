@@ -190,3 +190,24 @@ def switched_state_layers(layers: list):
                 del m.forward
             else:
                 m.forward = own
+
+
+# --------------------------------------------------------------------------------------------- decoding
+_STATE_DICTS = ("conv_states", "recurrent_states")
+_STATE_FLAGS = ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
+                "conv_kernel_size")
+
+
+def fork_states(prefilled, fresh, group: int):
+    """The rollout's shared-prompt decoding: each prompt's recurrent states, prefilled once (one row per prompt in
+    transformers' cache ``prefilled``), copied to its ``group`` decoding rows in the cache ``fresh`` (which holds
+    the rows' own attention tokens; the prompt's K/V stay shared). Returns ``fresh``."""
+    for old, new in zip(getattr(prefilled, "layers", ()), getattr(fresh, "layers", ())):
+        if not all(hasattr(old, a) for a in _STATE_DICTS):
+            continue
+        for a in _STATE_DICTS:
+            setattr(new, a, {i: None if t is None else t.repeat_interleave(group, 0) for i, t in getattr(old, a).items()})
+        for a in _STATE_FLAGS:
+            setattr(new, a, dict(getattr(old, a)))
+        new.device, new.dtype = old.device, old.dtype
+    return fresh

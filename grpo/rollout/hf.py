@@ -14,7 +14,8 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo.engine.decode_attention import DECODE_ATTN_NAME, DECODE_KWARG, SharedPrefixKV
-from grpo.engine.patch import check_every_layer, placeholder_mask, shared_prefix_unsupported, switched_attention
+from grpo.engine.patch import check_every_layer, placeholder_mask, shared_decode_unsupported, switched_attention
+from grpo.engine.state_layers import fork_states
 from grpo.engine.unwrap import unwrap_model
 from grpo.rollout.base import cut_at_eos, eos_ids
 from grpo.rollout.turn_cache import TurnCache, batched, layer_tensors, plain_layers
@@ -135,9 +136,9 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
         elif share_prompt and not greedy and n_samples > 1:  # prefilled once; G rows decode from it
             if width > 1 and _cascade_ok(model, width + max_new_tokens):
                 shared = _shared_prompt(cache, attention[:, :-1], n_samples)
-                cache = type(cache)(config=model.config)  # each row's own tokens only
+                cache = fork_states(cache, type(cache)(config=model.config), n_samples)  # own tokens, states copied
             elif width > 1:
-                cache.batch_repeat_interleave(n_samples)  # fork: G copies of the prompt's K/V
+                cache = _forked(cache, n_samples)  # fork: G copies of the prompt's K/V and states
             input_ids, attention = input_ids.repeat_interleave(n_samples, 0), attention.repeat_interleave(n_samples, 0)
         new = decode(model, input_ids[:, -1], attention, cache, pick, max_new_tokens=max_new_tokens, eos=eos,
                      pad_id=pad_id, min_new_tokens=min_new_tokens, synced=synced, shared=shared)
@@ -223,21 +224,35 @@ def prefill(model, input_ids, attention, synced: bool = False, cache=None):
 def _cascade_ok(model, max_len: int) -> bool:
     """Whether decoding can attend to one shared copy of each prompt's K/V (the prefix engine's families)."""
     try:
-        return shared_prefix_unsupported(model, max_len) is None
+        return shared_decode_unsupported(model, max_len) is None
     except NotImplementedError:  # e.g. prompt-learning PEFT: the fork path serves it
         return False
 
 
+def _forked(cache, group: int):
+    """The prefilled cache, in place, with each prompt's K/V and recurrent states copied to its ``group`` rows."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:  # transformers releases before the per-layer cache
+        cache.batch_repeat_interleave(group)
+        return cache
+    for layer in layers:
+        if hasattr(layer, "keys"):  # a recurrent layer holds no K/V
+            layer.batch_repeat_interleave(group)
+    return fork_states(cache, cache, group)
+
+
 def _shared_prompt(cache, valid, group: int) -> SharedPrefixKV:
     layers = getattr(cache, "layers", None)
-    if layers is not None:
-        keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
+    if layers is not None:  # a recurrent layer holds no K/V (its state is forked instead: fork_states)
+        keys, values = [getattr(layer, "keys", None) for layer in layers], [getattr(layer, "values", None)
+                                                                          for layer in layers]
     else:  # transformers releases before the per-layer cache
         keys, values = list(cache.key_cache), list(cache.value_cache)
     valid = valid.bool()
     pad = ~valid[:, None, :, None]  # left padding: zero it, so that no stray non-finite value reaches a sum
     for t in keys + values:  # a sliding-window layer's cache may keep only the last slots
-        t.masked_fill_(pad[:, :, pad.shape[2] - t.shape[2]:], 0.0)
+        if t is not None:
+            t.masked_fill_(pad[:, :, pad.shape[2] - t.shape[2]:], 0.0)
     return SharedPrefixKV(keys=keys, values=values, valid=valid, group=group)
 
 
