@@ -206,7 +206,8 @@ def fork_states(prefilled, fresh, group: int):
         if not all(hasattr(old, a) for a in _STATE_DICTS):
             continue
         for a in _STATE_DICTS:
-            setattr(new, a, {i: None if t is None else t.repeat_interleave(group, 0) for i, t in getattr(old, a).items()})
+            held = getattr(old, a).items()
+            setattr(new, a, {i: None if t is None else t.repeat_interleave(group, 0) for i, t in held})
         for a in _STATE_FLAGS:
             setattr(new, a, dict(getattr(old, a)))
         new.device, new.dtype = old.device, old.dtype
