@@ -122,3 +122,21 @@ def test_a_linear_attention_named_attention_is_not_softmax_attention():
     nemotron = tiny_model("nemotron_h")
     assert {type(m).__name__ for m in attention_modules(nemotron)} == {"NemotronHAttention"}
     assert model_features(nemotron)[1] is None
+
+
+def test_bench_hybrid_quick_runs(capsys):
+    """scripts/bench_families.py --families qwen3_5_text,bamba (docs/prefix-engine.md), scaled down: a row per
+    family with both layouts' timings and the speed-ups."""
+    import importlib.util
+
+    from tests.helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_families", ROOT / "scripts" / "bench_families.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--repeats", "1", "--families", "qwen3_5_text,bamba"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    rows = [r for r in rows if r[0].strip() != "model" and not r[0].startswith("---")]
+    assert [r[0].strip() for r in rows] == ["qwen3_5_text", "bamba"]
+    for r in rows:
+        assert float(r[4]) > 0 and float(r[5]) > 0 and r[6].strip().endswith("x")
