@@ -48,7 +48,7 @@ HYBRID = {
                         num_local_experts=4, num_experts_per_token=2, moe_intermediate_size=16,
                         first_k_dense_replace=1),
     "olmo_hybrid": dict(_GDN, num_hidden_layers=3, layer_types=[LIN, FULL, LIN]),
-    "lfm2": dict(num_hidden_layers=3, layer_types=["conv", FULL, "conv"], conv_L_cache=KERNEL, conv_bias=True,
+    "lfm2": dict(num_hidden_layers=3, layer_types=["conv", FULL, "conv"], conv_L_cache=KERNEL, conv_bias=False,
                  block_auto_adjust_ff_dim=False),
 }
 FAMILIES = tuple(HYBRID)

@@ -78,6 +78,11 @@ def recurrent(module) -> bool:
     return hasattr(module, "layer_idx") and any(k in src for k in _INTERFACE + _OTHER_STATE)
 
 
+def has_recurrent_layers(model) -> bool:
+    """Whether ``model`` has recurrent layers of any kind."""
+    return any(recurrent(m) for m in model.modules())
+
+
 def state_layers(model) -> list:
     """The model's recurrent layers that the engine hands over."""
     return [m for m in model.modules() if handed_over(m)]
@@ -198,16 +203,16 @@ _STATE_FLAGS = ("is_conv_states_initialized", "is_recurrent_states_initialized",
                 "conv_kernel_size")
 
 
-def fork_states(prefilled, fresh, group: int):
+def fork_states(prefilled, fresh, rows: torch.Tensor):
     """The rollout's shared-prompt decoding: each prompt's recurrent states, prefilled once (one row per prompt in
-    transformers' cache ``prefilled``), copied to its ``group`` decoding rows in the cache ``fresh`` (which holds
-    the rows' own attention tokens; the prompt's K/V stay shared). Returns ``fresh``."""
+    transformers' cache ``prefilled``), copied to the decoding rows in the cache ``fresh`` (which holds the rows'
+    own attention tokens; the prompt's K/V stay shared): row r gets prompt ``rows[r]``'s. Returns ``fresh``."""
     for old, new in zip(getattr(prefilled, "layers", ()), getattr(fresh, "layers", ())):
         if not all(hasattr(old, a) for a in _STATE_DICTS):
             continue
         for a in _STATE_DICTS:
             held = getattr(old, a).items()
-            setattr(new, a, {i: None if t is None else t.repeat_interleave(group, 0) for i, t in held})
+            setattr(new, a, {i: None if t is None else t.index_select(0, rows.to(t.device)) for i, t in held})
         for a in _STATE_FLAGS:
             setattr(new, a, dict(getattr(old, a)))
         new.device, new.dtype = old.device, old.dtype

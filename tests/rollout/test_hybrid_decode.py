@@ -15,7 +15,7 @@ torch.set_num_threads(1)
 TOKENIZER = SimpleNamespace(eos_token_id=2, pad_token_id=0)
 PROMPTS = [[5, 17, 33, 8, 61, 9, 40, 11, 23], [12], [70, 3, 44]]
 NEW = 6
-REAL_DECODE, REAL_SAMPLE = rollout.decode, rollout.sample_tokens
+REAL_DECODE, REAL_SAMPLE, REAL_GENERATE = rollout.decode, rollout.sample_tokens, rollout.generate
 
 
 def _run(model, share, monkeypatch):
@@ -49,3 +49,21 @@ def test_hybrid_decode_matches_full_copies(family, monkeypatch):
     for a, b in zip(logits, ref_logits, strict=True):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
     assert len({tuple(c) for c in out[0]}) > 1  # samples differ inside a group
+    with torch.no_grad():  # the first step of every row: its prompt alone through the model's own forward
+        first = torch.stack([model(torch.tensor([p])).logits[0, -1] for p in PROMPTS]).repeat_interleave(3, 0)
+    torch.testing.assert_close(logits[0], first.index_fill(-1, torch.tensor([2]), float("-inf")), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
+def test_hybrid_suffixes_match_whole_contexts(family):
+    """Multi-turn contexts (a prompt prefilled once, its K/V and recurrent states copied to each row, each row's own
+    suffix prefilled after them) sample the same tokens as every prompt + suffix prefilled whole."""
+    model = tiny_model(family)
+    suffixes = [[[7, 8], [9, 10, 11, 12, 13], [14]], [[15, 16, 17]], [[18], [19, 20]]]
+    out = []
+    for share in (True, False):
+        torch.manual_seed(4)
+        out.append(REAL_GENERATE(model, TOKENIZER, PROMPTS, group_size=1, max_new_tokens=NEW, batch_size=2,
+                                 progress=False, share_prompt=share, min_new_tokens=NEW, suffixes=suffixes))
+    assert out[0] == out[1]
+    assert [len(g) for g in out[0][0]] == [3, 1, 2]
