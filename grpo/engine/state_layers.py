@@ -121,14 +121,16 @@ class StateHandOver:
 
     def rows(self, index: torch.Tensor) -> StateHandOver:
         """The states of rows ``index`` (a copy per row: what each completion continues from)."""
-        pick = lambda d: {k: v.index_select(0, index.to(v.device)) for k, v in d.items()}  # noqa: E731
-        return StateHandOver(pick(self.conv), pick(self.recurrent))
+        conv, rec = ({k: v.index_select(0, index.to(v.device)) for k, v in d.items()} for d in (self.conv,
+                                                                                               self.recurrent))
+        return StateHandOver(conv, rec)
 
     @staticmethod
     def cat(parts: list[StateHandOver]) -> StateHandOver:
         """The rows of ``parts``, one after the other."""
-        join = lambda name: {k: torch.cat([getattr(p, name)[k] for p in parts]) for k in getattr(parts[0], name)}  # noqa: E731
-        return StateHandOver(join("conv"), join("recurrent"))
+        conv = {k: torch.cat([p.conv[k] for p in parts]) for k in parts[0].conv}
+        rec = {k: torch.cat([p.recurrent[k] for p in parts]) for k in parts[0].recurrent}
+        return StateHandOver(conv, rec)
 
 
 # --------------------------------------------------------------------------------------------- the shared forward
