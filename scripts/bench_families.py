@@ -4,7 +4,7 @@
     python scripts/bench_families.py                       # qwen3_moe and gemma3_text at P=1024 S=64 G=8
     python scripts/bench_families.py --families mixtral --shapes 1024x64x8
     python scripts/bench_families.py --reward              # reward-model scoring, quickstart and long-prefix shapes
-    python scripts/bench_families.py --families qwen3_5_text,bamba   # hybrid: Gated DeltaNet, Mamba2
+    python scripts/bench_families.py --families qwen3_5_text,bamba --memory   # hybrid: Gated DeltaNet, Mamba2
     python scripts/bench_families.py --quick               # seconds; what the test suite runs
 
 Training rows: forward + backward of token_logprobs (weighted-sum loss, one group per step), shared layout against
@@ -13,9 +13,10 @@ machine is shared, so CPU time, with the wall-clock ratio beside it). The models
 4 layers, vocab 32000): qwen3_moe with 8 experts (top 2), gemma3_text with a 512-token window on 3 of its 4
 layers (shorter than P + S, so the window is active in the shared layout); qwen3_5_text with 3 Gated DeltaNet
 layers (2 key heads, 4 value heads of 128, kernel 4) and 1 attention layer; bamba with 3 Mamba2 layers (8 heads of
-64, state 128, chunk 256) and 1 attention layer. Peak memory (MiB, CUDA only) is each layout's
-max_memory_allocated over its steps. Reward rows: scoring G completions
-per prompt with grpo.rewards.reward_model's shared path against its per-row path (a random Llama
+64, state 128, chunk 256) and 1 attention layer. Peak memory (MiB) of one step of each layout above what the model
+holds: on CUDA max_memory_allocated over its steps, on CPU the peak resident memory of one step in a fresh process
+(--memory; a CPU allocator keeps freed memory, so only a fresh process has a meaningful peak). Reward rows:
+scoring G completions per prompt with grpo.rewards.reward_model's shared path against its per-row path (a random Llama
 sequence-classification model of the same size), under inference_mode. The load average is printed with the
 results.
 """
@@ -96,7 +97,8 @@ def _alternate(fns: dict, repeats: int, peaks: dict | None = None) -> dict:
     return {k: (statistics.median(cpu[k]), statistics.median(wall[k])) for k in fns}
 
 
-def train_row(family: str, P: int, S: int, G: int, repeats: int, quick: bool) -> str:
+def _training_step(family: str, P: int, S: int, G: int, quick: bool):
+    """(the model, step(shared)): one forward + backward of token_logprobs on one random group."""
     import torch
 
     from grpo.engine import token_logprobs
@@ -118,9 +120,47 @@ def train_row(family: str, P: int, S: int, G: int, repeats: int, quick: bool) ->
             sum(x.sum() for x in lps[0]).backward()
         return run
 
+    return model, step
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next((int(line.split()[1]) for line in f if line.startswith(field)), 0)
+
+
+def cpu_peak_mib(family: str, P: int, S: int, G: int, shared: bool, quick: bool) -> float:
+    """Peak resident memory (MiB) of one step above what the model and its inputs hold (run in a fresh process)."""
+    _, step = _training_step(family, P, S, G, quick)
+    with open("/proc/self/clear_refs", "w") as f:  # reset the high-water mark: building the model does not count
+        f.write("5")
+    base = _rss_kb("VmRSS:")
+    step(shared)()
+    return (_rss_kb("VmHWM:") - base) / 1024
+
+
+def _fresh_process_peaks(family: str, P: int, S: int, G: int, quick: bool) -> dict:
+    import json
+    import subprocess
+
+    peaks = {}
+    for name, shared in (("standard", False), ("shared", True)):
+        job = json.dumps([family, P, S, G, shared, quick])
+        out = subprocess.run([sys.executable, __file__, "--memory-worker", job], capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"memory worker failed:\n{out.stderr[-3000:]}")
+        peaks[name] = float(out.stdout.strip().splitlines()[-1])
+    return peaks
+
+
+def train_row(family: str, P: int, S: int, G: int, repeats: int, quick: bool, memory: bool = False) -> str:
+    import torch
+
+    model, step = _training_step(family, P, S, G, quick)
     peaks: dict = {}
     t = _alternate({"standard": step(False), "shared": step(True)}, repeats, peaks)
     (cs, ws), (ch, wh) = t["standard"], t["shared"]
+    if memory and not torch.cuda.is_available():
+        peaks = _fresh_process_peaks(family, P, S, G, quick)
     mem = " | ".join(f"{peaks[k]:.0f}" if k in peaks else "-" for k in ("standard", "shared"))
     return f"| {family} | {P} | {S} | {G} | {cs:.3f} | {ch:.3f} | {cs / ch:.2f}x | {ws / wh:.2f}x | {mem} |"
 
@@ -157,9 +197,17 @@ def main(argv=None) -> int:
     ap.add_argument("--reward", action="store_true", help="the reward-model rows instead (quickstart, long-prefix)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="tiny models, small shapes (seconds)")
+    ap.add_argument("--memory", action="store_true", help="on CPU, each layout's peak memory in a fresh process")
+    ap.add_argument("--memory-worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     import torch
 
+    if args.memory_worker:
+        import json
+
+        torch.set_num_threads(1)
+        print(cpu_peak_mib(*json.loads(args.memory_worker)))
+        return 0
     torch.set_num_threads(1)
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("| model | P | S | G | standard CPU s | shared CPU s | speedup (CPU) | speedup (wall) | standard MiB | "
@@ -172,7 +220,7 @@ def main(argv=None) -> int:
         shapes = [(16, 4, 3)] if args.quick else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
         for family in args.families.split(","):
             for P, S, G in shapes:
-                print(train_row(family, P, S, G, args.repeats, args.quick), flush=True)
+                print(train_row(family, P, S, G, args.repeats, args.quick, args.memory), flush=True)
     print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     return 0
 

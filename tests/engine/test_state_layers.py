@@ -126,7 +126,7 @@ def test_a_linear_attention_named_attention_is_not_softmax_attention():
 
 def test_bench_hybrid_quick_runs(capsys):
     """scripts/bench_families.py --families qwen3_5_text,bamba (docs/prefix-engine.md), scaled down: a row per
-    family with both layouts' timings and the speed-ups."""
+    family with both layouts' timings and the speed-ups, and a memory worker's peak."""
     import importlib.util
 
     from tests.helpers import ROOT
@@ -140,3 +140,6 @@ def test_bench_hybrid_quick_runs(capsys):
     assert [r[0].strip() for r in rows] == ["qwen3_5_text", "bamba"]
     for r in rows:
         assert float(r[4]) > 0 and float(r[5]) > 0 and r[6].strip().endswith("x")
+    # --memory: each layout's step in a fresh process (--memory-worker); here one, in this process
+    assert bench.main(["--memory-worker", '["qwen3_5_text", 16, 4, 3, true, true]']) == 0
+    assert float(capsys.readouterr().out.strip()) >= 0
