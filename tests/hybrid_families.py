@@ -8,10 +8,10 @@ kinds of token mixer, a convolution kernel of ``KERNEL`` and, where the family l
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import transformers
+
+from tests.prefix_families import random_model
 
 VOCAB = 97
 KERNEL = 4  # the short convolution: the tests' prompts are shorter and longer
@@ -61,17 +61,11 @@ def tiny_config(family: str, impl: str = "eager"):
 
 
 def tiny_model(family: str, impl: str = "eager", seed: int = 0, dtype=torch.float32):
-    """A tiny random causal LM of ``family`` in eval mode; biases (zero at init) made to count, and every
-    recurrent layer's decay and time step drawn so that the state carries the past over many tokens."""
-    config = tiny_config(family, impl)
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl).to(dtype)
+    """A tiny random causal LM of ``family`` in eval mode (biases and routers made to count), every recurrent
+    layer's decay rate drawn slow, so that the prompt's state still matters at the completion's end."""
+    model = random_model(tiny_config(family, impl), impl, seed, dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "router" in name or name.endswith(".gate.weight"):
-                p.normal_(0, 0.5)
             if name.endswith("A_log"):
-                p.uniform_(-3, -1)  # slow decay: the prompt's state still matters at the completion's end
-    return model.eval()
+                p.uniform_(-3, -1)
+    return model
