@@ -49,8 +49,8 @@ def test_hybrid_family_shares_the_prompt_state_exactly(family):
     assert "forward" not in vars(state_layers(model)[0])  # the layer's own forward is back
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
-def test_one_token_completions_and_gradient_checkpointing(family):
+@pytest.mark.parametrize("family,reentrant", [("qwen3_5_text", False), ("bamba", True)])
+def test_one_token_completions_and_gradient_checkpointing(family, reentrant):
     """Every completion one token long (the layers' one-token path is the in-place decoding step: the engine keeps
     clear of it), and the recompute of gradient checkpointing hands the states over again."""
     model = tiny_model(family)
@@ -60,7 +60,7 @@ def test_one_token_completions_and_gradient_checkpointing(family):
     model.train()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     prompts, comps = _data([6, 2], [[4, 1, 3], [2]])
     ref, w, ref_grads = reference_with_grads(model, prompts, comps)
     out = _shared(model, prompts, comps)
