@@ -2,8 +2,9 @@
 (docs/prefix-engine.md, "Recurrent layers").
 
 Each is built with ``transformers.AutoConfig.for_model(<model_type>, ...)``: hidden 32, 3 or 4 layers with both
-kinds of token mixer, a convolution kernel of ``KERNEL`` and, where the family lets one set it, a scan chunk of
-``CHUNK`` tokens (Gated DeltaNet's torch reference chunks by 64: the tests' longest prompt is longer).
+kinds of token mixer (Mamba2 alone: 2 recurrent layers), a convolution kernel of ``KERNEL`` and, where the family
+lets one set it, a scan chunk of ``CHUNK`` tokens (Gated DeltaNet's torch reference chunks by 64: the tests'
+longest prompt is longer).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ HYBRID = {
                         num_local_experts=4, num_experts_per_token=2, moe_intermediate_size=16,
                         first_k_dense_replace=1),
     "olmo_hybrid": dict(_GDN, num_hidden_layers=3, layer_types=[LIN, FULL, LIN]),
+    "mamba2": dict(num_hidden_layers=2, num_heads=4, head_dim=16, expand=2, state_size=8, n_groups=1,
+                   conv_kernel=KERNEL, chunk_size=CHUNK),  # no attention at all
     "lfm2": dict(num_hidden_layers=3, layer_types=["conv", FULL, "conv"], conv_L_cache=KERNEL, conv_bias=False,
                  block_auto_adjust_ff_dim=False),
 }

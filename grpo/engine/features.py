@@ -35,14 +35,6 @@ def attention_modules(model) -> list:
             if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx") and not recurrent(m)]
 
 
-def attention_layers(cfg) -> int:
-    """How many decoder layers have softmax attention (a ``hybrid`` layer has it beside a Mamba mixer)."""
-    types = getattr(cfg, "layer_types", None)
-    if not types:
-        return getattr(cfg, "num_hidden_layers", 1)
-    return sum(t in _LAYER_TYPES | {"hybrid", "chunked_attention"} for t in types)
-
-
 def mixing_layers(cfg) -> int:
     """How many decoder layers mix tokens (attention or a recurrent layer): all but Nemotron-H's MLP/MoE layers."""
     types = getattr(cfg, "layer_types", None) or ()
@@ -90,7 +82,7 @@ SERVED = {
     "partial rotary": _partial_rotary,
     "NoPE layers": _nope,
     "multi-head latent attention": lambda cfg, attn: getattr(cfg, "kv_lora_rank", None) is not None,
-    "grouped-query attention": lambda cfg, attn: 1 < cfg.num_attention_heads // (
+    "grouped-query attention": lambda cfg, attn: bool(attn) and 1 < cfg.num_attention_heads // (
         getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
 }
 

@@ -21,7 +21,7 @@ import inspect
 import torch
 
 from grpo.engine.decode_attention import DECODE_ATTN_NAME, prefix_decode_attention_forward
-from grpo.engine.features import attention_layers, attention_modules, mixing_layers, model_features
+from grpo.engine.features import attention_modules, mixing_layers, model_features
 from grpo.engine.layout import ACTIVE
 from grpo.engine.prefix_attention import ATTN_NAME, prefix_attention_forward
 from grpo.engine.state_layers import state_layers, switched_state_layers
@@ -168,8 +168,12 @@ def placeholder_mask(device) -> torch.Tensor:
 def check_every_layer(calls: int, model, name: str = ATTN_NAME) -> None:
     """Raise (one line) unless ``calls`` calls, counted by our function ``name`` in one forward, cover every layer
     of ``model`` that mixes tokens (in training: attention and recurrent layers; in decoding: attention layers)."""
-    cfg = unwrap_model(model).config
-    layers = mixing_layers(cfg) if name == ATTN_NAME else attention_layers(cfg)
+    lm = unwrap_model(model)
+    cfg = lm.config
+    layers = mixing_layers(cfg)
+    if name != ATTN_NAME:  # decoding: the layers whose only token mixer is recurrent do not call us
+        attention = {m.layer_idx for m in attention_modules(lm)}
+        layers -= len({m.layer_idx for m in state_layers(lm)} - attention)
     if calls < layers:
         raise RuntimeError(
             f"only {calls} of {layers} attention layers of this {cfg.model_type!r} model went through the "
