@@ -136,12 +136,8 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
             attention = torch.cat([attention[owner, :-1], own], dim=1)
             cache = prefill(model, input_ids, attention, synced=synced is not None, cache=cache)
         elif share_prompt and not greedy and n_samples > 1:  # prefilled once; G rows decode from it
-            if width > 1 and _cascade_ok(model, width + max_new_tokens):
-                shared = _shared_prompt(cache, attention[:, :-1], n_samples)
-                rows = torch.arange(len(chunk), device=device).repeat_interleave(n_samples)
-                cache = fork_states(cache, type(cache)(config=model.config), rows)  # own tokens; states copied
-            elif width > 1:  # fork: G copies of the prompt's K/V and states
-                cache = _forked(cache, torch.arange(len(chunk), device=device).repeat_interleave(n_samples))
+            if width > 1:
+                shared, cache = _share_or_fork(model, cache, attention, n_samples, width + max_new_tokens)
             input_ids, attention = input_ids.repeat_interleave(n_samples, 0), attention.repeat_interleave(n_samples, 0)
         new = decode(model, input_ids[:, -1], attention, cache, pick, max_new_tokens=max_new_tokens, eos=eos,
                      pad_id=pad_id, min_new_tokens=min_new_tokens, synced=synced, shared=shared)
@@ -230,6 +226,17 @@ def _cascade_ok(model, max_len: int) -> bool:
         return shared_decode_unsupported(model, max_len) is None
     except NotImplementedError:  # e.g. prompt-learning PEFT: the fork path serves it
         return False
+
+
+def _share_or_fork(model, cache, attention, group: int, max_len: int):
+    """After one prefill per prompt: (the prompts' K/V held once, a cache of each row's own tokens holding a copy
+    of its prompt's recurrent states) where the cascade serves the model, else (None, the prefilled cache with
+    G copies of each prompt's K/V and states)."""
+    rows = torch.arange(attention.shape[0], device=attention.device).repeat_interleave(group)  # each row's prompt
+    if _cascade_ok(model, max_len):
+        return _shared_prompt(cache, attention[:, :-1], group), fork_states(cache, type(cache)(config=model.config),
+                                                                             rows)
+    return None, _forked(cache, rows)
 
 
 def _forked(cache, rows: torch.Tensor):
