@@ -2,10 +2,10 @@
 tests/in_one_process.py PLAN.json``), so that they pay the interpreter's start and the imports (torch, transformers:
 about 4 CPU seconds a command) once instead of once each.
 
-PLAN.json: ``{"path": DIR, "runs": [{"cwd": DIR, "argv": [MODULE, ARG, ...], "out": PREFIX}, ...]}``. ``path`` goes
-first on sys.path (what ``python -m`` run from a checkout does: that checkout's ``grpo`` is the one imported). Each
-run is what the console script or ``python -m MODULE`` does with that command line: the working directory is its
-``cwd``, ``sys.argv`` its arguments, and ``MODULE.main()`` is called; its exit status (SystemExit's code, 1 for an
+PLAN.json: ``{"path": DIR, "runs": [{"cwd": DIR, "argv": [MODULE, ARG, ...], "out": PREFIX}, ...]}``. Each run is
+what ``python -m MODULE`` (or the console script) does with that command line: the working directory is its ``cwd``,
+which is first on sys.path, then ``path`` (a checkout: its ``grpo`` is the one imported, as when ``python -m`` runs
+from there), ``sys.argv`` its arguments, and ``MODULE.main()`` is called; its exit status (SystemExit's code, 1 for an
 exception, whose traceback goes to its stderr, as the interpreter does) and everything written to the process's file
 descriptors 1 and 2 while it ran (PREFIX.stdout, PREFIX.stderr) are what a separate process would have given. As each
 run ends, its status is written to PREFIX.rc and the paths its working directory then holds to PREFIX.files (one a
@@ -35,10 +35,11 @@ def run_one(module: str, args: list[str]) -> int:
 
 def main(plan_path: str) -> None:
     plan = json.loads(open(plan_path).read())
-    sys.path[0] = plan["path"]  # in place of this file's folder (tests/), as if run from that checkout
+    sys.path[0:1] = ["", plan["path"]]  # in place of this file's folder (tests/)
     saved = os.dup(1), os.dup(2)
     for run in plan["runs"]:
         os.chdir(run["cwd"])
+        sys.path[0] = run["cwd"]
         with open(run["out"] + ".stdout", "wb") as out, open(run["out"] + ".stderr", "wb") as err:
             os.dup2(out.fileno(), 1)
             os.dup2(err.fileno(), 2)
