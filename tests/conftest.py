@@ -28,6 +28,8 @@ TOGETHER = {
         "beta_zero_logs", "resume_keeps")),  # a smoke run, resumed by the last
     "server": ("tests/e2e/test_server.py::",),  # `ctx`: one grpo-serve process the walkthrough starts late
     "multinode": ("tests/e2e/test_multinode.py::",),  # `nodes`: one launch of two torchrun nodes
+    "memory_cli": tuple(f"tests/engine/test_memory.py::test_{name}" for name in (  # `cli`: three commands, one process
+        "impossible_fit", "auto_is")),
     "docs_commands": ("tests/e2e/test_docs_commands.py::test_documented",),  # `ran`: every command in one process
 }
 
