@@ -30,6 +30,8 @@ TOGETHER = {
     "multinode": ("tests/e2e/test_multinode.py::",),  # `nodes`: one launch of two torchrun nodes
     "memory_cli": tuple(f"tests/engine/test_memory.py::test_{name}" for name in (  # `cli`: three commands, one process
         "impossible_fit", "auto_is")),
+    "tools_cli": tuple(f"tests/e2e/test_tools_train.py::test_{name}" for name in (  # `cli`: one process
+        "a_smoke_run_with", "a_bad_tool", "tools_with_the_tiny", "tools_with_smollm2")),
     "docs_commands": ("tests/e2e/test_docs_commands.py::test_documented",),  # `ran`: every command in one process
 }
 
