@@ -98,17 +98,20 @@ class Ran:
     files: set[str]  # what its working directory held when it ended (paths relative to it)
 
 
-def in_one_process(commands: list[tuple[Path, list[str]]], path: Path = ROOT, timeout_each: int = 300) -> list[Ran]:
-    """``python -m MODULE ARGS...`` for each ``(cwd, [MODULE, *ARGS])`` of ``commands``, one after the other in one
-    process (tests/in_one_process.py, with ``path`` first on sys.path as a checkout run from there): the imports are
-    paid once. Each command's exit status, stdout, stderr and working directory's files after it, as `Ran`."""
+def in_one_process(commands: list[tuple], path: Path = ROOT, timeout_each: int = 300) -> list[Ran]:
+    """``python -m MODULE ARGS...`` for each ``(cwd, [MODULE, *ARGS])`` or ``(cwd, [MODULE, *ARGS], env)`` of
+    ``commands`` (``env``: variables added for that command), one after the other in one process
+    (tests/in_one_process.py, with ``path`` on sys.path after the working directory, as a checkout run from there):
+    the imports are paid once. Each command's exit status, stdout, stderr and working directory's files after it,
+    as `Ran`."""
     import json
     import subprocess
     import sys
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="grpo-commands-") as tmp:
-        runs = [{"cwd": str(cwd), "argv": argv, "out": f"{tmp}/{i}"} for i, (cwd, argv) in enumerate(commands)]
+        runs = [{"cwd": str(c[0]), "argv": c[1], "out": f"{tmp}/{i}", "env": c[2] if len(c) > 2 else {}}
+                for i, c in enumerate(commands)]
         Path(tmp, "plan.json").write_text(json.dumps({"path": str(path), "runs": runs}))
         p = subprocess.run([sys.executable, str(ROOT / "tests" / "in_one_process.py"), f"{tmp}/plan.json"],
                            capture_output=True, text=True, timeout=60 + timeout_each * len(runs))

@@ -2,8 +2,9 @@
 tests/in_one_process.py PLAN.json``), so that they pay the interpreter's start and the imports (torch, transformers:
 about 4 CPU seconds a command) once instead of once each.
 
-PLAN.json: ``{"path": DIR, "runs": [{"cwd": DIR, "argv": [MODULE, ARG, ...], "out": PREFIX}, ...]}``. Each run is
-what ``python -m MODULE`` (or the console script) does with that command line: the working directory is its ``cwd``,
+PLAN.json: ``{"path": DIR, "runs": [{"cwd": DIR, "argv": [MODULE, ARG, ...], "out": PREFIX, "env": {...}}, ...]}``
+(``env``: optional, variables set for that run only). Each run is what ``python -m MODULE`` (or the console script)
+does with that command line: the working directory is its ``cwd``,
 which is first on sys.path, then ``path`` (a checkout: its ``grpo`` is the one imported, as when ``python -m`` runs
 from there), ``sys.argv`` its arguments, and ``MODULE.main()`` is called; its exit status (SystemExit's code, 1 for an
 exception, whose traceback goes to its stderr, as the interpreter does) and everything written to the process's file
@@ -40,6 +41,8 @@ def main(plan_path: str) -> None:
     for run in plan["runs"]:
         os.chdir(run["cwd"])
         sys.path[0] = run["cwd"]
+        environ = dict(os.environ)
+        os.environ.update(run.get("env", {}))
         with open(run["out"] + ".stdout", "wb") as out, open(run["out"] + ".stderr", "wb") as err:
             os.dup2(out.fileno(), 1)
             os.dup2(err.fileno(), 2)
@@ -50,6 +53,8 @@ def main(plan_path: str) -> None:
                 sys.stderr.flush()
                 os.dup2(saved[0], 1)
                 os.dup2(saved[1], 2)
+                os.environ.clear()
+                os.environ.update(environ)
         with open(run["out"] + ".files", "w") as f:
             f.writelines(os.path.relpath(os.path.join(d, name), run["cwd"]) + "\n"
                          for d, dirs, files in sorted(os.walk(run["cwd"])) for name in sorted(dirs + files))
