@@ -32,6 +32,7 @@ TOGETHER = {
         "impossible_fit", "auto_is")),
     "tools_cli": tuple(f"tests/e2e/test_tools_train.py::test_{name}" for name in (  # `cli`: one process
         "a_smoke_run_with", "a_bad_tool", "tools_with_the_tiny", "tools_with_smollm2")),
+    "conversational": ("tests/e2e/test_conversational.py::test_a_",),  # `smoke_runs`: two runs, one process
     "docs_commands": ("tests/e2e/test_docs_commands.py::test_documented",),  # `ran`: every command in one process
 }
 
