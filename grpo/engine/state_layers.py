@@ -1,7 +1,7 @@
 """Recurrent layers in the shared layout: each completion continues from its prompt's state.
 
-A Gated DeltaNet layer (Qwen3.5, Qwen3-Next, OLMo-hybrid, Kimi's KDA), a Mamba layer (Bamba, Falcon-H1, Granite-4
-hybrid, Nemotron-H, Zamba2, Jamba) or a short convolution (LFM2) carries everything its past contributes in a
+A Gated DeltaNet layer (Qwen3.5, Qwen3-Next, OLMo-hybrid, Kimi's KDA), a Mamba2 layer (Bamba, Falcon-H1, Granite-4
+hybrid, Nemotron-H, Zamba2, Mamba2) or a short convolution (LFM2) carries everything its past contributes in a
 state: the recurrent memory or SSM state, and the short convolution's last ``K`` inputs. What the G completions
 of a group share is that state after the prompt. So, for such a layer, instead of one pass over the packed row:
 
