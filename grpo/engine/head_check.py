@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from grpo.engine.logprob_head import head_transform
 from grpo.engine.logprobs import token_logprobs
 from grpo.engine.unwrap import unwrap_model
 from grpo.errors import SetupError
@@ -54,7 +55,8 @@ def head_gap(model) -> float:
     text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
     emb = lm.get_input_embeddings()
     device = emb.weight.device if emb is not None else next(lm.parameters()).device
-    prompt, comps = _check_tokens(int(text.vocab_size))
+    sizes = (text.vocab_size, head_transform(text).vocab, getattr(lm.get_output_embeddings(), "out_features", None))
+    prompt, comps = _check_tokens(min(int(n) for n in sizes if n))  # tokens the model and its head know
     modules = list(model.modules())
     training = [m.training for m in modules]
     model.eval()

@@ -140,3 +140,29 @@ def test_build_run_refuses_the_model_before_training(cfg_factory, monkeypatch, t
     with pytest.raises(SetupError, match="ScaledLogitsLlama differ"):
         build.build_run(cfg_factory())
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# non-trivial values of each transform's config key, and what a family needs to build at a tiny size
+_SET = {"logits_scaling": 3.0, "logit_scale": 0.3, "final_logit_softcapping": 0.5, "logits_soft_cap": 0.5,
+        "output_logit_soft_cap": 0.5, "logits_mup_width_multiplier": 4.0, "unpadded_vocab_size": 90}
+_SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+
+
+@pytest.mark.parametrize("model_type", ["granite", "hyperclovax", "cohere", "gemma3_text",
+                                        "vaultgemma", "beam", "recurrent_gemma", "xlstm", "inkling_text",
+                                        "inkling2_text"])
+def test_each_listed_transform_is_its_familys_own(model_type):
+    """The table entry of ``model_type`` against that family's real modeling code (a multiplier that divides in
+    one family and multiplies in another, three soft-cap keys, a padded vocabulary the model drops): with the
+    transform's key set to a value that changes the logits, the engine equals the model's own forward."""
+    default = transformers.AutoConfig.for_model(model_type)
+    settable = lambda k: hasattr(default, k) and not isinstance(getattr(type(default), k, None), property)  # noqa: E731
+    kw = {k: v for k, v in {**_SMALL, **_SET}.items() if settable(k)}
+    assert any(k in kw for k in _SET)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **kw))
+    assert head_gap(model.eval()) < 1e-5
