@@ -1,4 +1,4 @@
-"""The start-up check that the engine's log-probs are the model's own: a family nobody listed cannot train on wrong ones.
+"""The start-up check that the engine's log-probs are the model's own: no unlisted family trains on wrong ones.
 
 The engine never asks a model for its logits: it applies the output head itself, at the positions that predict a
 completion token (grpo/engine/logprob_head.py), and reproduces what each family does between its last hidden state
