@@ -90,6 +90,7 @@ def tiny_model(family: str, vocab_size: int, seed: int = 0, attn_implementation:
     """A randomly initialised decoder of ``family`` with a few layers (deterministic in ``seed``); ``overrides``
     (``model.tiny``) change its config (grpo/tiny_models.py)."""
     import transformers
+    from huggingface_hub.errors import StrictDataclassError  # transformers' configs validate themselves
 
     check_name(f"tiny:{family}")
     kw = {"tie_word_embeddings": False, **overrides}
@@ -98,8 +99,9 @@ def tiny_model(family: str, vocab_size: int, seed: int = 0, attn_implementation:
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             model = transformers.AutoModelForCausalLM.from_config(config)
-    except (ValueError, TypeError) as e:
-        raise ModelError(f"model.tiny={overrides} does not make a valid {family} model: {_first_line(e)}") from None
+    except (ValueError, TypeError, StrictDataclassError) as e:
+        reason = next((ln.split("Error: ", 1)[1] for ln in str(e).splitlines() if "Error: " in ln), _first_line(e))
+        raise ModelError(f"model.tiny={overrides} does not make a valid {family} model: {reason}") from None
     model.config._attn_implementation = attention_implementation(family, attn_implementation)  # gemma2: eager
     return model
 

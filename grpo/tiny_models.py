@@ -17,7 +17,7 @@ ATTENTION_FAMILIES = (
 ).split()
 # family (model_type) -> config kwargs of its tiny model beyond SIZES and PARTS; extended by the hybrid families
 HYBRID_FAMILIES: dict[str, dict] = {}
-EAGER_ONLY = frozenset({"gemma2", "gpt_oss"})  # their models refuse sdpa: built with eager attention
+EAGER_ONLY = frozenset({"gemma2", "gpt_oss"})  # their models refuse sdpa
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=1024)
@@ -56,15 +56,18 @@ def tiny_config(family: str, vocab_size: int, *, window: int | None = None, **ov
     heads = overrides.get("num_attention_heads", kwargs.get("num_attention_heads"))
     if hasattr(default, "head_dim") and heads:
         kwargs["head_dim"] = overrides.get("hidden_size", kwargs["hidden_size"]) // heads
-    if family == "deepseek_v3":  # MLA: the rotary part is the head; a K/V head per query head
-        kwargs.update(head_dim=kwargs["qk_rope_head_dim"], num_key_value_heads=heads)
     if window is not None and family in WINDOWED:
         kwargs.update(sliding_window=window, num_hidden_layers=3)
         if getattr(default, "layer_types", None) is not None or family in {"qwen2", "qwen3", "qwen2_moe"}:
             kwargs["layer_types"] = list(WINDOW_LAYER_TYPES)
         if hasattr(default, "use_sliding_window"):
             kwargs.update(use_sliding_window=True, max_window_layers=3)
+    canon = (getattr(default, "attribute_map", None) or {}).get  # aliases: num_experts is num_local_experts
+    taken = {canon(k, k) for k in overrides}
+    kwargs = {k: v for k, v in kwargs.items() if canon(k, k) not in taken}
     kwargs.update(overrides)
+    if family == "deepseek_v3":  # MLA: the rotary part is the head; a K/V head per query head (its code needs both)
+        kwargs.update(head_dim=kwargs["qk_rope_head_dim"], num_key_value_heads=kwargs["num_attention_heads"])
     return transformers.AutoConfig.for_model(family, **kwargs)
 
 
