@@ -1,7 +1,5 @@
 """grpo/tiny_models.py: ``tiny:<family>`` for every family the engine serves, the same configs the engine's family
 tests use, a table the hybrid families plug into, and the smoke recipe's step for families chosen for diversity."""
-import sys
-
 import pytest
 import torch
 
@@ -9,6 +7,7 @@ from grpo import tiny_models
 from grpo.errors import ModelError
 from grpo.models import char_tokenizer, check_name, tiny_model
 from grpo.tiny_models import ATTENTION_FAMILIES, families
+from tests.helpers import train_cli_error
 
 VOCAB = len(char_tokenizer())
 
@@ -48,15 +47,9 @@ def test_a_hybrid_family_plugs_into_the_table(monkeypatch):
 
 
 def test_an_unknown_family_is_one_line_listing_those_available(tmp_path, monkeypatch, capsys):
-    from grpo import train
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["grpo-train", "recipe=smoke", "model.name_or_path=tiny:gpt9",
-                                      f"trainer.output_dir={tmp_path / 'run'}"])
-    with pytest.raises(SystemExit) as e:
-        train.main()
-    err = capsys.readouterr().err.strip()
-    assert e.value.code != 0 and "\n" not in err and "Traceback" not in err and not (tmp_path / "run").exists()
+    code, err = train_cli_error(tmp_path, monkeypatch, capsys, "model.name_or_path=tiny:gpt9")
+    err = err.strip()
+    assert code != 0 and "\n" not in err and "Traceback" not in err and not (tmp_path / "run").exists()
     assert "tiny:gpt9 is not a known family; choose one of: " + ", ".join(ATTENTION_FAMILIES) in err
 
 
