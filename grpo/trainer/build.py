@@ -17,6 +17,7 @@ import torch
 from grpo import data
 from grpo.algorithm.policy_loss import get_policy_loss
 from grpo.config.schema import Config, TrainerConfig
+from grpo.engine.head_check import check_head
 from grpo.errors import SetupError
 from grpo.models import check_name, load_model, load_reference, load_tokenizer
 from grpo.rewards.score import RewardFunction
@@ -131,6 +132,8 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction], toolset
                                   weight_decay=cfg.trainer.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.trainer))
     runtime.setup(policy, optimizer, scheduler)
+    # the engine's log-probs equal the model's own forward, under this runtime, or the run stops (one line)
+    check_head(runtime.model, agree=lambda gap: runtime.all_max({"head_gap": gap})["head_gap"])
     from grpo.trainer.budget import plan as plan_memory  # sizes `auto`, refuses a prompt + completion that cannot fit
     longest = max((len(row["prompt_ids"]) for split in (splits.train, splits.eval) for row in split),
                   default=cfg.data.max_prompt_tokens)
