@@ -62,7 +62,7 @@ def test_no_import_circle():
 STAGES = [
     ("shared", ["grpo.errors", "grpo.batch", "grpo.config", "grpo.models", "grpo.data", "grpo.tasks",
                 "grpo.worker_process"]),
-    ("engine, runtime, algorithm", ["grpo.engine", "grpo.runtime", "grpo.algorithm"]),
+    ("engine, runtime, algorithm", ["grpo.engine", "grpo.runtime", "grpo.algorithm", "grpo.evaluation"]),
     ("rollout, rewards", ["grpo.rollout", "grpo.rewards"]),
     ("experience, update", ["grpo.experience", "grpo.update"]),
     ("trainer", ["grpo.trainer", "grpo.config.cli", "grpo.train", "grpo.serve"]),

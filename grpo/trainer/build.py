@@ -29,6 +29,7 @@ from grpo.rollout.episodes.spec import build_toolset, choose_format, multi_turn
 from grpo.rollout.episodes.worker import ToolWorker
 from grpo.runtime.base import Runtime
 from grpo.trainer.checkpoint import resolve_resume
+from grpo.trainer.evaluate import check_sets
 from grpo.trainer.logger import interactive
 from grpo.trainer.pipeline import check as check_async
 from grpo.trainer.run import Run
@@ -86,6 +87,7 @@ def preflight(cfg: Config) -> list[RewardFunction]:
         raise SetupError(f"reward.functions.{toolset.env_name}: the environment's reward() is logged under that name; "
                          "rename the reward function")
     data.check_source(cfg.data)
+    check_sets(cfg.evaluation.sets, cfg.data, rewards)  # evaluation.sets: each reads, with the columns rewards read
     get_policy_loss(cfg.algorithm.policy_loss)  # a registered name, or a module:function that imports
     check_async(cfg)  # rollout.max_staleness > 0: what the generator process does not run with yet
     return rewards
@@ -113,7 +115,7 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
             rewards.append(environment_reward(toolset))
     splits = data.build(cfg.data, tokenizer, tools=fmt.template_tools(list(toolset.schemas)) if fmt else None,
                         keep_turns=toolset is not None,
-                        system_text=fmt.system_text(list(toolset.schemas)) if fmt else None)
+                        system_text=fmt.system_text(list(toolset.schemas)) if fmt else None, sets=cfg.evaluation.sets)
     if splits.dropped and runtime.is_main:
         print(f"[grpo] dropped {splits.dropped} prompts longer than data.max_prompt_tokens="
               f"{cfg.data.max_prompt_tokens}; {len(splits.train)} train / {len(splits.eval)} held-out remain",
