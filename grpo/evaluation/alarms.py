@@ -65,8 +65,8 @@ def _non_finite(m: dict, th: float, ctx: Context) -> Seen:
     if m.get("empty_batch"):
         return {}
     bad = [k for k in ("loss", "grad_norm") if isinstance(m.get(k), float) and not math.isfinite(m[k])]
-    return {"": f"the {' and the '.join(bad)} {'were' if len(bad) > 1 else 'was'} not finite (the update was skipped)"} \
-        if bad else {}
+    verb = "were" if len(bad) > 1 else "was"
+    return {"": f"the {' and the '.join(bad)} {verb} not finite (the update was skipped)"} if bad else {}
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class Event:
 
 @dataclass
 class Alarms:
-    """``specs``: name -> an object with ``enabled``, ``threshold``, ``patience`` (`grpo.config.evaluation.AlarmRule`)."""
+    """``specs``: name -> ``enabled``, ``threshold``, ``patience`` (`grpo.config.evaluation.AlarmRule`)."""
     specs: dict
     context: Context
     streaks: dict[tuple[str, str], int] = field(default_factory=dict)
