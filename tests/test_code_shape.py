@@ -65,7 +65,7 @@ STAGES = [
     ("engine, runtime, algorithm", ["grpo.engine", "grpo.runtime", "grpo.algorithm", "grpo.evaluation"]),
     ("rollout, rewards", ["grpo.rollout", "grpo.rewards"]),
     ("experience, update", ["grpo.experience", "grpo.update"]),
-    ("trainer", ["grpo.trainer", "grpo.config.cli", "grpo.train", "grpo.serve"]),
+    ("trainer", ["grpo.trainer", "grpo.config.cli", "grpo.train", "grpo.serve", "grpo.eval"]),
 ]
 
 
