@@ -1,4 +1,4 @@
-"""``grpo-eval``: the held-out evaluation of a training run (`grpo.trainer.evaluate`) for saved models, without training.
+"""``grpo-eval``: the held-out evaluation of a training run (`grpo.trainer.evaluate`) for saved models, no training.
 
     grpo-eval recipe=quickstart --model embedded:smollm2-135m-instruct --model outputs/quickstart/final \\
         evaluation.n=8 evaluation.temperature=0.6 --out eval-results
@@ -73,8 +73,8 @@ def load_config(overrides: list[str]) -> Config:
 
 def resolve_model(spec: str) -> tuple[str, Path | None]:
     """(the model directory or name to load, a checkpoint whose trainable weights go into the config's model)."""
-    from grpo.trainer import checkpoint
     from grpo.runtime.local import WEIGHTS
+    from grpo.trainer import checkpoint
 
     path = Path(spec).expanduser()
     if (path / "final").is_dir():
