@@ -22,7 +22,7 @@ class EvalSettings:
     batch_size: int            # prompts decoded together: rollout.batch_size x G
     n: int = 1                 # evaluation.n: samples per prompt
     sampling: Sampling | None = None  # None: greedy; else evaluation.temperature / top_p / top_k
-    ks: tuple[int, ...] = ()   # pass@k / maj@k (evaluation.k, or 1 and n)
+    ks: tuple[int, ...] = (1,)  # pass@k / maj@k (evaluation.k, or 1 and n)
     seed: int = 0              # evaluation.seed
     correct_reward: str | None = None  # the reward deciding pass@k / maj@k (None: accuracy, else the first)
     threshold: float = 1.0     # evaluation.threshold
