@@ -7,12 +7,14 @@ from omegaconf import OmegaConf
 from grpo.config.schema import load
 from grpo.errors import ConfigError, DataError
 from grpo.rewards.score import build as build_rewards
+from grpo.tasks import get_task
 from grpo.trainer.evaluate import check_sets
 from tests.helpers import smoke_raw
 
 
 def cfg(evaluation=None, **sections):
-    raw = OmegaConf.merge(smoke_raw(), {"evaluation": evaluation or {}, "trainer": {"output_dir": "unused"}, **sections})
+    raw = OmegaConf.merge(smoke_raw(), {"evaluation": evaluation or {}, "trainer": {"output_dir": "unused"}},
+                          sections)
     return load(OmegaConf.to_container(raw, resolve=True))
 
 
@@ -72,8 +74,8 @@ def test_set_rows_from_a_file_a_task_and_their_own_columns(tmp_path):
     assert list(splits.sets) == ["file", "task"]
     assert [r["answer"] for r in splits.sets["file"]] == [1, 2, 3]
     assert splits.sets["file"][0]["prompt"] == "What is 0 + 1?"
-    from grpo.tasks import get_task
-    assert [r["prompt"] for r in splits.sets["task"]] == [r["prompt"] for r in get_task("multiplication")(4, c.data.seed)]
+    task = get_task("multiplication")
+    assert [r["prompt"] for r in splits.sets["task"]] == [r["prompt"] for r in task(4, c.data.seed)]
 
 
 def test_a_set_is_held_apart_from_training():
