@@ -72,7 +72,7 @@ def test_sampled_metrics_of_every_set_by_hand(cfg_factory, capsys):
             for k in even:
                 want = sum(t[k] for t in tables) / len(tables)
                 assert abs(out[prefix + k] - want) < 1e-9, (prefix + k, out[prefix + k], want)
-        assert fake.asked == [(3, 4, False, 0.8, set_seed(0, 0, "held-out")), (3, 4, False, 0.8, set_seed(0, 0, "more"))]
+        assert fake.asked == [(3, 4, False, 0.8, set_seed(0, 0, name)) for name in ("held-out", "more")]
         evaluate(run, "after")
         assert fake.asked[2:] == fake.asked[:2]  # the same prompts and seeds at every evaluation
         err = capsys.readouterr().err
