@@ -76,16 +76,16 @@ def test_documented_commands(tmp_path, monkeypatch, capsys):
     assert all(f"| {s} |" in md for s in ("held-out", "small-sums", "two-digit"))
     assert "pass@8" in md and "maj@8" in md
 
-    # 3. two models in one command: the untrained model and final/, on the same prompts and seeds
-    argv = [("tiny:llama" if w == "embedded:smollm2-135m-instruct" else w) for w in compare_cmd[1:]]
-    path = run_eval([*argv, *SCALE, SETS])
+    # 3. two models in one command: the embedded model and final/, on the same prompts and seeds (each in its own
+    # chat format: the embedded model's template, the tiny model's plain text)
+    path = run_eval([*compare_cmd[1:], *SCALE, SETS])
     doc = json.loads(path.read_text())
-    assert [m["model"] for m in doc["models"]] == ["tiny:llama", "outputs/eval-sets/final"]
+    assert [m["model"] for m in doc["models"]] == ["embedded:smollm2-135m-instruct", "outputs/eval-sets/final"]
     final = {k[5:]: v for k, v in doc["models"][1]["metrics"].items()}
     assert final == pytest.approx(logged[2], abs=1e-6)  # what the run logged after its last step
     assert set(doc["models"][0]["metrics"]) == set(doc["models"][1]["metrics"])
     table = (tmp_path / "eval-results" / "eval.md").read_text()
-    assert "| metric | `tiny:llama` | `outputs/eval-sets/final` | difference |" in table
+    assert "| metric | `embedded:smollm2-135m-instruct` | `outputs/eval-sets/final` | difference |" in table
     assert "| `eval/two-digit/maj@8` |" in table
     assert doc["evaluation"]["n"] == 8 and doc["evaluation"]["temperature"] == 0.6
 
