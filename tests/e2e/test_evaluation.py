@@ -138,3 +138,16 @@ def _nothing():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+def test_sampled_evaluation_leaves_training_as_it_was(tmp_path, monkeypatch):
+    """The evaluation samples under its own seeds: a run evaluated with n=4 at temperature 1 every step trains
+    exactly as the same run evaluated greedily (same losses, rewards, gradient norms)."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    got = []
+    for i, ev in enumerate((["evaluation.n=1"], ["evaluation.n=4", "evaluation.temperature=1.0"])):
+        out = tmp_path / str(i)
+        train_in_process(["grpo-train", "recipe=smoke", f"trainer.output_dir={out}", *TRAIN, *ev], [], "unused")
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        got.append([(r["loss"], r["reward_mean"], r["grad_norm"]) for r in rows if "loss" in r])
+    assert got[0] == got[1] and len(got[0]) == 2
