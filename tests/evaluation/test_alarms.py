@@ -90,3 +90,14 @@ def test_quiet_on_the_quickstart():
     events = run(a, steps)
     assert events == [], [e.line for _, e in events]
     assert not any(math.isnan(r["loss"]) for r in steps)
+
+
+@pytest.mark.parametrize("name,key,at,below", [
+    ("truncation", "truncated_frac", 0.9, 0.89), ("zero_std", "zero_std_frac", 0.95, 0.94),
+    ("entropy", "entropy", 0.01, 0.011), ("logprob_gap", "rollout_is/logp_diff_abs_mean", 0.5, 0.49)])
+def test_thresholds_are_inclusive(name, key, at, below):
+    """The documented conditions: >= the threshold (<= for entropy) holds, just short of it does not."""
+    a = alarms(**{name: {"patience": 1}})
+    assert [e.name for _, e in run(a, [{**HEALTHY, key: at}])] == [name]
+    a = alarms(**{name: {"patience": 1}})
+    assert run(a, [{**HEALTHY, key: below}]) == []
