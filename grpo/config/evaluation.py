@@ -92,8 +92,9 @@ def _check_set(i: int, spec) -> str:
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"{where}.{key} is not a key of an evaluation set{hint}; allowed: {', '.join(SET_KEYS)}")
     name, source = spec.get("name"), spec.get("source")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ConfigError(f"{where}.name={name!r}: give each set a name of letters, digits, '_', '.' or '-'")
+    if not isinstance(name, str) or not _NAME.match(name) or name == "held-out":
+        raise ConfigError(f"{where}.name={name!r}: give each set a name of letters, digits, '_', '.' or '-' (held-out "
+                          "is the data's held-out split)")
     if not isinstance(source, str) or not source:
         raise ConfigError(f"{where} ({name}) needs a source: builtin:<task>, a .jsonl/.parquet/.csv file or a hub "
                           "dataset name")

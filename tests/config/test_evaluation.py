@@ -30,6 +30,7 @@ def cfg(evaluation=None, **sections):
                                                    "(did you mean 'source'?)"),
     ({"sets": [{"source": "builtin:arithmetic"}]}, "evaluation.sets[0].name=None"),
     ({"sets": [{"name": "a/b", "source": "builtin:arithmetic"}]}, "evaluation.sets[0].name='a/b'"),
+    ({"sets": [{"name": "held-out", "source": "builtin:arithmetic"}]}, "(held-out is the data's held-out split)"),
     ({"sets": [{"name": "a"}]}, "evaluation.sets[0] (a) needs a source"),
     ({"sets": [{"name": "a", "source": "builtin:arithmetic", "num": 0}]}, "evaluation.sets[0].num=0 (a)"),
 ])
