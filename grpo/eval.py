@@ -54,7 +54,7 @@ def load_config(overrides: list[str]) -> Config:
     """The config ``grpo-train`` would compose from ``overrides``, checked (one line per mistake)."""
     from omegaconf import OmegaConf
 
-    from grpo.config.cli import check_argv
+    from grpo.cli import check_argv
     from grpo.config.compose import compose, normalize
     from grpo.config.schema import load
 

@@ -234,7 +234,7 @@ CASES = {
         ([], check_episodes({"accuracy", "format", "Guess"})),
     "grpo-train recipe=smoke 'rollout.tools=[mytools:add]' rollout.max_turns=2":
         ([], check_tool_format("hermes", {"accuracy", "format"})),
-    # the recipe as measured (docs/benchmarks.md#calculator-tools-multi-turn): the code format, the python tool
+    # the recipe as measured (docs/benchmarks.md#current-figures): the code format, the python tool
     "grpo-train recipe=calculator-tools": (["logging.sample_every=1"],
                                            check_tool_format("code", {"accuracy"})),  # and reward/tool_call
 }
