@@ -99,10 +99,11 @@ def load_policy(cfg: Config, spec: str, device: str):
     from grpo.models import load_model, load_tokenizer
 
     name, ckpt = resolve_model(spec)
-    mcfg = cfg.model if ckpt is not None else replace(cfg.model, name_or_path=name, lora=type(cfg.model.lora)())
+    plain = type(cfg.model.lora)()  # no adapter of its own
+    mcfg = replace(cfg.model, gradient_checkpointing=False)  # decoding keeps its K/V cache
     adapter = ckpt is None and (Path(name) / "adapter_config.json").is_file()  # final/ of merge_on_save=false
-    if adapter:
-        mcfg = replace(cfg.model, lora=type(cfg.model.lora)())
+    if ckpt is None:
+        mcfg = replace(mcfg, lora=plain) if adapter else replace(mcfg, name_or_path=name, lora=plain)
     tokenizer = load_tokenizer(name if ckpt is None else cfg.model.name_or_path)
     model = load_model(mcfg, len(tokenizer), seed=cfg.trainer.seed)
     if adapter:

@@ -151,3 +151,22 @@ def test_sampled_evaluation_leaves_training_as_it_was(tmp_path, monkeypatch):
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         got.append([(r["loss"], r["reward_mean"], r["grad_norm"]) for r in rows if "loss" in r])
     assert got[0] == got[1] and len(got[0]) == 2
+
+
+def test_lora_adapter_and_checkpoint_score_what_the_run_logged(tmp_path, monkeypatch):
+    """model.lora.merge_on_save=false leaves final/ an adapter alone: grpo-eval puts it on the config's model, and a
+    LoRA checkpoint's trainable weights likewise; both score the run's last evaluation exactly, the base does not."""
+    from grpo.eval import run_eval
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    out = tmp_path / "run"
+    lora = ["model.lora.enabled=true", "model.lora.merge_on_save=false", "trainer.lr=1e-2", "evaluation.n=2",
+            "evaluation.temperature=1.0"]
+    train_in_process(["grpo-train", "recipe=smoke", f"trainer.output_dir={out}", *TRAIN, *lora], [], "unused")
+    assert (out / "final" / "adapter_config.json").is_file()
+    doc = json.loads(run_eval(["recipe=smoke", *lora, *SCALE, "--model", str(out), "--model",
+                               str(out / "checkpoints" / "step_2"), "--model", "tiny:llama",
+                               "--out", str(tmp_path / "e")]).read_text())
+    final, ckpt, base = ({k[5:]: v for k, v in m["metrics"].items()} for m in doc["models"])
+    assert final == pytest.approx(evals(out)[2], abs=1e-6) and ckpt == final
+    assert base != final
