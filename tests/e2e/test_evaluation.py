@@ -123,6 +123,10 @@ def test_grpo_eval_refusals(tmp_path, monkeypatch):
         run_eval(["recipe=smoke", "--modle", "x"])
     with pytest.raises(SetupError, match="rollout.backend=vllm needs vLLM") if _no_vllm() else _nothing():
         run_eval(["recipe=smoke", "rollout.backend=vllm", "trainer.device=cpu", "--out", "o"])
+    with pytest.raises(SetupError, match=r"grpo-eval does not run multi-turn episodes .* trainer.max_steps=0"):
+        run_eval(["recipe=smoke", "rollout.tools=[grpo.rollout.episodes.calculator:calculate]"])
+    with pytest.raises(SetupError, match="use rollout.backend=hf or vllm"):
+        run_eval(["recipe=smoke", "rollout.backend=server", "rollout.server.urls=[http://127.0.0.1:9]"])
     (tmp_path / "empty").mkdir()
     with pytest.raises(SetupError, match="neither a run"):
         run_eval(["recipe=smoke", "--model", "empty"])
