@@ -1,0 +1,85 @@
+"""Image prompts: a row's images read, its messages rendered, its image tokens expanded.
+
+A row carries its images in a column (``images``: one image or a list), each a PIL image, a file path, raw bytes or
+a ``{"bytes": ..., "path": ...}`` dict (how `datasets` stores an ``Image`` feature in Parquet). Its prompt is TRL's
+conversational format: messages whose ``content`` is a list of ``{"type": "text", "text": ...}`` and
+``{"type": "image"}`` parts, the images taken in order. The chat template renders one placeholder per image part;
+:func:`encode` repeats its image token once per token the vision tower makes of that image (what a transformers
+processor does) and returns an :class:`ImagePrompt`.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from grpo.errors import DataError
+
+
+@dataclass
+class ImagePrompt:
+    """One prompt as the engine takes it: token ids (image tokens expanded), the pixels of its images in order
+    (``(patches, channels * patch area)``, Qwen-VL's flattened patches) and their ``(t, h, w)`` patch grids."""
+
+    ids: list[int]
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None  # (images, 3)
+
+    @property
+    def n_images(self) -> int:
+        return 0 if self.image_grid_thw is None else len(self.image_grid_thw)
+
+
+def load_image(value, where: str = "data row"):
+    """A PIL RGB image from a PIL image, a path, bytes, or a ``{"bytes", "path"}`` dict; one clear line otherwise."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    try:
+        if isinstance(value, Image.Image):
+            img = value
+        elif isinstance(value, (bytes, bytearray)):
+            img = Image.open(io.BytesIO(value))
+        elif isinstance(value, (str, Path)):
+            if not Path(value).is_file():
+                raise DataError(f"{where}: image file {str(value)!r} not found")
+            img = Image.open(value)
+        else:
+            raise DataError(f"{where}: an image must be a PIL image, a path, bytes or {{'bytes', 'path'}}; "
+                            f"got {type(value).__name__}")
+        return img.convert("RGB")
+    except (UnidentifiedImageError, OSError) as e:
+        raise DataError(f"{where}: unreadable image ({str(e).splitlines()[0][:120]})") from None
+
+
+def image_parts(messages: list[dict]) -> int:
+    """How many ``{"type": "image"}`` parts the messages hold."""
+    return sum(1 for m in messages if not isinstance(m["content"], str)
+               for part in m["content"] if part.get("type") == "image")
+
+
+def encode(messages: list[dict], images: list, tokenizer, image_processor, where: str = "data row") -> ImagePrompt:
+    """Render ``messages`` with the tokenizer's chat template (generation prompt added) and tokenize them, with
+    ``images`` (one per image part, in order) through ``image_processor``."""
+    images = [load_image(x, where) for x in images]
+    if image_parts(messages) != len(images):
+        raise DataError(f"{where}: the prompt has {image_parts(messages)} image part(s) but the row has "
+                        f"{len(images)} image(s); give one image per {{'type': 'image'}} part")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    image_token = "<|image_pad|>"
+    pixel_values = grid = None
+    if images:
+        out = image_processor(images=images, return_tensors="pt")
+        pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
+        per_token = image_processor.merge_size ** 2
+        pieces = text.split(image_token)
+        if len(pieces) != len(images) + 1:
+            raise DataError(f"{where}: the chat template rendered {len(pieces) - 1} image placeholder(s) for "
+                            f"{len(images)} image(s); the model's template must place one {image_token} per image")
+        text = pieces[0] + "".join(image_token * (int(g.prod()) // per_token) + rest
+                                   for g, rest in zip(grid, pieces[1:]))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ImagePrompt(ids=ids, pixel_values=pixel_values, image_grid_thw=grid)
