@@ -20,7 +20,7 @@ TINY_VLM_FAMILIES = ("qwen2_5_vl",)
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
     "{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
@@ -60,8 +60,8 @@ def tiny_vlm(family: str, vocab_size: int, seed: int = 0, **overrides):
     text = {**TINY_DEFAULTS, **overrides, "vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 1,
             "eos_token_id": 2, "tie_word_embeddings": False}
     half = text["hidden_size"] // text["num_attention_heads"] // 2  # rotary frequencies, split over (t, h, w)
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
-                               "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
+    hw = half * 3 // 8  # as Qwen2.5-VL's [16, 24, 24] of 64
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * hw, hw, hw]}
     vision = {**VISION_DEFAULTS, "out_hidden_size": text["hidden_size"]}
     try:
         config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)

@@ -1,0 +1,76 @@
+"""grpo.vision: the tiny Qwen2.5-VL and its processor built offline, and image prompts from every image form."""
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from grpo.errors import DataError, ModelError
+from grpo.tasks.shapes import draw
+from grpo.vision.images import encode, load_image
+from grpo.vision.models import image_processor, tiny_vlm, vlm_tokenizer
+
+
+def _messages(n_images, text="How many?"):
+    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def tok_proc():
+    return vlm_tokenizer(), image_processor()
+
+
+def test_tiny_vlm_is_seeded_and_has_3d_rotary(tok_proc):
+    tok, _ = tok_proc
+    a, b, c = (tiny_vlm("qwen2_5_vl", len(tok), seed=s) for s in (0, 0, 1))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+    assert a.config.text_config.rope_parameters["mrope_section"] == [2, 3, 3]
+    assert a.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>") < len(tok)
+    wide = tiny_vlm("qwen2_5_vl", len(tok), hidden_size=96, num_attention_heads=4)
+    assert sum(wide.config.text_config.rope_parameters["mrope_section"]) == 96 // 4 // 2
+    with pytest.raises(ModelError, match="choose one of: qwen2_5_vl"):
+        tiny_vlm("llava", len(tok))
+
+
+def test_image_tokens_expand_per_image_in_order(tok_proc, tmp_path):
+    tok, proc = tok_proc
+    img = Image.new("RGB", (32, 24), "red")
+    p = encode(_messages(2), [img, Image.new("RGB", (16, 16), "blue")], tok, proc)
+    assert p.image_grid_thw.tolist() == [[1, 6, 8], [1, 4, 4]]
+    text = tok.decode(p.ids)
+    assert text.startswith("user: <|vision_start|>" + "<|image_pad|>" * 12 + "<|vision_end|><|vision_start|>"
+                           + "<|image_pad|>" * 4 + "<|vision_end|>How many?")
+    assert text.endswith("\nassistant: ")
+    assert p.pixel_values.shape == (6 * 8 + 4 * 4, 3 * 2 * 4 * 4)
+
+
+def test_every_image_form_gives_the_same_pixels(tok_proc, tmp_path):
+    tok, proc = tok_proc
+    import random
+    img = draw(random.Random(0), 32, [("red", "square")])
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    path = tmp_path / "a.png"
+    path.write_bytes(buf.getvalue())
+    forms = [img, str(path), buf.getvalue(), {"bytes": buf.getvalue(), "path": None}, {"bytes": None, "path": str(path)}]
+    pixels = [encode(_messages(1), [f], tok, proc).pixel_values for f in forms]
+    assert all(torch.equal(pixels[0], x) for x in pixels[1:])
+    assert load_image(Image.new("L", (8, 8))).mode == "RGB"
+
+
+def test_bad_images_get_one_line(tok_proc, tmp_path):
+    tok, proc = tok_proc
+    img = Image.new("RGB", (16, 16))
+    with pytest.raises(DataError, match="row 3: image file '/nope.png' not found"):
+        encode(_messages(1), ["/nope.png"], tok, proc, where="row 3")
+    with pytest.raises(DataError, match="unreadable image"):
+        encode(_messages(1), [b"not a png"], tok, proc)
+    with pytest.raises(DataError, match="must be a PIL image, a path, bytes"):
+        encode(_messages(1), [42], tok, proc)
+    with pytest.raises(DataError, match="2 image part\\(s\\) but the row has 1 image"):
+        encode(_messages(2), [img], tok, proc)
+    tok2 = vlm_tokenizer()
+    tok2.chat_template = "{% for m in messages %}{{ m['content'][-1]['text'] }}{% endfor %}"  # drops image parts
+    with pytest.raises(DataError, match="rendered 0 image placeholder\\(s\\) for 1 image"):
+        encode(_messages(1), [img], tok2, proc)
