@@ -74,3 +74,32 @@ def test_bad_images_get_one_line(tok_proc, tmp_path):
     tok2.chat_template = "{% for m in messages %}{{ m['content'][-1]['text'] }}{% endfor %}"  # drops image parts
     with pytest.raises(DataError, match="rendered 0 image placeholder\\(s\\) for 1 image"):
         encode(_messages(1), [img], tok2, proc)
+
+
+def test_rows_of_three_formats_from_jsonl_and_parquet(tok_proc, tmp_path):
+    """TRL's parts with image paths (JSONL), verl's <image> markers with {"bytes"} images (Parquet), a PIL column
+    (a built-in task): the same picture and question give the same prompt."""
+    import json
+
+    import datasets
+
+    from grpo.tasks import get_task
+    from grpo.vision.images import encode_row
+
+    tok, proc = tok_proc
+    row = get_task("shapes")(1, seed=0)[0]
+    question = row["prompt"][0]["content"][1]["text"]
+    path = tmp_path / "a.png"
+    row["images"][0].save(path)
+    trl = tmp_path / "trl.jsonl"
+    trl.write_text(json.dumps({"prompt": row["prompt"], "images": [str(path)], "answer": row["answer"]}) + "\n")
+    verl = tmp_path / "verl.parquet"
+    datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "<image>" + question}],
+                                 "images": [{"bytes": path.read_bytes(), "path": None}]}]).to_parquet(str(verl))
+    from_trl = dict(datasets.load_dataset("json", data_files=str(trl), split="train")[0])
+    from_verl = dict(datasets.load_dataset("parquet", data_files=str(verl), split="train")[0])
+    got = [encode_row(r, "prompt", "images", tok, proc) for r in (row, from_trl, from_verl)]
+    assert got[0].ids == got[1].ids == got[2].ids
+    assert torch.equal(got[0].pixel_values, got[1].pixel_values) and torch.equal(got[0].pixel_values, got[2].pixel_values)
+    with pytest.raises(DataError, match="row 0 has no image column 'image'; its columns are: prompt, images, answer"):
+        encode_row(from_trl, "prompt", "image", tok, proc, where="row 0")

@@ -83,3 +83,35 @@ def encode(messages: list[dict], images: list, tokenizer, image_processor, where
                                    for g, rest in zip(grid, pieces[1:]))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return ImagePrompt(ids=ids, pixel_values=pixel_values, image_grid_thw=grid)
+
+
+def as_parts(messages: list[dict]) -> list[dict]:
+    """Messages with verl's ``<image>`` markers in text content turned into TRL's ``{"type": "image"}`` parts (content
+    already in parts is kept)."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str) and "<image>" in content:
+            pieces = content.split("<image>")
+            parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+            for rest in pieces[1:]:
+                parts.append({"type": "image"})
+                if rest:
+                    parts.append({"type": "text", "text": rest})
+            content = parts
+        out.append({**m, "content": content})
+    return out
+
+
+def encode_row(row: dict, prompt_column: str, image_column: str, tokenizer, image_processor,
+               where: str = "data row") -> ImagePrompt:
+    """A dataset row's :class:`ImagePrompt`: its messages (TRL parts, or verl's ``<image>`` markers) and the images
+    in ``image_column`` (one image or a list)."""
+    if image_column not in row:
+        raise DataError(f"{where} has no image column {image_column!r}; its columns are: {', '.join(map(str, row))}")
+    messages = row[prompt_column]
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    images = row[image_column]
+    images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+    return encode(as_parts(messages), images, tokenizer, image_processor, where)
