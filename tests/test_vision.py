@@ -8,7 +8,7 @@ from PIL import Image
 from grpo.errors import DataError, ModelError
 from grpo.tasks.shapes import draw
 from grpo.vision.images import encode, load_image
-from grpo.vision.models import image_processor, tiny_vlm, vlm_tokenizer
+from grpo.models import load_image_processor, load_tokenizer, tiny_model
 
 
 def _messages(n_images, text="How many?"):
@@ -17,20 +17,20 @@ def _messages(n_images, text="How many?"):
 
 @pytest.fixture(scope="module")
 def tok_proc():
-    return vlm_tokenizer(), image_processor()
+    return load_tokenizer("tiny:qwen2_5_vl"), load_image_processor("tiny:qwen2_5_vl")
 
 
 def test_tiny_vlm_is_seeded_and_has_3d_rotary(tok_proc):
     tok, _ = tok_proc
-    a, b, c = (tiny_vlm("qwen2_5_vl", len(tok), seed=s) for s in (0, 0, 1))
+    a, b, c = (tiny_model("qwen2_5_vl", len(tok), seed=s) for s in (0, 0, 1))
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
     assert a.config.text_config.rope_parameters["mrope_section"] == [2, 3, 3]
     assert a.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>") < len(tok)
-    wide = tiny_vlm("qwen2_5_vl", len(tok), hidden_size=96, num_attention_heads=4)
+    wide = tiny_model("qwen2_5_vl", len(tok), hidden_size=96, num_attention_heads=4)
     assert sum(wide.config.text_config.rope_parameters["mrope_section"]) == 96 // 4 // 2
-    with pytest.raises(ModelError, match="choose one of: qwen2_5_vl"):
-        tiny_vlm("llava", len(tok))
+    with pytest.raises(ModelError, match="tiny:llava is not a known family; choose one of: .*qwen2_5_vl"):
+        tiny_model("llava", len(tok))
 
 
 def test_image_tokens_expand_per_image_in_order(tok_proc, tmp_path):
@@ -70,7 +70,7 @@ def test_bad_images_get_one_line(tok_proc, tmp_path):
         encode(_messages(1), [42], tok, proc)
     with pytest.raises(DataError, match="2 image part\\(s\\) but the row has 1 image"):
         encode(_messages(2), [img], tok, proc)
-    tok2 = vlm_tokenizer()
+    tok2 = load_tokenizer("tiny:qwen2_5_vl")
     tok2.chat_template = "{% for m in messages %}{{ m['content'][-1]['text'] }}{% endfor %}"  # drops image parts
     with pytest.raises(DataError, match="rendered 0 image placeholder\\(s\\) for 1 image"):
         encode(_messages(1), [img], tok2, proc)

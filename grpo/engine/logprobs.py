@@ -18,7 +18,9 @@ from grpo.engine.logprob_head import head_logprobs
 from grpo.engine.micro_batches import MicroBatch, plan_micro_batches
 from grpo.engine.patch import check_every_layer, placeholder_mask, shared_prefix_unsupported, switched_attention
 from grpo.engine.prefix_attention import LAYOUT_KWARG
-from grpo.engine.unwrap import unwrap_chain
+from grpo.engine.unwrap import unwrap_chain, unwrap_model
+
+VISION_FAMILIES = ("qwen2_5_vl",)  # served by grpo/engine/vision_logprobs.py
 
 __all__ = ["token_logprobs", "ATTENTION_KERNELS"]
 
@@ -51,6 +53,12 @@ def token_logprobs(
     ``flex`` (FlexAttention block mask, compiled; CUDA, or CPU without grad) or ``auto`` (grouped for now:
     flex becomes the CUDA default once it has been measured on a GPU).
     """
+    if getattr(unwrap_model(model).config, "model_type", None) in VISION_FAMILIES:  # prompts may hold images
+        from grpo.engine.vision_logprobs import vision_token_logprobs
+
+        return vision_token_logprobs(model, prompt_ids, completion_ids, shared_prefix=shared_prefix,
+                                     temperature=temperature, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                                     return_entropy=return_entropy)
     prompts, comps = _as_groups(prompt_ids, completion_ids, temperature)
     lm, decoder, head = _model_parts(model)
     kernel = _resolve_kernel(attention_kernel, lm)

@@ -26,16 +26,14 @@ import torch
 
 from grpo.engine.layout import build_layout
 from grpo.engine.logprob_head import head_logprobs
-from grpo.engine.logprobs import _scatter
+from grpo.engine.logprobs import VISION_FAMILIES, _scatter
 from grpo.engine.micro_batches import plan_micro_batches
 from grpo.engine.patch import check_every_layer, placeholder_mask, shared_prefix_unsupported, switched_attention
 from grpo.engine.prefix_attention import LAYOUT_KWARG
 from grpo.engine.unwrap import unwrap_model
+from grpo.vision.images import ImagePrompt
 
 __all__ = ["vision_token_logprobs", "VISION_FAMILIES"]
-
-VISION_FAMILIES = ("qwen2_5_vl",)  # the model types whose image prompts this engine serves
-
 
 def vision_token_logprobs(model, prompts, completion_ids, *, shared_prefix: bool = True, temperature: float = 1.0,
                           max_tokens_per_micro_batch: int | None = None, return_entropy: bool = False):
@@ -43,10 +41,11 @@ def vision_token_logprobs(model, prompts, completion_ids, *, shared_prefix: bool
 
     prompts: one :class:`grpo.vision.images.ImagePrompt` per group (token ids with the image tokens expanded, the
     images' pixels and grids; a prompt may hold 0, 1 or several images); completion_ids: per group, a list of token
-    lists (ragged, G may differ per group). Returns the nesting of ``grpo.token_logprobs``: one 1-D float32 tensor
+    lists (ragged, G may differ per group). ``grpo.token_logprobs`` comes here for these models. Returns the nesting of ``grpo.token_logprobs``: one 1-D float32 tensor
     per completion, differentiable (vision tower included) when grad is enabled; with ``return_entropy`` a pair.
     """
     vlm = unwrap_model(model)
+    prompts = [p if isinstance(p, ImagePrompt) else ImagePrompt(p) for p in prompts]  # token lists: no images
     core = _check(vlm, prompts, completion_ids, temperature)
     comps = [[[int(t) for t in r] for r in cs] for cs in completion_ids]
     if shared_prefix:

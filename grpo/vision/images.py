@@ -10,7 +10,6 @@ processor does) and returns an :class:`ImagePrompt`.
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,18 +17,25 @@ import torch
 from grpo.errors import DataError
 
 
-@dataclass
-class ImagePrompt:
-    """One prompt as the engine takes it: token ids (image tokens expanded), the pixels of its images in order
-    (``(patches, channels * patch area)``, Qwen-VL's flattened patches) and their ``(t, h, w)`` patch grids."""
+class ImagePrompt(list):
+    """One prompt's token ids (image tokens expanded), a list like any prompt's, carrying the pixels of its images in
+    order (``(patches, channels * patch area)``, Qwen-VL's flattened patches) and their ``(t, h, w)`` patch grids.
+    Everything that handles token lists handles it; the engine and the rollout read its images."""
 
-    ids: list[int]
-    pixel_values: torch.Tensor | None
-    image_grid_thw: torch.Tensor | None  # (images, 3)
+    def __init__(self, ids, pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None):
+        super().__init__(ids)
+        self.pixel_values, self.image_grid_thw = pixel_values, image_grid_thw
+
+    @property
+    def ids(self) -> list[int]:
+        return list(self)
 
     @property
     def n_images(self) -> int:
         return 0 if self.image_grid_thw is None else len(self.image_grid_thw)
+
+    def __reduce__(self):  # pickled with its images (checkpoints of in-flight batches, spawned generators)
+        return type(self), (list(self), self.pixel_values, self.image_grid_thw)
 
 
 def load_image(value, where: str = "data row"):

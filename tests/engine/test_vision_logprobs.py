@@ -10,15 +10,15 @@ from grpo.engine import vision_logprobs as vl
 from grpo.engine.vision_logprobs import vision_token_logprobs
 from grpo.tasks.shapes import draw
 from grpo.vision.images import encode
-from grpo.vision.models import image_processor, tiny_vlm, vlm_tokenizer
+from grpo.models import load_image_processor, load_tokenizer, tiny_model
 
 ATOL_LP, ATOL_GRAD = 2e-5, 5e-5
 
 
 @pytest.fixture(scope="module")
 def setup():
-    tok, proc = vlm_tokenizer(), image_processor()
-    model = tiny_vlm("qwen2_5_vl", len(tok), seed=0)
+    tok, proc = load_tokenizer("tiny:qwen2_5_vl"), load_image_processor("tiny:qwen2_5_vl")
+    model = tiny_model("qwen2_5_vl", len(tok), seed=0)
     rng = random.Random(0)
 
     def picture(size):
@@ -149,7 +149,7 @@ def test_bad_inputs_say_what_is_wrong(setup):
     model, prompts = setup
     image = model.config.image_token_id
     fewer = [t for i, t in enumerate(prompts[0].ids) if t != image or i % 2]  # some image tokens dropped
-    broken = type(prompts[0])(ids=fewer, pixel_values=prompts[0].pixel_values,
+    broken = type(prompts[0])(fewer, pixel_values=prompts[0].pixel_values,
                               image_grid_thw=prompts[0].image_grid_thw)
     with pytest.raises(ValueError, match="the prompt has 8 image tokens but its images make 16"):
         vision_token_logprobs(model, [broken], [[[5]]])

@@ -9,13 +9,13 @@ from grpo.rollout.base import Sampling
 from grpo.rollout.vision import generate_with_images
 from grpo.tasks import get_task
 from grpo.vision.images import encode
-from grpo.vision.models import image_processor, tiny_vlm, vlm_tokenizer
+from grpo.models import load_image_processor, load_tokenizer, tiny_model
 
 
 @pytest.fixture(scope="module")
 def setup():
-    tok, proc = vlm_tokenizer(), image_processor()
-    model = tiny_vlm("qwen2_5_vl", len(tok), seed=0)
+    tok, proc = load_tokenizer("tiny:qwen2_5_vl"), load_image_processor("tiny:qwen2_5_vl")
+    model = tiny_model("qwen2_5_vl", len(tok), seed=0)
     rows = get_task("shapes")(2, seed=0)
     prompts = [encode(r["prompt"], r["images"], tok, proc) for r in rows]
     prompts.append(encode([{"role": "user", "content": "text only"}], [], tok, proc))
