@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo.errors import DataError
+from grpo.vision.images import image_row
 
 _FILE_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -165,22 +166,30 @@ def with_system_text(turns: list[dict], text: str) -> list[dict]:
 
 
 def prepare(rows: list[dict], dcfg, tokenizer, tools: list[dict] | None = None,
-            keep_turns: bool = False, system_text: str | None = None) -> tuple[list[dict], int]:
+            keep_turns: bool = False, system_text: str | None = None, image_processor=None) -> tuple[list[dict], int]:
     """Template and tokenize rows; returns (kept rows, number dropped for length). A conversational row
     keeps its messages under ``prompt_messages`` (what conversational rewards receive as the prompt); with
     ``keep_turns`` (multi-turn episodes) every row keeps its turns under ``prompt_turns``. ``system_text``: added
     to every prompt's system turn (`with_system_text`)."""
-    out, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text)
+    out, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text, image_processor)
     return out, len(dropped)
 
 
-def _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text=None) -> tuple[list[dict], list[int]]:
+def _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text=None,
+             image_processor=None) -> tuple[list[dict], list[int]]:
     """`prepare`, with the token length of every dropped prompt."""
     out, dropped = [], []
     for i, row in enumerate(rows):
         if dcfg.prompt_column not in row or row[dcfg.prompt_column] is None or row[dcfg.prompt_column] == "":
             raise DataError(f"data row {i} has no '{dcfg.prompt_column}' value (data.prompt_column); "
                             f"its columns are: {', '.join(map(str, row))}")
+        if row.get(dcfg.image_column):  # a prompt with images (grpo/vision/images.py)
+            prepared = image_row(row, dcfg, tokenizer, image_processor, where=f"data row {i}")
+            if len(prepared["prompt_ids"]) > dcfg.max_prompt_tokens:
+                dropped.append(len(prepared["prompt_ids"]))
+            else:
+                out.append(prepared)
+            continue
         turns, messages = prompt_turns(row, dcfg, where=f"data row {i}")
         if system_text:
             turns = with_system_text(turns, system_text)
@@ -209,13 +218,14 @@ class Splits:
 
 
 def build(dcfg, tokenizer, tools: list[dict] | None = None, keep_turns: bool = False,
-          system_text: str | None = None) -> Splits:
+          system_text: str | None = None, image_processor=None) -> Splits:
     """Train and held-out rows. Built-in tasks draw disjoint prompts; files hold out their tail. ``tools``,
-    ``keep_turns`` and ``system_text``: see `prepare`."""
+    ``keep_turns`` and ``system_text``: see `prepare`; ``image_processor``: the model's, for rows with images
+    (None: a text model, which such rows are refused for)."""
     rows = load_rows(dcfg)
     if not rows:
         raise DataError(f"data.source={dcfg.source!r} has no rows")
-    rows, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text)
+    rows, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text, image_processor)
     if not rows:
         raise DataError(f"every prompt is longer than data.max_prompt_tokens={dcfg.max_prompt_tokens}: the shortest "
                         f"is {min(dropped)} tokens (as the model sees it, template included); raise "
@@ -224,13 +234,23 @@ def build(dcfg, tokenizer, tools: list[dict] | None = None, keep_turns: bool = F
     if dcfg.source.startswith("builtin:"):
         # generators may repeat a problem; keep held-out prompts out of the training set
         eval_rows = rows[:n_eval]
-        seen = {r["prompt"] for r in eval_rows}
-        train_rows = [r for r in rows[n_eval:] if r["prompt"] not in seen]
+        seen = {_prompt_key(r) for r in eval_rows}
+        train_rows = [r for r in rows[n_eval:] if _prompt_key(r) not in seen]
     else:
         train_rows, eval_rows = rows[: len(rows) - n_eval], rows[len(rows) - n_eval:]
     if not train_rows:
         raise DataError("no training rows left after holding out data.num_eval; lower data.num_eval")
     return Splits(train_rows, eval_rows, len(dropped), note)
+
+
+def _prompt_key(row: dict):
+    """What makes two prompts the same: their text, and their images' pixels when they have images."""
+    pixels = getattr(row["prompt_ids"], "pixel_values", None)
+    if pixels is None:
+        return row["prompt"]
+    import hashlib
+
+    return row["prompt"], hashlib.sha1(pixels.numpy().tobytes()).hexdigest()
 
 
 def _held_out_count(dcfg, n_rows: int) -> tuple[int, str]:

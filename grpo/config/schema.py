@@ -47,6 +47,7 @@ class DataConfig:
     load_kwargs: dict = field(default_factory=dict)  # extra datasets.load_dataset arguments
     prompt_column: str = "prompt"    # the column holding the prompt text
     answer_column: str = "answer"    # the reference column; rewards receive it as `answer`
+    image_column: str = "images"     # a row's images (one or a list: PIL, path, bytes); docs/vision-language.md
     system_prompt: Optional[str] = None  # a system message (without a chat template: a first paragraph)
     prompt_template: str = "{prompt}"  # applied before the chat template; any column by name
     chat_template: bool = True       # use the tokenizer's chat template when it has one

@@ -20,6 +20,7 @@ import torch
 from grpo.engine.unwrap import unwrap_model
 from grpo.engine.vision_logprobs import prompt_positions
 from grpo.rollout.base import Completions, Sampling, cut_at_eos
+from grpo.vision.images import ImagePrompt
 
 
 @torch.no_grad()
@@ -30,8 +31,11 @@ def generate_with_images(model, prompts, group_size: int, sampling: Sampling, eo
     if sampling.top_p < 1.0 or sampling.top_k:
         raise ValueError("image rollout samples the full softmax only; set rollout.top_p=1.0 and rollout.top_k=0")
     vlm = unwrap_model(model, peft=False)
-    gen = torch.Generator(device=vlm.device)
-    gen.manual_seed(0 if seed is None else seed)
+    gen = None  # seed None: the process's generator (checkpointed), as grpo/rollout/hf.py draws
+    if seed is not None:
+        gen = torch.Generator(device=vlm.device)
+        gen.manual_seed(seed)
+    prompts = [p if isinstance(p, ImagePrompt) else ImagePrompt(p) for p in prompts]  # token lists: no images
     G = 1 if sampling.greedy else group_size
     ids, cut, logps = [], [], []
     for prompt in prompts:

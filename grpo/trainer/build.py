@@ -19,7 +19,7 @@ from grpo.algorithm.policy_loss import get_policy_loss
 from grpo.config.schema import Config, TrainerConfig
 from grpo.data import PromptSampler
 from grpo.errors import SetupError
-from grpo.models import check_name, load_model, load_reference, load_tokenizer
+from grpo.models import check_name, load_image_processor, load_model, load_reference, load_tokenizer
 from grpo.rewards.score import RewardFunction, in_worker
 from grpo.rewards.score import build as build_rewards
 from grpo.rollout.backends import HFBackend, SyncedBackend, check_vllm_cpu, resolve_backend
@@ -113,7 +113,8 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
             rewards.append(environment_reward(toolset))
     splits = data.build(cfg.data, tokenizer, tools=fmt.template_tools(list(toolset.schemas)) if fmt else None,
                         keep_turns=toolset is not None,
-                        system_text=fmt.system_text(list(toolset.schemas)) if fmt else None)
+                        system_text=fmt.system_text(list(toolset.schemas)) if fmt else None,
+                        image_processor=load_image_processor(cfg.model.name_or_path))
     if splits.dropped and runtime.is_main:
         print(f"[grpo] dropped {splits.dropped} prompts longer than data.max_prompt_tokens="
               f"{cfg.data.max_prompt_tokens}; {len(splits.train)} train / {len(splits.eval)} held-out remain",

@@ -121,3 +121,23 @@ def encode_row(row: dict, prompt_column: str, image_column: str, tokenizer, imag
     images = row[image_column]
     images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
     return encode(as_parts(messages), images, tokenizer, image_processor, where)
+
+
+def image_row(row: dict, dcfg, tokenizer, image_processor, where: str = "data row") -> dict:
+    """A dataset row whose ``data.image_column`` holds images, prepared as grpo/data.py prepares a text row: its
+    columns, ``prompt`` (the rendered text, one placeholder per image), ``prompt_messages`` and ``prompt_ids`` (an
+    :class:`ImagePrompt`). A model without an image processor (a text model) is refused."""
+    if image_processor is None:
+        raise DataError(f"{where} has images in data.image_column={dcfg.image_column!r} but the model is a text model "
+                        "(no image processor); use a vision-language model such as tiny:qwen2_5_vl, or drop the column")
+    messages = row[dcfg.prompt_column]
+    messages = as_parts([{"role": "user", "content": messages}] if isinstance(messages, str) else list(messages))
+    if dcfg.system_prompt and not any(m["role"] == "system" for m in messages):
+        messages = [{"role": "system", "content": dcfg.system_prompt}, *messages]
+    prompt = encode_row({**row, dcfg.prompt_column: messages}, dcfg.prompt_column, dcfg.image_column, tokenizer,
+                        image_processor, where)
+    cols = {k: v for k, v in row.items() if k != dcfg.prompt_column}
+    if dcfg.answer_column in row and dcfg.answer_column != "answer":
+        cols["answer"] = row[dcfg.answer_column]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return {**cols, "prompt": text, "prompt_messages": messages, "prompt_ids": prompt}
