@@ -6,9 +6,9 @@ import torch
 from PIL import Image
 
 from grpo.errors import DataError, ModelError
+from grpo.models import load_image_processor, load_tokenizer, tiny_model
 from grpo.tasks.shapes import draw
 from grpo.vision.images import encode, load_image
-from grpo.models import load_image_processor, load_tokenizer, tiny_model
 
 
 def _messages(n_images, text="How many?"):
@@ -53,7 +53,8 @@ def test_every_image_form_gives_the_same_pixels(tok_proc, tmp_path):
     img.save(buf, format="PNG")
     path = tmp_path / "a.png"
     path.write_bytes(buf.getvalue())
-    forms = [img, str(path), buf.getvalue(), {"bytes": buf.getvalue(), "path": None}, {"bytes": None, "path": str(path)}]
+    forms = [img, str(path), buf.getvalue(), {"bytes": buf.getvalue(), "path": None},
+             {"bytes": None, "path": str(path)}]
     pixels = [encode(_messages(1), [f], tok, proc).pixel_values for f in forms]
     assert all(torch.equal(pixels[0], x) for x in pixels[1:])
     assert load_image(Image.new("L", (8, 8))).mode == "RGB"
@@ -100,6 +101,6 @@ def test_rows_of_three_formats_from_jsonl_and_parquet(tok_proc, tmp_path):
     from_verl = dict(datasets.load_dataset("parquet", data_files=str(verl), split="train")[0])
     got = [encode_row(r, "prompt", "images", tok, proc) for r in (row, from_trl, from_verl)]
     assert got[0].ids == got[1].ids == got[2].ids
-    assert torch.equal(got[0].pixel_values, got[1].pixel_values) and torch.equal(got[0].pixel_values, got[2].pixel_values)
+    assert all(torch.equal(got[0].pixel_values, g.pixel_values) for g in got[1:])
     with pytest.raises(DataError, match="row 0 has no image column 'image'; its columns are: prompt, images, answer"):
         encode_row(from_trl, "prompt", "image", tok, proc, where="row 0")

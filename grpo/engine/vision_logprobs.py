@@ -41,8 +41,9 @@ def vision_token_logprobs(model, prompts, completion_ids, *, shared_prefix: bool
 
     prompts: one :class:`grpo.vision.images.ImagePrompt` per group (token ids with the image tokens expanded, the
     images' pixels and grids; a prompt may hold 0, 1 or several images); completion_ids: per group, a list of token
-    lists (ragged, G may differ per group). ``grpo.token_logprobs`` comes here for these models. Returns the nesting of ``grpo.token_logprobs``: one 1-D float32 tensor
-    per completion, differentiable (vision tower included) when grad is enabled; with ``return_entropy`` a pair.
+    lists (ragged, G may differ per group). ``grpo.token_logprobs`` comes here for these models. Returns the
+    nesting of ``grpo.token_logprobs``: one 1-D float32 tensor per completion, differentiable (vision tower
+    included) when grad is enabled; with ``return_entropy`` a pair.
     """
     vlm = unwrap_model(model)
     prompts = [p if isinstance(p, ImagePrompt) else ImagePrompt(p) for p in prompts]  # token lists: no images

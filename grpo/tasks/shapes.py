@@ -2,9 +2,9 @@
 
 Each image is drawn from the seed alone (no files, no download): ``size`` x ``size`` pixels on white, up to
 ``max_shapes`` shapes (square, circle, triangle) in red, green or blue, each in its own cell of a grid (so they
-never overlap), the asked one 0 to 3 times. The row carries the image under ``images`` (a list of one PIL image) and the prompt as a
-conversation whose user turn holds an ``{"type": "image"}`` part, TRL's format; the answer is scored by the
-``arithmetic`` reward like any integer answer.
+never overlap), the asked one 0 to 3 times. The row carries the image under ``images`` (a list of one PIL image)
+and the prompt as a conversation whose user turn holds an ``{"type": "image"}`` part, TRL's format; the answer is
+scored by the ``arithmetic`` reward like any integer answer.
 """
 from __future__ import annotations
 

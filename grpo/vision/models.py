@@ -53,7 +53,8 @@ def tiny_vlm(family: str, tokenizer, text: dict, seed: int = 0):
     import transformers
 
     if family not in TINY_VLM_FAMILIES:
-        raise ModelError(f"tiny:{family} is not a vision-language family; choose one of: {', '.join(TINY_VLM_FAMILIES)}")
+        raise ModelError(f"tiny:{family} is not a vision-language family; choose one of: "
+                         + ", ".join(TINY_VLM_FAMILIES))
     ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(t)
            for name, t in zip(("vision_start", "image", "vision_end", "video"), VISION_TOKENS)}
     text = dict(text)

@@ -8,9 +8,9 @@ import torch
 from grpo.engine import plan_micro_batches
 from grpo.engine import vision_logprobs as vl
 from grpo.engine.vision_logprobs import vision_token_logprobs
+from grpo.models import load_image_processor, load_tokenizer, tiny_model
 from grpo.tasks.shapes import draw
 from grpo.vision.images import encode
-from grpo.models import load_image_processor, load_tokenizer, tiny_model
 
 ATOL_LP, ATOL_GRAD = 2e-5, 5e-5
 

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from grpo.engine.vision_logprobs import vision_token_logprobs
+from grpo.models import load_image_processor, load_tokenizer, tiny_model
 from grpo.rollout import vision as rv
 from grpo.rollout.base import Sampling
 from grpo.rollout.vision import generate_with_images
 from grpo.tasks import get_task
 from grpo.vision.images import encode
-from grpo.models import load_image_processor, load_tokenizer, tiny_model
 
 
 @pytest.fixture(scope="module")

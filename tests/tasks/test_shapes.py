@@ -43,7 +43,8 @@ def test_deterministic_in_seed_and_scored_by_the_integer_reward():
 
     assert pixels(a) == pixels(b) and pixels(a) != pixels(c)
     assert [r["answer"] for r in a] == [r["answer"] for r in b]
-    rewards = resolve("arithmetic")([""] * 2, [str(a[0]["answer"]), str(a[0]["answer"] + 1)], answer=[a[0]["answer"]] * 2)
+    right, wrong = str(a[0]["answer"]), str(a[0]["answer"] + 1)
+    rewards = resolve("arithmetic")([""] * 2, [right, wrong], answer=[a[0]["answer"]] * 2)
     assert rewards[0] > rewards[1]
     big = make(3, seed=0, size=64, max_shapes=9)
     assert big[0]["images"][0].size == (64, 64)

@@ -2,7 +2,6 @@
 through the vision tower once per group in the rollout and in the update, and the tower's weights learn."""
 import json
 
-import torch
 from omegaconf import OmegaConf
 
 from grpo.config.schema import load
