@@ -104,3 +104,28 @@ def test_rows_of_three_formats_from_jsonl_and_parquet(tok_proc, tmp_path):
     assert all(torch.equal(got[0].pixel_values, g.pixel_values) for g in got[1:])
     with pytest.raises(DataError, match="row 0 has no image column 'image'; its columns are: prompt, images, answer"):
         encode_row(from_trl, "prompt", "image", tok, proc, where="row 0")
+
+
+def test_a_text_model_or_a_text_only_backend_given_images_is_one_line(tok_proc):
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from grpo import data
+    from grpo.config.schema import load
+    from grpo.errors import SetupError
+    from grpo.tasks import get_task
+    from grpo.trainer.build import backend_maker
+    from tests.helpers import compose_recipe
+
+    tok, proc = tok_proc
+    overrides = ["rollout.backend=server", "rollout.server.urls=[http://127.0.0.1:9]", "trainer.output_dir=unused"]
+    cfg = load(OmegaConf.to_container(compose_recipe("vlm-smoke", overrides), resolve=True))
+    rows = get_task("shapes")(2, seed=0)
+    with pytest.raises(DataError, match="data row 0 has images in data.image_column='images' but the model is a text"):
+        data.prepare(rows, cfg.data, tok, image_processor=None)
+    prepared, dropped = data.prepare(rows, cfg.data, tok, image_processor=proc)
+    assert dropped == 0 and prepared[0]["prompt_ids"].n_images == 1
+    assert prepared[0]["prompt"].startswith("user: <|vision_start|><|image_pad|><|vision_end|>How many")
+    with pytest.raises(SetupError, match="rollout.backend=server \\(server\\) does not take images yet"):
+        backend_maker(cfg, SimpleNamespace(device="cpu", is_main=True), tok, data.Splits(prepared, []))

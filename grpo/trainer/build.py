@@ -162,6 +162,9 @@ def backend_maker(cfg: Config, runtime: Runtime, tokenizer, splits: data.Splits)
     longest = max((len(row["prompt_ids"]) for split in (splits.train, splits.eval) for row in split),
                   default=cfg.data.max_prompt_tokens)
     max_len = r.vllm.max_model_len or longest + r.max_new_tokens
+    if kind != "hf" and any(getattr(row["prompt_ids"], "n_images", 0) for row in splits.train):
+        raise SetupError(f"rollout.backend={r.backend} ({kind}) does not take images yet; prompts with images need "
+                         "rollout.backend=hf (docs/vision-language.md)")
     if kind == "vllm":
         from grpo.rollout.vllm import VLLMBackend
 
