@@ -23,8 +23,7 @@ class LoraConfig:
     r: int = 16                      # rank
     alpha: int = 32                  # scaling numerator: the update is scaled by alpha / r
     dropout: float = 0.0             # dropout on the LoRA input
-    # names of the modules that get adapters
-    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # adapted modules
     merge_on_save: bool = True       # final/ holds a merged model (True) or the adapter only (False)
 
 

@@ -26,14 +26,15 @@ import torch
 
 from grpo.engine.layout import build_layout
 from grpo.engine.logprob_head import head_logprobs
-from grpo.engine.logprobs import VISION_FAMILIES, _scatter
-from grpo.engine.micro_batches import plan_micro_batches
+from grpo.engine.micro_batches import plan_micro_batches, scatter
 from grpo.engine.patch import check_every_layer, placeholder_mask, shared_prefix_unsupported, switched_attention
 from grpo.engine.prefix_attention import LAYOUT_KWARG
 from grpo.engine.unwrap import unwrap_model
 from grpo.vision.images import ImagePrompt
 
 __all__ = ["vision_token_logprobs", "VISION_FAMILIES"]
+
+VISION_FAMILIES = ("qwen2_5_vl",)  # the model types served here (grpo.token_logprobs hands them over)
 
 def vision_token_logprobs(model, prompts, completion_ids, *, shared_prefix: bool = True, temperature: float = 1.0,
                           max_tokens_per_micro_batch: int | None = None, return_entropy: bool = False):
@@ -62,7 +63,7 @@ def vision_token_logprobs(model, prompts, completion_ids, *, shared_prefix: bool
     for mb in plan:
         lp, ent = forward(vlm, core, [prompts[g] for g, _ in mb], [comps[g][sl] for g, sl in mb], temperature,
                           return_entropy)
-        _scatter(mb, comps, lp, ent, logps, ents)
+        scatter(mb, comps, lp, ent, logps, ents)
     return (logps, ents) if return_entropy else logps
 
 

@@ -22,8 +22,8 @@ from typing import Callable
 
 import torch
 
-from grpo.engine.logprobs import VISION_FAMILIES
 from grpo.engine.unwrap import unwrap_model
+from grpo.engine.vision_logprobs import VISION_FAMILIES
 from grpo.errors import SetupError
 from grpo.rollout.base import Completions, RolloutBackend, Sampling, eos_ids
 from grpo.rollout.turn_cache import TurnCache

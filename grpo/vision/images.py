@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from grpo.errors import DataError
+
+if TYPE_CHECKING:  # no torch at import: grpo/data.py imports this module, and the config checks stay light
+    import torch
 
 
 class ImagePrompt(list):
