@@ -30,7 +30,7 @@ def generate_with_images(model, prompts, group_size: int, sampling: Sampling, eo
     ``eos``: the ids that end a completion (kept); ``sampling.greedy`` decodes one argmax completion per prompt."""
     if sampling.top_p < 1.0 or sampling.top_k:
         raise ValueError("image rollout samples the full softmax only; set rollout.top_p=1.0 and rollout.top_k=0")
-    vlm = unwrap_model(model, peft=False)
+    vlm = unwrap_model(model)  # a peft model: its base, the adapters injected and active
     gen = None  # seed None: the process's generator (checkpointed), as grpo/rollout/hf.py draws
     if seed is not None:
         gen = torch.Generator(device=vlm.device)

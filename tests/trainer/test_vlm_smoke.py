@@ -2,6 +2,7 @@
 through the vision tower once per group in the rollout and in the update, and the tower's weights learn."""
 import json
 
+import torch
 from omegaconf import OmegaConf
 
 from grpo.config.schema import load
@@ -42,3 +43,20 @@ def test_vlm_smoke_trains_with_each_prompts_images_encoded_once(tmp_path, monkey
     name = "model.visual.blocks.0.mlp.up_proj.weight"
     moved = (final.state_dict()[name] - start.state_dict()[name]).abs().max().item()
     assert 0 < moved < 0.01  # two Adam steps of lr 1e-3 from the same start
+
+
+def test_vlm_smoke_with_lora_trains_the_language_model_and_leaves_the_tower(tmp_path):
+    """model.lora.enabled=true: adapters on the language model's attention (the tower's layers are named qkv/proj),
+    the reference is the adapter switched off, and the merged model's tower is the seeded one."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    out = tmp_path / "run"
+    cfg = compose_recipe("vlm-smoke", [f"trainer.output_dir={out}", "model.lora.enabled=true"])
+    train(load(OmegaConf.to_container(cfg, resolve=True)))
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["kl"] > 0
+    final = Qwen2_5_VLForConditionalGeneration.from_pretrained(out / "final").state_dict()
+    start = tiny_model("qwen2_5_vl", 104, seed=cfg.trainer.seed).state_dict()
+    assert torch.equal(final["model.visual.blocks.0.attn.qkv.weight"], start["model.visual.blocks.0.attn.qkv.weight"])
+    assert not torch.equal(final["model.language_model.layers.0.self_attn.q_proj.weight"],
+                           start["model.language_model.layers.0.self_attn.q_proj.weight"])
