@@ -129,3 +129,21 @@ def test_a_text_model_or_a_text_only_backend_given_images_is_one_line(tok_proc):
     assert prepared[0]["prompt"].startswith("user: <|vision_start|><|image_pad|><|vision_end|>How many")
     with pytest.raises(SetupError, match="rollout.backend=server \\(server\\) does not take images yet"):
         backend_maker(cfg, SimpleNamespace(device="cpu", is_main=True), tok, data.Splits(prepared, []))
+
+
+def test_held_out_pictures_are_told_apart_by_their_pixels(tok_proc):
+    """builtin:shapes asks 9 distinct questions: the train/held-out split compares the pictures too, so a train row
+    is dropped only when its picture and question are a held-out one's."""
+    from omegaconf import OmegaConf
+
+    from grpo import data
+    from grpo.config.schema import load
+    from tests.helpers import compose_recipe
+
+    tok, proc = tok_proc
+    cfg = load(OmegaConf.to_container(compose_recipe("vlm-smoke", ["trainer.output_dir=unused", "data.num_train=20",
+                                                                   "data.num_eval=4"]), resolve=True))
+    splits = data.build(cfg.data, tok, image_processor=proc)
+    asked = {r["prompt"] for r in splits.eval}
+    by_text = [r for r in splits.train if r["prompt"] not in asked]  # what comparing the text alone would keep
+    assert len(splits.eval) == 4 and len(splits.train) >= 18 > len(by_text)  # an empty picture may repeat
