@@ -59,8 +59,8 @@ def test_no_import_circle():
 # apart from its package (as `grpo/config/cli.py` once sat with the trainer while config/ sat below the stages).
 STAGES = [
     ("bottom", ["grpo.errors", "grpo.objects"]),
-    ("shared", ["grpo.batch", "grpo.config", "grpo.models", "grpo.data", "grpo.tasks", "grpo.vision",
-                "grpo.worker_process"]),
+    ("shared", ["grpo.batch", "grpo.config", "grpo.models", "grpo.tiny_models", "grpo.data", "grpo.tasks",
+                "grpo.vision", "grpo.worker_process"]),
     ("engine, runtime, algorithm", ["grpo.engine", "grpo.runtime", "grpo.algorithm"]),
     ("rewards, rollout", ["grpo.rewards", "grpo.rollout"]),
     ("experience, update", ["grpo.experience", "grpo.update"]),
