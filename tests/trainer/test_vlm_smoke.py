@@ -11,7 +11,7 @@ from grpo.trainer.loop import train
 from tests.helpers import compose_recipe
 
 
-def test_vlm_smoke_trains_with_each_prompts_images_encoded_once(tmp_path, monkeypatch):
+def test_vlm_smoke_trains_and_evaluates_with_each_prompts_images_encoded_once(tmp_path, monkeypatch):
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as q
 
     patches = []
@@ -23,16 +23,18 @@ def test_vlm_smoke_trains_with_each_prompts_images_encoded_once(tmp_path, monkey
 
     monkeypatch.setattr(q.Qwen2_5_VisionTransformerPretrainedModel, "forward", counted)
     out = tmp_path / "run"
-    cfg = compose_recipe("vlm-smoke", [f"trainer.output_dir={out}"])
-    train(load(OmegaConf.to_container(cfg, resolve=True)))
+    cfg = compose_recipe("vlm-smoke", [f"trainer.output_dir={out}", "data.num_eval=2"])
+    summary = train(load(OmegaConf.to_container(cfg, resolve=True)))
+    assert summary["eval_before"]["completion_len_mean"] > 0 and "accuracy" in summary["eval_after"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["grad_norm"] > 0 and r["completion_len_mean"] > 0 for r in rows)
     assert rows[0]["kl"] < 1e-6 < rows[1]["kl"]  # policy == reference at step 1, apart after one step
-    # one 32x32 picture is 64 patches: the rollout encodes each prompt once (64), every engine forward (policy,
-    # reference) encodes both prompts of the step once (128), never G = 4 copies
-    assert set(patches) == {64, 128} and patches.count(64) == 2 * 2
+    # one 32x32 picture is 64 patches: the rollout encodes each prompt once (64; 2 steps x 2 prompts, and the 2
+    # held-out prompts before and after), every engine forward (policy, reference) encodes both prompts of the
+    # step once (128), never G = 4 copies
+    assert set(patches) == {64, 128} and patches.count(64) == 2 * 2 + 2 * 2
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert samples and all("How many" in s["prompt"] for s in samples)
     # the vision tower trained: its weights moved from their seeded start
