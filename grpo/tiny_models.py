@@ -15,8 +15,43 @@ ATTENTION_FAMILIES = (
     "llama qwen2 qwen3 mistral qwen3_moe qwen2_moe mixtral gemma gemma2 gemma3_text smollm3 olmo2 olmo3 phi3 granite "
     "gpt_oss glm4 cohere2 exaone4 ernie4_5 seed_oss apertus arcee helium internlm3 starcoder2 stablelm deepseek_v3"
 ).split()
-# family (model_type) -> config kwargs of its tiny model beyond SIZES and PARTS; extended by the hybrid families
-HYBRID_FAMILIES: dict[str, dict] = {}
+LIN, FULL = "linear_attention", "full_attention"
+KERNEL = 4  # the short convolution
+CHUNK = 4  # Mamba2's scan chunk, where configurable
+_GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_conv_kernel_dim=KERNEL)
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=KERNEL,
+               mamba_expand=2, mamba_chunk_size=CHUNK)
+# family (model_type) -> config kwargs of its tiny model beyond SIZES and PARTS: the hybrid families the engine
+# serves (recurrent layers mixed with attention; grpo/engine/state_layers.py), hidden 32, both kinds of layer
+_HYBRID_SIZES = dict(hidden_size=32, intermediate_size=48, max_position_embeddings=256)
+HYBRID_FAMILIES: dict[str, dict] = {k: {**_HYBRID_SIZES, **v} for k, v in {
+    "qwen3_5_text": dict(_GDN, num_hidden_layers=3, layer_types=[LIN, FULL, LIN]),
+    "qwen3_next": dict(_GDN, num_hidden_layers=3, layer_types=[LIN, FULL, LIN], num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, shared_expert_intermediate_size=16),
+    "bamba": dict(_MAMBA2, num_hidden_layers=3, attn_layer_indices=[1]),
+    "falcon_h1": dict(_MAMBA2, num_hidden_layers=2, mamba_d_ssm=64, mamba_d_head=16),
+    "granitemoehybrid": dict(_MAMBA2, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                             num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48),
+    "nemotron_h": dict(num_hidden_layers=4, layers_block_type=[LIN, "moe", FULL, "mlp"], ssm_state_size=8,
+                       mamba_num_heads=4, mamba_head_dim=16, n_groups=1, conv_kernel=KERNEL, chunk_size=CHUNK,
+                       n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=16,
+                       moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1),
+    "zamba2": dict(num_hidden_layers=3, mamba_d_state=8, mamba_d_conv=KERNEL, mamba_expand=2, mamba_ngroups=1,
+                   n_mamba_heads=4, chunk_size=CHUNK, attention_head_dim=8, num_key_value_heads=4,
+                   layers_block_type=[LIN, "hybrid", LIN], num_mem_blocks=1),
+    "kimi_linear": dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN], linear_head_dim=8, linear_num_heads=4,
+                        linear_conv_kernel_dim=KERNEL, num_key_value_heads=4, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=None, num_experts=4,
+                        num_local_experts=4, num_experts_per_token=2, moe_intermediate_size=16,
+                        first_k_dense_replace=1),
+    "olmo_hybrid": dict(_GDN, num_hidden_layers=3, layer_types=[LIN, FULL, LIN]),
+    "mamba2": dict(num_hidden_layers=2, num_heads=4, head_dim=16, expand=2, state_size=8, n_groups=1,
+                   conv_kernel=KERNEL, chunk_size=CHUNK),  # no attention at all
+    "lfm2": dict(num_hidden_layers=3, layer_types=["conv", FULL, "conv"], conv_L_cache=KERNEL, conv_bias=False,
+                 block_auto_adjust_ff_dim=False),
+}.items()}
+
 EAGER_ONLY = frozenset({"gemma2", "gpt_oss"})  # their models refuse sdpa
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -66,6 +101,10 @@ def tiny_config(family: str, vocab_size: int, *, window: int | None = None, **ov
     taken = {canon(k, k) for k in overrides}
     kwargs = {k: v for k, v in kwargs.items() if canon(k, k) not in taken}
     kwargs.update(overrides)
+    for key in ("layer_types", "layers_block_type"):  # a hybrid family's layer pattern, cycled to the layer count
+        pattern = kwargs.get(key) if key not in overrides else None
+        if pattern and "num_hidden_layers" in kwargs and len(pattern) != kwargs["num_hidden_layers"]:
+            kwargs[key] = [pattern[i % len(pattern)] for i in range(kwargs["num_hidden_layers"])]
     if family == "deepseek_v3":  # MLA: the rotary part is the head; a K/V head per query head (its code needs both)
         kwargs.update(head_dim=kwargs["qk_rope_head_dim"], num_key_value_heads=kwargs["num_attention_heads"])
     return transformers.AutoConfig.for_model(family, **kwargs)

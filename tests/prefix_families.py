@@ -35,7 +35,12 @@ def tiny_config(family: str, impl: str = "eager", window: bool = True):
 
 def tiny_model(family: str, impl: str = "eager", window: bool = True, seed: int = 0, dtype=torch.float32):
     """A tiny random causal LM of ``family``, in eval mode; biases (zero at init) and routers made to count."""
-    config = tiny_config(family, impl, window)
+    return random_model(tiny_config(family, impl, window), impl, seed, dtype)
+
+
+def random_model(config, impl: str = "eager", seed: int = 0, dtype=torch.float32):
+    """The causal LM of ``config`` with random weights, in eval mode; biases (zero at init), sinks and routers
+    drawn so that they count."""
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

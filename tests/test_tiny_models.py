@@ -36,6 +36,7 @@ def test_model_tiny_overrides_win_and_a_bad_one_is_one_line():
 
 def test_a_hybrid_family_plugs_into_the_table(monkeypatch):
     """An entry of HYBRID_FAMILIES (what the hybrid layers' support adds) is a tiny: family like the others."""
+    monkeypatch.delitem(tiny_models.HYBRID_FAMILIES, "falcon_h1")
     with pytest.raises(ModelError, match="tiny:falcon_h1 is not a known family"):
         check_name("tiny:falcon_h1")
     monkeypatch.setitem(tiny_models.HYBRID_FAMILIES, "falcon_h1", dict(
@@ -53,7 +54,7 @@ def test_an_unknown_family_is_one_line_listing_those_available(tmp_path, monkeyp
     assert "tiny:gpt9 is not a known family; choose one of: " + ", ".join(ATTENTION_FAMILIES) in err
 
 
-@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe", "deepseek_v3", "phi3"])
+@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe", "deepseek_v3", "phi3", "qwen3_5_text"])
 def test_the_smoke_recipe_trains_a_step_of_the_family(cfg_factory, family):
     """``grpo-train recipe=smoke model.name_or_path=tiny:<family>``, in process and scaled down to one step: eager-only
     attention with soft-caps (gemma2), experts (qwen3_moe), latent attention (deepseek_v3), a fused QKV (phi3)."""
