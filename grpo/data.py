@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo.errors import DataError
+from grpo.vision.images import image_row
 
 _FILE_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -166,22 +167,30 @@ def with_system_text(turns: list[dict], text: str) -> list[dict]:
 
 
 def prepare(rows: list[dict], dcfg, tokenizer, tools: list[dict] | None = None,
-            keep_turns: bool = False, system_text: str | None = None) -> tuple[list[dict], int]:
+            keep_turns: bool = False, system_text: str | None = None, image_processor=None) -> tuple[list[dict], int]:
     """Template and tokenize rows; returns (kept rows, number dropped for length). A conversational row
     keeps its messages under ``prompt_messages`` (what conversational rewards receive as the prompt); with
     ``keep_turns`` (multi-turn episodes) every row keeps its turns under ``prompt_turns``. ``system_text``: added
     to every prompt's system turn (`with_system_text`)."""
-    out, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text)
+    out, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text, image_processor)
     return out, len(dropped)
 
 
-def _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text=None) -> tuple[list[dict], list[int]]:
+def _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text=None,
+             image_processor=None) -> tuple[list[dict], list[int]]:
     """`prepare`, with the token length of every dropped prompt."""
     out, dropped = [], []
     for i, row in enumerate(rows):
         if dcfg.prompt_column not in row or row[dcfg.prompt_column] is None or row[dcfg.prompt_column] == "":
             raise DataError(f"data row {i} has no '{dcfg.prompt_column}' value (data.prompt_column); "
                             f"its columns are: {', '.join(map(str, row))}")
+        if row.get(dcfg.image_column):  # a prompt with images (grpo/vision/images.py)
+            prepared = image_row(row, dcfg, tokenizer, image_processor, where=f"data row {i}")
+            if len(prepared["prompt_ids"]) > dcfg.max_prompt_tokens:
+                dropped.append(len(prepared["prompt_ids"]))
+            else:
+                out.append(prepared)
+            continue
         turns, messages = prompt_turns(row, dcfg, where=f"data row {i}")
         if system_text:
             turns = with_system_text(turns, system_text)
@@ -211,15 +220,16 @@ class Splits:
 
 
 def build(dcfg, tokenizer, tools: list[dict] | None = None, keep_turns: bool = False,
-          system_text: str | None = None, sets: list[dict] = ()) -> Splits:
+          system_text: str | None = None, sets: list[dict] = (), image_processor=None) -> Splits:
     """Train and held-out rows, and the named evaluation sets (``sets``: `build_sets`). Built-in tasks draw disjoint
     prompts; files hold out their tail; a training prompt that is in a named set is dropped. ``tools``,
-    ``keep_turns`` and ``system_text``: see `prepare`."""
-    splits = _build(dcfg, tokenizer, tools, keep_turns, system_text)
+    ``keep_turns`` and ``system_text``: see `prepare`; ``image_processor``: the model's, for rows with images
+    (None: a text model, which such rows are refused for)."""
+    splits = _build(dcfg, tokenizer, tools, keep_turns, system_text, image_processor)
     if sets:
-        splits.sets = build_sets(sets, dcfg, tokenizer, tools, keep_turns, system_text)
-        held = {r["prompt"] for rows in splits.sets.values() for r in rows}
-        train = [r for r in splits.train if r["prompt"] not in held]
+        splits.sets = build_sets(sets, dcfg, tokenizer, tools, keep_turns, system_text, image_processor)
+        held = {_prompt_key(r) for rows in splits.sets.values() for r in rows}
+        train = [r for r in splits.train if _prompt_key(r) not in held]
         if not train:
             raise DataError("every training prompt is also in an evaluation set (evaluation.sets); give the sets "
                             "another source, seed or task_kwargs")
@@ -259,22 +269,23 @@ def set_rows(spec: dict, dcfg) -> list[dict]:
 
 
 def build_sets(specs: list[dict], dcfg, tokenizer, tools=None, keep_turns: bool = False,
-               system_text: str | None = None) -> dict[str, list[dict]]:
+               system_text: str | None = None, image_processor=None) -> dict[str, list[dict]]:
     """{name: prepared rows} of evaluation.sets, in order (prompts longer than max_prompt_tokens are dropped)."""
     out = {}
     for spec in specs:
-        rows, _ = _prepare(set_rows(spec, dcfg), set_source(spec, dcfg), tokenizer, tools, keep_turns, system_text)
+        rows, _ = _prepare(set_rows(spec, dcfg), set_source(spec, dcfg), tokenizer, tools, keep_turns, system_text,
+                           image_processor)
         if not rows:
             raise DataError(f"evaluation.sets {spec['name']}: every prompt is longer than max_prompt_tokens")
         out[spec["name"]] = rows
     return out
 
 
-def _build(dcfg, tokenizer, tools, keep_turns, system_text) -> Splits:
+def _build(dcfg, tokenizer, tools, keep_turns, system_text, image_processor) -> Splits:
     rows = load_rows(dcfg)
     if not rows:
         raise DataError(f"data.source={dcfg.source!r} has no rows")
-    rows, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text)
+    rows, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text, image_processor)
     if not rows:
         raise DataError(f"every prompt is longer than data.max_prompt_tokens={dcfg.max_prompt_tokens}: the shortest "
                         f"is {min(dropped)} tokens (as the model sees it, template included); raise "
@@ -283,13 +294,23 @@ def _build(dcfg, tokenizer, tools, keep_turns, system_text) -> Splits:
     if dcfg.source.startswith("builtin:"):
         # generators may repeat a problem; keep held-out prompts out of the training set
         eval_rows = rows[:n_eval]
-        seen = {r["prompt"] for r in eval_rows}
-        train_rows = [r for r in rows[n_eval:] if r["prompt"] not in seen]
+        seen = {_prompt_key(r) for r in eval_rows}
+        train_rows = [r for r in rows[n_eval:] if _prompt_key(r) not in seen]
     else:
         train_rows, eval_rows = rows[: len(rows) - n_eval], rows[len(rows) - n_eval:]
     if not train_rows:
         raise DataError("no training rows left after holding out data.num_eval; lower data.num_eval")
     return Splits(train_rows, eval_rows, len(dropped), note)
+
+
+def _prompt_key(row: dict):
+    """What makes two prompts the same: their text, and their images' pixels when they have images."""
+    pixels = getattr(row["prompt_ids"], "pixel_values", None)
+    if pixels is None:
+        return row["prompt"]
+    import hashlib
+
+    return row["prompt"], hashlib.sha1(pixels.numpy().tobytes()).hexdigest()
 
 
 def _held_out_count(dcfg, n_rows: int) -> tuple[int, str]:

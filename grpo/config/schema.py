@@ -24,8 +24,7 @@ class LoraConfig:
     r: int = 16                      # rank
     alpha: int = 32                  # scaling numerator: the update is scaled by alpha / r
     dropout: float = 0.0             # dropout on the LoRA input
-    # names of the modules that get adapters
-    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # adapted modules
     merge_on_save: bool = True       # final/ holds a merged model (True) or the adapter only (False)
 
 
@@ -48,6 +47,7 @@ class DataConfig:
     load_kwargs: dict = field(default_factory=dict)  # extra datasets.load_dataset arguments
     prompt_column: str = "prompt"    # the column holding the prompt text
     answer_column: str = "answer"    # the reference column; rewards receive it as `answer`
+    image_column: str = "images"     # a row's images (one or a list: PIL, path, bytes); docs/vision-language.md
     system_prompt: Optional[str] = None  # a system message (without a chat template: a first paragraph)
     prompt_template: str = "{prompt}"  # applied before the chat template; any column by name
     chat_template: bool = True       # use the tokenizer's chat template when it has one
