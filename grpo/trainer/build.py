@@ -19,7 +19,7 @@ from grpo.algorithm.policy_loss import get_policy_loss
 from grpo.config.schema import Config, TrainerConfig
 from grpo.engine.head_check import check_head
 from grpo.errors import SetupError
-from grpo.models import check_name, load_model, load_reference, load_tokenizer
+from grpo.models import check_name, load_image_processor, load_model, load_reference, load_tokenizer
 from grpo.rewards.score import RewardFunction
 from grpo.rewards.score import build as build_rewards
 from grpo.rollout import registry
@@ -30,6 +30,7 @@ from grpo.rollout.episodes.wiring import uses_chat
 from grpo.runtime.base import Runtime
 from grpo.sampler import build_sampler
 from grpo.trainer.checkpoint import resolve_resume
+from grpo.trainer.evaluate import check_sets
 from grpo.trainer.logger import interactive
 from grpo.trainer.pipeline import check as check_async
 from grpo.trainer.run import Run
@@ -87,6 +88,7 @@ def preflight(cfg: Config) -> tuple[list[RewardFunction], Toolset | None]:
         raise SetupError(f"reward.functions.{toolset.env_name}: the environment's reward() is logged under that name; "
                          "rename the reward function")
     data.check_source(cfg.data)
+    check_sets(cfg.evaluation.sets, cfg.data, rewards)  # evaluation.sets: each reads, with the columns rewards read
     get_policy_loss(cfg.algorithm.policy_loss)  # a registered name, or a module:function that imports
     check_async(cfg)  # rollout.max_staleness > 0: what the backend does not sample ahead with yet
     return rewards, toolset
@@ -111,7 +113,8 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction], toolset
         fmt = formats.of(toolset) if toolset.protocol == "tools" else None
     splits = data.build(cfg.data, tokenizer, tools=fmt.template_tools(list(toolset.schemas)) if fmt else None,
                         keep_turns=toolset is not None,
-                        system_text=fmt.system_text(list(toolset.schemas)) if fmt else None)
+                        system_text=fmt.system_text(list(toolset.schemas)) if fmt else None, sets=cfg.evaluation.sets,
+                        image_processor=load_image_processor(cfg.model.name_or_path))
     if splits.dropped and runtime.is_main:
         print(f"[grpo] dropped {splits.dropped} prompts longer than data.max_prompt_tokens="
               f"{cfg.data.max_prompt_tokens}; {len(splits.train)} train / {len(splits.eval)} held-out remain",
@@ -137,8 +140,9 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction], toolset
     from grpo.trainer.budget import plan as plan_memory  # sizes `auto`, refuses a prompt + completion that cannot fit
     longest = max((len(row["prompt_ids"]) for split in (splits.train, splits.eval) for row in split),
                   default=cfg.data.max_prompt_tokens)
-    settings = derive(cfg, plan_memory(cfg, splits, runtime), chat=uses_chat(cfg.data, tokenizer),
-                      backend=registry.resolve(cfg.rollout.backend, torch.device(runtime.device).type),
+    backend = registry.resolve(cfg.rollout.backend, torch.device(runtime.device).type)
+    registry.check_images(cfg.rollout.backend, backend, splits.train)
+    settings = derive(cfg, plan_memory(cfg, splits, runtime), chat=uses_chat(cfg.data, tokenizer), backend=backend,
                       longest_prompt=longest)
     progress = runtime.is_main and interactive()
     sampler = build_sampler(settings.sampler, runtime, tokenizer, splits.train, toolset, rewards=rewards,
