@@ -31,12 +31,10 @@ class EvalRun:
     """What `grpo.trainer.evaluate.evaluate` reads of a run, for one saved model."""
     runtime: object
     tokenizer: object
-    rewards: list
     splits: object
     settings: object
     eval_backend: object
-    completion_format: str = "auto"
-    turn_loop: object = None            # multi-turn episodes are refused (`load_config`)
+    sampler: object                     # what scores: the tokenizer, the rewards, the completion format, no turn loop
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -156,8 +154,9 @@ def evaluate_model(cfg: Config, spec: str, rewards: list) -> dict:
         raise SetupError("nothing to evaluate: data.num_eval=0 and no evaluation.sets")
     settings = eval_settings(cfg)
     backend = backend_for(cfg, runtime, tokenizer, splits, settings)
-    run = EvalRun(runtime, tokenizer, rewards, splits, SimpleNamespace(evaluation=settings), backend,
-                  completion_format=cfg.reward.completion_format)
+    scorer = SimpleNamespace(tokenizer=tokenizer, rewards=rewards, completion_format=cfg.reward.completion_format,
+                             turn_loop=None)  # multi-turn episodes are refused (`load_config`)
+    run = EvalRun(runtime, tokenizer, splits, SimpleNamespace(evaluation=settings), backend, scorer)
     try:
         with torch.no_grad():
             return {f"eval/{k}": v for k, v in evaluate(run, spec).items()}

@@ -61,8 +61,8 @@ def evaluate_rows(run: Run, rows: list[dict], label: str, name: str) -> dict:
     stats = score_stats(rt.all_reduce(sums))
     out = {"reward_mean": stats["reward_mean"], "completion_len_mean": stats["completion_len_mean"],
            **(episode_stats or {})}
-    for name in run.sampler.reward_names:
-        out[name] = stats[f"reward/{name}"]
+    for rf in run.sampler.rewards:
+        out[rf.name] = stats[f"reward/{rf.name}"]
     if s.n > 1:
         out.update(_sampled_metrics(run, comps, scores))
     if rt.is_main:
