@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from grpo.runtime.local import WEIGHTS
-from grpo.trainer import checkpoint
+from grpo.trainer import checkpoint, manifest
 from grpo.trainer.run import LoopState
 from tests.trainer import test_checkpoint
 from tests.trainer.test_checkpoint import _cfg, _fake_run, _Log, _names, _save, _with
@@ -29,8 +29,9 @@ def test_a_save_flushes_every_file_and_both_directories_before_the_rename(tmp_pa
 
     checkpoint.save(tmp_path, 3, write)
     tmp, root = tmp_path / "checkpoints" / ".tmp-step_3", tmp_path / "checkpoints"
-    assert sorted(synced) == sorted(str(p) for p in (tmp / checkpoint.MARKER, tmp / "sub" / "x", tmp / "w", tmp,
-                                                     root))  # then renamed: step_3 holds them
+    assert sorted(synced) == sorted(str(p) for p in (tmp / checkpoint.MARKER, tmp / manifest.NAME, tmp / "sub" / "x",
+                                                     tmp / "w", tmp, root))  # then renamed: step_3 holds them
+    assert manifest.read(root / "step_3").keys() == {checkpoint.MARKER, "sub/x", "w"}  # every file but itself
 
 
 def _racing(monkeypatch, names):
@@ -65,21 +66,26 @@ def test_a_stale_copy_of_the_same_step_is_replaced_not_merged(tmp_path):
     stale.mkdir(parents=True)
     (stale / "old").write_text("a save of step 5 that crashed")
     _save(tmp_path, 5)
-    assert sorted(os.listdir(tmp_path / "checkpoints" / "step_5")) == [checkpoint.MARKER, "w"]
+    assert sorted(os.listdir(tmp_path / "checkpoints" / "step_5")) == [checkpoint.MARKER, manifest.NAME, "w"]
 
 
-def test_resume_refuses_a_directory_missing_its_marker_or_its_state(tmp_path):
+def test_resume_refuses_a_directory_missing_its_marker_its_manifest_or_its_state(tmp_path):
+    from grpo.errors import SetupError
+
     p = tmp_path / "ckpt"
     p.mkdir()
     (p / checkpoint.MARKER).write_text("1\n")
-    with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
-        checkpoint.resolve_resume(str(p), tmp_path)  # marked complete, no trainer_state.pt
+    with pytest.raises(SetupError, match="is damaged: MANIFEST.json is missing"):
+        checkpoint.resolve_resume(str(p), tmp_path)  # marked complete, no manifest, no trainer_state.pt
     (p / checkpoint.MARKER).unlink()
-    (p / checkpoint.STATE).write_text("")
+    (p / checkpoint.LEGACY_STATE).write_text("")
     with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
         checkpoint.resolve_resume(str(p), tmp_path)  # a state, never marked complete
     (p / checkpoint.MARKER).write_text("1\n")
-    assert checkpoint.resolve_resume(str(p), tmp_path) == p
+    assert checkpoint.resolve_resume(str(p), tmp_path) == p  # written before manifests: taken as it is
+    (p / "trainer_state.json").write_text("{}")
+    with pytest.raises(SetupError, match="MANIFEST.json is missing"):  # today's format always carries one
+        checkpoint.resolve_resume(str(p), tmp_path)
 
 
 def test_a_single_process_save_keeps_the_configured_number_and_the_in_flight_batches(built, tmp_path):
@@ -110,7 +116,7 @@ def test_restore_resumes_the_newest_step_every_rank_holds(built, tmp_path):
         checkpoint.save_checkpoint(run, LoopState(step=step), cfg)
     rt = run.runtime
     rt.world_size = 2
-    rt.gather = lambda obj: [obj, ("step_2", ["step_2"])]
+    rt.gather = lambda obj: [obj, ("step_2", ["step_2"], None)]
     assert checkpoint.restore(run, _with(cfg, resume="auto")).step == 2
 
 
