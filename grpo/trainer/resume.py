@@ -55,7 +55,7 @@ def damage(ckpt: Path, checksums: bool = True) -> str | None:
     before manifests (a ``trainer_state.pt`` and no manifest) is taken as it is. ``checksums=False``: sizes and
     presence only (no file read)."""
     if not (ckpt / MARKER).is_file():
-        return f"it is not a complete checkpoint (no {MARKER} marker)"
+        return f"{MARKER} is missing: not a complete checkpoint"
     if not (ckpt / manifest.NAME).exists() and (ckpt / LEGACY_STATE).is_file() \
             and not state_files.paths(ckpt, STATE)[0].exists():
         return None
@@ -104,9 +104,9 @@ def choose(resume: str | None, output_dir: str | Path, checksums: bool = True):
             raise SetupError(f"trainer.resume={resume!r}: no checkpoint in this folder verifies (the newest, "
                              f"{skipped[0][0].name}: {skipped[0][1]})")
         return found, skipped
+    if not (p / MARKER).is_file():
+        raise FileNotFoundError(f"trainer.resume={resume!r} is not a complete checkpoint (no {MARKER} marker)")
     why = damage(p, checksums)
-    if why is not None and not (p / MARKER).is_file():
-        raise FileNotFoundError(f"trainer.resume={resume!r} {why}")
     if why is not None:
         raise SetupError(f"trainer.resume={resume!r} is damaged: {why}; resume from another checkpoint "
                          "(trainer.resume=auto takes the newest that verifies)")

@@ -64,6 +64,7 @@ import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
 
+from grpo.trainer import checkpoint  # noqa: E402
 from tests.e2e.test_async import same_numbers, steps  # noqa: E402
 from tests.e2e.test_distributed import ZERO3, launch  # noqa: E402
 from tests.helpers import THEN  # noqa: E402
@@ -115,7 +116,7 @@ def test_zero2_and_zero3_on_two_processes_with_a_generator_per_rank(tmp_path):
     assert [first[t]["async/version"] for t in (1, 2, 3)] == [0, 0, 1]
     assert first[1]["rollout_is/logp_diff_abs_max"] == 0.0 and first[3]["rollout_is/logp_diff_abs_max"] > 0
     same_numbers(first, steps(b))
-    held = [torch.load(a / "checkpoints" / "step_2" / f"rank_{r}.pt", weights_only=False)["in_flight"] for r in (0, 1)]
+    held = [checkpoint.load_state(a / "checkpoints" / "step_2", f"rank_{r}")["in_flight"] for r in (0, 1)]
     assert [{s: g.version for s, g in h["batches"].items()} for h in held] == [{3: 1}, {3: 1}]
     assert held[0]["batches"][3].batch.rows != held[1]["batches"][3].batch.rows  # each rank's own batch
     assert f"resumed from {c / 'checkpoints' / 'step_2'} (step 2)" in p.stderr
