@@ -362,8 +362,8 @@ def validate(cfg: Config) -> Config:
     check_distributed(cfg)
     check_tools(cfg)
     check_server(cfg)
-    if cfg.trainer.resume not in (None, "auto", "") and not isinstance(cfg.trainer.resume, str):
-        raise ConfigError("trainer.resume must be null, 'auto' or a checkpoint path")
+    if cfg.trainer.resume in ("disable", "resume_path"):  # verl's trainer.resume_mode values
+        raise ConfigError(f"trainer.resume={cfg.trainer.resume} is verl's; ours: null (a fresh run), auto or a path")
     return cfg
 
 
