@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -142,7 +143,31 @@ def load_legacy(path: Path):
         with torch.serialization.safe_globals(_allowed()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ... for these
-        first = str(e).strip().splitlines()
-        why = next((line.strip() for line in first if "Unsupported global" in line), first[0] if first else repr(e))
-        raise SetupError(f"refusing {path}: it cannot be read without running code from it or it is damaged "
-                         f"({why[:200]}); resume from another checkpoint or start a new trainer.output_dir") from None
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        named = found.group(1) if found else _global_in(path)
+        lines = [line.strip() for line in str(e).splitlines() if line.strip() and not line.startswith(_BOILERPLATE)]
+        why = f"its pickle names {named}, which would run code" if named else \
+            (lines[0] if lines else type(e).__name__)[:200]
+        raise SetupError(f"refusing {path}: {why} (a checkpoint is read without running code from it); resume from "
+                         "another checkpoint or start a new trainer.output_dir") from None
+
+
+_BOILERPLATE = ("Weights only load failed", "Check the documentation", "Please file an issue")
+
+
+def _global_in(path: Path) -> str | None:
+    """The first global a plain (not torch.save) pickle names, read without unpickling."""
+    import pickletools
+
+    strings: list[str] = []
+    try:
+        for op, arg, _ in pickletools.genops(path.read_bytes()):
+            if op.name == "GLOBAL":
+                return str(arg).replace(" ", ".")
+            if op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                return f"{strings[-2]}.{strings[-1]}"
+            if isinstance(arg, str):
+                strings.append(arg)
+    except Exception:  # noqa: BLE001 - not a pickle, or a damaged one: nothing to name
+        return None
+    return None

@@ -1,0 +1,139 @@
+"""grpo/trainer/state_files.py: the trainer's state as safetensors + JSON, back exactly (every kind of value a
+checkpoint holds: tensors, a tensor held twice, tuples, int-keyed optimizer state, numpy's RNG state and scalars,
+a `Batch`, an in-flight `Generated`); reading runs no code. Earlier checkpoints' pickles: the restricted unpickler
+reads the pre-redesign fixture and refuses a pickle that would run code."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from grpo.batch import Batch
+from grpo.errors import SetupError
+from grpo.rollout.generator import Generated
+from grpo.trainer import state_files
+from tests.helpers import ROOT
+
+
+def _batch():
+    return Batch(rows=[{"prompt": "p", "answer": "1", "meta": {"k": [1, 2]}}], prompt_ids=[[1, 2]],
+                 completion_ids=[[[3], [4, 5]]], truncated=[[False, True]], rewards=torch.tensor([0.5, -1.0]),
+                 advantages=torch.tensor([1.0, -1.0]), old_logps=[[torch.tensor([-0.1]), torch.tensor([-0.2, -0.3])]],
+                 stats={"reward_mean": 0.25, "nan": float("nan")}, versions=[3])
+
+
+def _state():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.zeros(2, 2))])
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = torch.ones_like(p)
+    opt.step()
+    shared = torch.arange(4.0)
+    random.seed(3)
+    np.random.seed(4)
+    return {"step": 7, "optimizer": opt.state_dict(), "rng": {"python": random.getstate(),
+            "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            "buffer": _batch(), "in_flight": {"lag": 1, "batches": {8: Generated(8, 7, _batch(), {"epoch": 0})}},
+            "twice": [shared, shared], "bf16": torch.ones(2, dtype=torch.bfloat16), "flag": torch.tensor([True]),
+            "np_scalar": np.float32(1.5), "empty": torch.zeros(0), "size": torch.Size([2, 3]), "none": None}
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, float) and a != a:
+        assert b != b
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) or isinstance(a, torch.Size) and type(b) is tuple
+        assert len(a) == len(b) and all(_same(x, y) is None for x, y in zip(a, b))
+    elif isinstance(a, dict):
+        assert list(a) == list(b) and all(_same(a[k], b[k]) is None for k in a)
+    elif isinstance(a, (Batch, Generated)):
+        assert type(a) is type(b) and _same(vars(a), vars(b)) is None
+    else:
+        assert type(a) is type(b) and a == b
+
+
+def test_every_kind_of_state_comes_back_exactly(tmp_path):
+    state = _state()
+    state_files.save(tmp_path, "s", state)
+    back = state_files.load(tmp_path, "s")
+    _same(state, back)
+    assert back["twice"][0] is back["twice"][1]  # held twice, stored once
+    assert isinstance(back["optimizer"]["state"], dict) and sorted(back["optimizer"]["state"]) == [0, 1]
+    random.setstate(back["rng"]["python"])  # the RNG states are usable as they come back
+    np.random.set_state(back["rng"]["numpy"])
+    random.seed(3), np.random.seed(4)
+    expected = (random.random(), np.random.rand())
+    random.setstate(state["rng"]["python"]), np.random.set_state(state["rng"]["numpy"])
+    assert (random.random(), np.random.rand()) == expected
+    tree = json.loads((tmp_path / "s.json").read_text())  # plain data: the JSON holds no tensor's values
+    assert tree["twice"] == [{"__tensor__": "0"}, {"__tensor__": "0"}] or tree["twice"][0] == tree["twice"][1]
+
+
+def test_a_dict_whose_keys_look_like_tags_and_tuple_keys_round_trip(tmp_path):
+    state = {"__tensor__": "not a tensor", "nested": {(1, 2): "tuple key", 3: "int key"}}
+    state_files.save(tmp_path, "s", state)
+    assert state_files.load(tmp_path, "s") == state
+
+
+def test_a_value_it_cannot_store_is_named(tmp_path):
+    with pytest.raises(TypeError, match="cannot hold a object"):
+        state_files.save(tmp_path, "s", {"x": object()})
+
+
+def test_the_pre_redesign_checkpoints_pickle_is_read_without_running_code():
+    state = state_files.load_legacy(ROOT / "tests" / "fixtures" / "pre_redesign_checkpoint" / "step_1" /
+                                    "trainer_state.pt")
+    assert isinstance(state["buffer"], Batch) and state["step"] == 1
+    assert isinstance(state["rng"]["numpy"][1], np.ndarray)
+
+
+class _Payload:
+    """What a malicious pickle does: unpickling calls os.system."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path, how):
+    marker = tmp_path / "ran"
+    path = tmp_path / "trainer_state.pt"
+    payload = {"step": 1, "optimizer": _Payload(marker)}
+    if how == "torch.save":
+        torch.save(payload, path)
+    else:
+        path.write_bytes(pickle.dumps(payload))
+    with pytest.raises(SetupError, match=r"refusing .*trainer_state.pt: its pickle names posix.system, which would run "
+                       "code") as e:
+        state_files.load_legacy(path)
+    assert "\n" not in str(e.value)
+    assert not marker.exists()  # nothing ran
+
+
+def test_a_damaged_legacy_pickle_is_one_line(tmp_path):
+    path = tmp_path / "trainer_state.pt"
+    torch.save({"step": 1}, path)
+    path.write_bytes(path.read_bytes()[:20])
+    with pytest.raises(SetupError, match=r"refusing .*trainer_state.pt: .*; resume from another checkpoint"):
+        state_files.load_legacy(path)
+
+
+def test_load_state_notes_an_old_checkpoint_once(tmp_path, capsys):
+    torch.save({"step": 2}, tmp_path / "trainer_state.pt")
+    assert state_files.load_state(tmp_path, "trainer_state")["step"] == 2
+    assert state_files.load_state(tmp_path, "trainer_state")["step"] == 2
+    assert capsys.readouterr().err.count("was written before checkpoints carried a manifest") == 1
+    state_files.save(tmp_path, "trainer_state", {"step": 3})  # the new format wins over the old file
+    assert state_files.load_state(tmp_path, "trainer_state")["step"] == 3
