@@ -143,3 +143,38 @@ def test_a_damaged_final_model_is_kept_aside_and_saved_again(runs, tmp_path, cap
     assert out_.get("final_saved") and "final/ is damaged (model.safetensors" in capsys.readouterr().err
     assert manifest.problem(out / "final") is None and (out / "damaged-final").is_dir()
     assert (out / "final" / "model.safetensors").read_bytes() == (full / "final" / "model.safetensors").read_bytes()
+
+
+def _resume_block() -> list[list[str]]:
+    import re
+    import shlex
+
+    from tests.helpers import ROOT
+
+    text = (ROOT / "docs" / "reliability.md").read_text().split("## Resume", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    return [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
+
+
+def test_the_resume_commands_of_the_docs_do_what_they_say(tmp_path, monkeypatch, capsys):
+    """docs/reliability.md's three resume commands, in that order (the smoke recipe is already small; no held-out
+    evaluation): step_1 and step_2 written; step 2 trained again from step 1 with the same numbers; the folder's
+    newest checkpoint, step 2, continued to step 3."""
+    import sys
+
+    from grpo import train as cli
+
+    commands = _resume_block()
+    assert [c[0] for c in commands] == ["grpo-train"] * 3
+    monkeypatch.chdir(tmp_path)
+    for words in commands:
+        monkeypatch.setattr(sys, "argv", [*words, "data.num_eval=0"])
+        try:
+            cli.main()
+        except SystemExit as e:
+            assert e.code in (0, None), capsys.readouterr().err[-2000:]
+    a, b, c = (tmp_path / "runs" / x for x in "abc")
+    assert [p.name for p in checkpoint.complete_checkpoints(a)] == ["step_1", "step_2"]
+    assert sorted(steps(b)) == [2] and sorted(steps(c)) == [3]
+    assert_same_run({2: steps(a)[2]}, steps(b))
+    assert f"resumed from {Path('runs/a/checkpoints/step_2')} (step 2)" in capsys.readouterr().err
