@@ -126,3 +126,21 @@ def test_a_resume_reports_a_changed_warmup_and_schedule(built, tmp_path, capsys)
     checkpoint.save_checkpoint(run, LoopState(step=1), cfg)
     checkpoint.restore(run, _with(cfg, resume="auto", warmup_steps=2, lr_schedule="constant"))
     assert "trainer.warmup_steps 4 -> 2, trainer.lr_schedule cosine -> constant" in capsys.readouterr().err
+
+
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused_by_the_restore(built, tmp_path):
+    """A checkpoint in the earlier format (no manifest, a trainer_state.pt) that someone crafted: refused in one
+    line naming what it would run; nothing ran."""
+    import torch
+
+    from grpo.errors import SetupError
+    from tests.trainer.test_state_files import _Payload
+
+    run, cfg = built
+    ckpt = tmp_path / "theirs" / "step_1"
+    ckpt.mkdir(parents=True)
+    (ckpt / checkpoint.MARKER).write_text("1\n")
+    torch.save({"step": 1, "optimizer": _Payload(tmp_path / "ran")}, ckpt / checkpoint.LEGACY_STATE)
+    with pytest.raises(SetupError, match=r"refusing .*trainer_state.pt: its pickle names posix.system"):
+        checkpoint.restore(run, _with(cfg, resume=str(ckpt)))
+    assert not (tmp_path / "ran").exists()
