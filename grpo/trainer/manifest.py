@@ -51,7 +51,10 @@ def read(directory: Path) -> dict:
     if not path.is_file():
         raise ValueError(f"{NAME} is missing")
     try:
-        files = json.loads(path.read_text())["files"]
+        text = path.read_text()
+        if not text.endswith("}\n"):  # written whole it ends so: a cut anywhere (the last byte too) is found
+            raise ValueError
+        files = json.loads(text)["files"]
         if not isinstance(files, dict) or not all(isinstance(v, dict) and {"size", "crc32"} <= v.keys()
                                                   for v in files.values()):
             raise ValueError

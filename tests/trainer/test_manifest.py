@@ -51,12 +51,15 @@ def test_each_difference_is_named(tree):
 
 @pytest.mark.parametrize("text,why", [("", "MANIFEST.json is unreadable (0 bytes)"),
                                       ('{"files": {"a": {"size": 1', "MANIFEST.json is unreadable (26 bytes)"),
-                                      ('{"files": {"a": {"size": 1}}}', "MANIFEST.json is unreadable (29 bytes)"),
-                                      ('{"files": [1]}', "MANIFEST.json is unreadable (14 bytes)"),
-                                      ('[]', "MANIFEST.json is unreadable (2 bytes)")])
+                                      ('{"files": {"a": {"size": 1}}}\n', "MANIFEST.json is unreadable (30 bytes)"),
+                                      ('{"files": [1]}\n', "MANIFEST.json is unreadable (15 bytes)"),
+                                      ('[]\n', "MANIFEST.json is unreadable (3 bytes)"),
+                                      ('{"files": {}}', "MANIFEST.json is unreadable (13 bytes)")])  # cut: no newline
 def test_an_unreadable_manifest_is_named(tree, text, why):
     (tree / manifest.NAME).write_text(text)
     assert manifest.problem(tree) == why
+    (tree / manifest.NAME).write_text('{"files": {}}\n')
+    assert manifest.problem(tree) is None  # whole: it lists nothing to check
 
 
 def test_a_missing_manifest_is_named_and_the_command_line_says_it(tree, capsys):
