@@ -144,3 +144,35 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused_by_the_restore(buil
     with pytest.raises(SetupError, match=r"refusing .*trainer_state.pt: its pickle names posix.system"):
         checkpoint.restore(run, _with(cfg, resume=str(ckpt)))
     assert not (tmp_path / "ran").exists()
+
+
+def test_with_many_processes_the_step_resumed_verifies_on_every_rank_that_checked_it(built, tmp_path, capsys):
+    """Rank 0 owns the directory and finds step_4's weights changed (same size: only the checksum tells); rank 1,
+    which checks sizes only, sees step_4 whole: every rank resumes step_2, and rank 0 keeps step_4 aside."""
+    run, cfg = built
+    cfg = _with(cfg, output_dir=str(tmp_path))
+    for step in (2, 4):
+        checkpoint.save_checkpoint(run, LoopState(step=step), cfg)
+    weights = tmp_path / "checkpoints" / "step_4" / WEIGHTS
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    rt = run.runtime
+    rt.world_size = 2
+    rt.gather = lambda obj: [obj, ("step_4", ["step_2", "step_4"], None)]
+    assert checkpoint.restore(run, _with(cfg, resume="auto")).step == 2
+    assert "checkpoint step_4 is damaged (trainable.safetensors does not match its checksum" in capsys.readouterr().err
+    assert (tmp_path / "checkpoints" / "damaged-step_4" / WEIGHTS).read_bytes() == bytes(data)
+
+
+def test_with_many_processes_a_damaged_explicit_checkpoint_on_one_rank_stops_every_rank(built, tmp_path):
+    from grpo.errors import SetupError
+
+    run, cfg = built
+    cfg = _with(cfg, output_dir=str(tmp_path))
+    path = checkpoint.save_checkpoint(run, LoopState(step=2), cfg)
+    rt = run.runtime
+    rt.world_size = 2
+    rt.gather = lambda obj: [obj, ("step_2", ["step_2"], "on the other node: trainer_state.json is missing")]
+    with pytest.raises(SetupError, match="^on the other node: trainer_state.json is missing$"):
+        checkpoint.restore(run, _with(cfg, resume=str(path)))  # this rank's copy verifies: the other's stops it too
