@@ -80,7 +80,7 @@ def encode(obj, tensors: dict, seen: dict):
     if isinstance(obj, torch.Tensor):
         if id(obj) not in seen:
             seen[id(obj)] = key = str(len(tensors))
-            tensors[key] = obj.detach().to("cpu", copy=True).contiguous()  # a copy: no two share memory
+            tensors[key] = _own(obj.detach().cpu(), seen)
         return {"__tensor__": seen[id(obj)]}
     if isinstance(obj, np.ndarray):
         return {"__ndarray__": obj.tolist(), "dtype": obj.dtype.str}
@@ -100,6 +100,17 @@ def encode(obj, tensors: dict, seen: dict):
                                               for f in dataclasses.fields(obj)}}
     raise TypeError(f"a checkpoint cannot hold a {type(obj).__qualname__} (add it to state_files.RECORDS if it is "
                     "a dataclass of plain fields)")
+
+
+def _own(t: torch.Tensor, seen: dict) -> torch.Tensor:
+    """``t`` itself when it is the whole of a memory no other stored tensor uses (safetensors stores no two views of
+    one memory), else a copy of it: no copy of the optimizer's moments."""
+    storage = ("storage", t.untyped_storage().data_ptr())
+    if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size() \
+            or storage in seen or not t.numel():
+        return t.clone(memory_format=torch.contiguous_format)
+    seen[storage] = True
+    return t
 
 
 def decode(tree, tensors: dict):

@@ -78,6 +78,18 @@ def test_every_kind_of_state_comes_back_exactly(tmp_path):
     assert tree["twice"] == [{"__tensor__": "0"}, {"__tensor__": "0"}] or tree["twice"][0] == tree["twice"][1]
 
 
+def test_views_of_one_memory_are_stored_apart_and_a_whole_tensor_is_not_copied(tmp_path):
+    base = torch.arange(12.0)
+    state = {"whole": base, "view": base.view(3, 4), "slice": base[2:5], "strided": base[::3], "t": base.view(3, 4).t()}
+    tensors = {}
+    tree = state_files.encode(state, tensors, {})
+    assert tensors[tree["whole"]["__tensor__"]].data_ptr() == base.data_ptr()  # the optimizer's moments: no copy
+    assert tensors[tree["view"]["__tensor__"]].data_ptr() != base.data_ptr()  # a second view of it: a copy
+    state_files.save(tmp_path, "s", state)
+    back = state_files.load(tmp_path, "s")
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
 def test_a_dict_whose_keys_look_like_tags_and_tuple_keys_round_trip(tmp_path):
     state = {"__tensor__": "not a tensor", "nested": {(1, 2): "tuple key", 3: "int key"}}
     state_files.save(tmp_path, "s", state)
