@@ -191,9 +191,9 @@ def save_checkpoint(run: Run, state: LoopState, cfg: Config) -> Path:
 
 def restore(run: Run, cfg: Config) -> LoopState:
     """Load the checkpoint named by trainer.resume into the run's objects; returns the loop's state to continue
-    from (a fresh `LoopState`, step 0, when there is nothing to resume). Nothing in the directory is changed here:
-    a resume that then trains abandons what came after its checkpoint (`abandon_after`), one that has nothing to
-    do leaves everything as it was."""
+    from (a fresh `LoopState`, step 0, when there is nothing to resume). Nothing in the directory is changed here
+    but the damaged checkpoints the resume passed over, moved aside (`set_aside`): a resume that then trains
+    abandons what came after its checkpoint (`abandon_after`), one that has nothing to do leaves the rest as it was."""
     rt = run.runtime
     ckpt, skipped, existing = _decide(run, cfg)
     if ckpt is None:
