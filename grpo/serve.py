@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     dry = "--print" in ours
     overrides = [a for a in ours if a != "--print"]
     try:
-        from grpo.config.cli import check_argv
+        from grpo.cli import check_argv
         from grpo.config.compose import compose
         from grpo.config.schema import load
         from grpo.models import cache_dir

@@ -187,7 +187,7 @@ def test_recipe_names_are_looked_up_in_the_search_path_then_the_built_ins(monkey
 
 
 def test_a_recipe_not_found_names_every_folder_searched(monkeypatch, tmp_path):
-    from grpo.config.cli import check_argv
+    from grpo.cli import check_argv
     from grpo.errors import ConfigError
 
     monkeypatch.setenv("GRPO_RECIPE_PATH", str(tmp_path / "mine"))

@@ -1,11 +1,11 @@
-"""The command line before Hydra (grpo/config/cli.py) and the run directory around it (grpo/train.py): checks that
+"""The command line before Hydra (grpo/cli.py) and the run directory around it (grpo/train.py): checks that
 need no model run before one loads, `--cfg job` is checked as a run is, sweeps and paths land where the docs say."""
 import os
 import sys
 
 import pytest
 
-from grpo.config.cli import prepare_argv
+from grpo.cli import prepare_argv
 from grpo.rollout import backends as rollout_backends
 from tests.helpers import compose_recipe
 
