@@ -124,7 +124,7 @@ def decode(tree, tensors: dict):
     if "__tuple__" in tree:
         return tuple(decode(v, tensors) for v in tree["__tuple__"])
     if "__items__" in tree:
-        return {_key(decode(k, tensors)): decode(v, tensors) for k, v in tree["__items__"]}
+        return {decode(k, tensors): decode(v, tensors) for k, v in tree["__items__"]}
     if "__ndarray__" in tree:
         return np.array(tree["__ndarray__"], dtype=np.dtype(tree["dtype"]))
     if "__np__" in tree:
@@ -132,10 +132,6 @@ def decode(tree, tensors: dict):
     if "__record__" in tree:
         return RECORDS[tree["__record__"]](**{k: decode(v, tensors) for k, v in tree["fields"].items()})
     return {k: decode(v, tensors) for k, v in tree.items()}
-
-
-def _key(k):
-    return k if not isinstance(k, list) else tuple(k)  # a dict key is hashable
 
 
 # ---------------------------------------------------------------------------------- before this format
@@ -167,14 +163,13 @@ _BOILERPLATE = ("Weights only load failed", "Check the documentation", "Please f
 
 
 def _global_in(path: Path) -> str | None:
-    """The first global a plain (not torch.save) pickle names, read without unpickling."""
+    """The first global a plain pickle of protocol 4 or 5 names (STACK_GLOBAL, which torch's restricted unpickler
+    refuses without naming it; it names the GLOBAL of earlier protocols itself), read without unpickling."""
     import pickletools
 
     strings: list[str] = []
     try:
         for op, arg, _ in pickletools.genops(path.read_bytes()):
-            if op.name == "GLOBAL":
-                return str(arg).replace(" ", ".")
             if op.name == "STACK_GLOBAL" and len(strings) >= 2:
                 return f"{strings[-2]}.{strings[-1]}"
             if isinstance(arg, str):

@@ -72,3 +72,13 @@ def test_a_missing_manifest_is_named_and_the_command_line_says_it(tree, capsys):
 def test_the_manifest_is_plain_json_with_a_trailing_newline(tree):
     text = (tree / manifest.NAME).read_text()
     assert text.endswith("\n") and json.loads(text)["files"]["sub/b.txt"]["size"] == 1
+
+
+def test_the_command_line_reads_its_arguments_and_fails_when_any_directory_does(tree, tmp_path, monkeypatch, capsys):
+    good = tmp_path / "good"
+    good.mkdir()
+    manifest.write(good)
+    monkeypatch.setattr("sys.argv", ["manifest", str(tree), str(good)])
+    (tree / "a.bin").write_bytes(b"")
+    assert manifest.main() == 1  # the first bad, the last good: still a failure
+    assert capsys.readouterr().out.splitlines() == [f"{tree}: a.bin has 0 bytes, the manifest says 3000", f"{good}: ok"]

@@ -116,3 +116,16 @@ def test_set_aside_keeps_each_damaged_checkpoint_under_a_new_name_and_says_so(tm
     assert (root / "damaged-3-step_3" / "w").read_text() == "w of 3"
     resume.set_aside([(_ckpt(tmp_path, 4), "x")], root / "step_2", say=False)
     assert capsys.readouterr().err == "" and (root / "damaged-step_4").is_dir()
+
+
+def test_only_a_verifying_resume_reads_the_files_and_latest_of_nothing_is_none(tmp_path):
+    assert resume.latest(tmp_path) is None
+    for step in (1, 2):
+        _ckpt(tmp_path, step)
+    (resume.checkpoints_dir(tmp_path) / "step_2" / "w").write_text("w of 3")  # same size: only the checksum tells
+    for where in ("auto", str(resume.checkpoints_dir(tmp_path))):
+        assert resume.choose(where, tmp_path)[0].name == "step_1"  # checked by default
+        assert resume.choose(where, tmp_path, checksums=True)[0].name == "step_1"
+        assert resume.choose(where, tmp_path, checksums=False) == (resume.checkpoints_dir(tmp_path) / "step_2", [])
+    assert resume.newest_intact(resume.checkpoints_dir(tmp_path))[0].name == "step_1"
+    assert resume.newest_intact(resume.checkpoints_dir(tmp_path), checksums=False)[0].name == "step_2"

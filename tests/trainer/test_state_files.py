@@ -40,7 +40,8 @@ def _state():
             "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
             "buffer": _batch(), "in_flight": {"lag": 1, "batches": {8: Generated(8, 7, _batch(), {"epoch": 0})}},
             "twice": [shared, shared], "bf16": torch.ones(2, dtype=torch.bfloat16), "flag": torch.tensor([True]),
-            "np_scalar": np.float32(1.5), "empty": torch.zeros(0), "size": torch.Size([2, 3]), "none": None}
+            "np_scalar": np.float32(1.5), "empty": torch.zeros(0), "size": torch.Size([2, 3]), "none": None,
+            "pair": ("a", torch.ones(2)), "by_index": {0: torch.zeros(1), 1: (torch.ones(1),)}}
 
 
 def _same(a, b):
@@ -88,6 +89,14 @@ def test_views_of_one_memory_are_stored_apart_and_a_whole_tensor_is_not_copied(t
     state_files.save(tmp_path, "s", state)
     back = state_files.load(tmp_path, "s")
     assert all(torch.equal(back[k], v) for k, v in state.items())
+    other, transposed = torch.ones(3), torch.arange(6.0).view(2, 3).t()  # whole memories of their own
+    tensors = {}
+    more = torch.zeros(2)
+    tree = state_files.encode({"t": transposed, "a": other, "b": more}, tensors, {})
+    assert tensors[tree["a"]["__tensor__"]].data_ptr() == other.data_ptr()  # a second whole tensor: no copy either
+    assert tensors[tree["b"]["__tensor__"]].data_ptr() == more.data_ptr()
+    state_files.save(tmp_path, "t", {"t": transposed})  # not contiguous: stored as a contiguous copy
+    assert torch.equal(state_files.load(tmp_path, "t")["t"], transposed)
 
 
 def test_a_dict_whose_keys_look_like_tags_and_tuple_keys_round_trip(tmp_path):
@@ -118,15 +127,17 @@ class _Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+@pytest.mark.parametrize("how", ["pickle", "pickle-2", "alone", "torch.save"])
 def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path, how):
+    """A plain pickle (protocol 4: STACK_GLOBAL; protocol 2: GLOBAL; the payload alone) or torch.save's."""
     marker = tmp_path / "ran"
     path = tmp_path / "trainer_state.pt"
     payload = {"step": 1, "optimizer": _Payload(marker)}
     if how == "torch.save":
         torch.save(payload, path)
     else:
-        path.write_bytes(pickle.dumps(payload))
+        path.write_bytes(pickle.dumps(_Payload(marker) if how == "alone" else payload, protocol=2 if how == "pickle-2"
+                                      else 4))
     with pytest.raises(SetupError, match=r"refusing .*trainer_state.pt: its pickle names posix.system, which would run "
                        "code") as e:
         state_files.load_legacy(path)
@@ -138,14 +149,21 @@ def test_a_damaged_legacy_pickle_is_one_line(tmp_path):
     path = tmp_path / "trainer_state.pt"
     torch.save({"step": 1}, path)
     path.write_bytes(path.read_bytes()[:20])
-    with pytest.raises(SetupError, match=r"refusing .*trainer_state.pt: .*; resume from another checkpoint"):
+    with pytest.raises(SetupError) as e:
         state_files.load_legacy(path)
+    message = str(e.value)  # torch's first line that says something (at most 200 characters of it)
+    assert message.startswith(f"refusing {path}: PytorchStreamReader failed reading zip archive: not a ZIP archive")
+    assert message.endswith(" (a checkpoint is read without running code from it); resume from another checkpoint or "
+                            "start a new trainer.output_dir")
+    assert len(message) == len(f"refusing {path}: ") + 200 + len(message.split(" (a checkpoint is read")[1]) + 22
 
 
 def test_load_state_notes_an_old_checkpoint_once(tmp_path, capsys):
     torch.save({"step": 2}, tmp_path / "trainer_state.pt")
     assert state_files.load_state(tmp_path, "trainer_state")["step"] == 2
     assert state_files.load_state(tmp_path, "trainer_state")["step"] == 2
-    assert capsys.readouterr().err.count("was written before checkpoints carried a manifest") == 1
+    assert capsys.readouterr().err == (f"[grpo] {tmp_path} was written before checkpoints carried a manifest and "
+                                       "plain-data state: it is not verified, and its pickle is read without running "
+                                       "code; the next checkpoints use the new format\n")
     state_files.save(tmp_path, "trainer_state", {"step": 3})  # the new format wins over the old file
     assert state_files.load_state(tmp_path, "trainer_state")["step"] == 3
