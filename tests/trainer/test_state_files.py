@@ -167,3 +167,18 @@ def test_load_state_notes_an_old_checkpoint_once(tmp_path, capsys):
                                        "code; the next checkpoints use the new format\n")
     state_files.save(tmp_path, "trainer_state", {"step": 3})  # the new format wins over the old file
     assert state_files.load_state(tmp_path, "trainer_state")["step"] == 3
+
+
+def test_a_plain_pickle_naming_nothing_is_refused_with_torchs_reason_not_its_boilerplate(tmp_path):
+    path = tmp_path / "trainer_state.pt"
+    path.write_bytes(pickle.dumps({"step": 1}, protocol=4))  # torch's restricted unpickler reads no protocol-4 frame
+    with pytest.raises(SetupError) as e:
+        state_files.load_legacy(path)
+    assert str(e.value).startswith(f"refusing {path}: Unsupported operand 149 (a checkpoint is read without running")
+
+
+def test_todays_state_cut_short_is_one_line_even_where_nobody_verified_it(tmp_path):
+    state_files.save(tmp_path, "trainer_state", {"step": 3})
+    (tmp_path / "trainer_state.safetensors").unlink()
+    with pytest.raises(SetupError, match=r"^checkpoint .*: trainer_state cannot be read \("):
+        state_files.load_state(tmp_path, "trainer_state")
