@@ -182,3 +182,15 @@ def test_todays_state_cut_short_is_one_line_even_where_nobody_verified_it(tmp_pa
     (tmp_path / "trainer_state.safetensors").unlink()
     with pytest.raises(SetupError, match=r"^checkpoint .*: trainer_state cannot be read \("):
         state_files.load_state(tmp_path, "trainer_state")
+
+
+def test_a_load_that_fails_without_a_word_is_named_by_its_error(tmp_path, monkeypatch):
+    path = tmp_path / "trainer_state.pt"
+    path.write_bytes(b"\x80")
+
+    def silent(*args, **kwargs):
+        raise EOFError()
+
+    monkeypatch.setattr(torch, "load", silent)
+    with pytest.raises(SetupError, match=r"refusing .*trainer_state.pt: EOFError \(a checkpoint is read without"):
+        state_files.load_legacy(path)
