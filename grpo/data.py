@@ -6,6 +6,7 @@ are dropped and counted, never truncated silently.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,12 +231,70 @@ class Splits:
     eval: list[dict]
     dropped: int = 0
     note: str = ""  # one line for the console: fewer held-out prompts than data.num_eval asked for, and why
+    sets: dict[str, list[dict]] = field(default_factory=dict)  # evaluation.sets by name (`build_sets`)
 
 
 def build(dcfg, tokenizer, tools: list[dict] | None = None, keep_turns: bool = False,
-          system_text: str | None = None) -> Splits:
-    """Train and held-out rows. Built-in tasks draw disjoint prompts; files hold out their tail. ``tools``,
+          system_text: str | None = None, sets: list[dict] = ()) -> Splits:
+    """Train and held-out rows, and the named evaluation sets (``sets``: `build_sets`). Built-in tasks draw disjoint
+    prompts; files hold out their tail; a training prompt that is in a named set is dropped. ``tools``,
     ``keep_turns`` and ``system_text``: see `prepare`."""
+    splits = _build(dcfg, tokenizer, tools, keep_turns, system_text)
+    if sets:
+        splits.sets = build_sets(sets, dcfg, tokenizer, tools, keep_turns, system_text)
+        held = {r["prompt"] for rows in splits.sets.values() for r in rows}
+        train = [r for r in splits.train if r["prompt"] not in held]
+        if not train:
+            raise DataError("every training prompt is also in an evaluation set (evaluation.sets); give the sets "
+                            "another source, seed or task_kwargs")
+        if len(train) < len(splits.train):
+            splits.note = "; ".join(filter(None, [splits.note, f"{len(splits.train) - len(train)} training prompts "
+                                                  "that are in an evaluation set were dropped"]))
+        splits.train = train
+    return splits
+
+
+def set_source(spec: dict, dcfg):
+    """The data section a named evaluation set (``spec``: one of evaluation.sets) reads: its source keys are its own
+    (the `DataConfig` defaults where it gives none), the rendering keys (template, system prompt, chat template,
+    prompt length) the data's unless it gives them."""
+    own = {k: v for k, v in spec.items() if k not in ("name", "num")}
+    source_keys = ("split", "load_kwargs", "task_kwargs", "prompt_column", "answer_column")
+    base = dataclasses.replace(dcfg, **{k: getattr(type(dcfg)(), k) for k in source_keys})
+    return dataclasses.replace(base, **own)
+
+
+def set_rows(spec: dict, dcfg) -> list[dict]:
+    """A named set's raw rows: a built-in task's first ``num`` prompts (100 by default), a file's or a hub split's
+    first ``num`` rows (every row by default)."""
+    scfg = set_source(spec, dcfg)
+    num = spec.get("num")
+    where = f"evaluation.sets {spec['name']}"
+    try:
+        rows = load_rows(scfg, n=num or 100) if scfg.source.startswith("builtin:") else load_rows(scfg)[:num]
+    except DataError as e:
+        raise DataError(f"{where}: {e}") from None
+    if not rows:
+        raise DataError(f"{where}: source {scfg.source!r} has no rows")
+    if scfg.prompt_column not in rows[0]:
+        raise DataError(f"{where}: no column {scfg.prompt_column!r} (prompt_column); its columns are: "
+                        f"{', '.join(map(str, rows[0]))}")
+    return rows
+
+
+def build_sets(specs: list[dict], dcfg, tokenizer, tools=None, keep_turns: bool = False,
+               system_text: str | None = None) -> dict[str, list[dict]]:
+    """{name: prepared rows} of evaluation.sets, in order (prompts longer than max_prompt_tokens are dropped)."""
+    out = {}
+    for spec in specs:
+        rows, _ = _prepare(set_rows(spec, dcfg), set_source(spec, dcfg), tokenizer, tools, keep_turns, system_text)
+        if not rows:
+            raise DataError(f"evaluation.sets {spec['name']}: every prompt is longer than max_prompt_tokens")
+        out[spec["name"]] = rows
+    return out
+
+
+def _build(dcfg, tokenizer, tools, keep_turns, system_text) -> Splits:
     rows = load_rows(dcfg)
     if not rows:
         raise DataError(f"data.source={dcfg.source!r} has no rows")

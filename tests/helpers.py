@@ -123,3 +123,19 @@ def in_one_process(commands: list[tuple], path: Path = ROOT, timeout_each: int =
                            prefix.with_suffix(".stderr").read_text(),
                            set(prefix.with_suffix(".files").read_text().splitlines())))
     return out
+
+
+def train_cli_error(tmp_path, monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """(exit code, stderr) of ``grpo-train recipe=smoke <args>`` run in process from ``tmp_path``, with its output
+    directory at ``tmp_path/run``, for a command line that must fail before training."""
+    import sys
+
+    import pytest
+
+    from grpo import train
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["grpo-train", "recipe=smoke", *args, f"trainer.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(SystemExit) as e:
+        train.main()
+    return e.value.code, capsys.readouterr().err

@@ -18,6 +18,7 @@ from grpo import data
 from grpo.algorithm.policy_loss import get_policy_loss
 from grpo.config.schema import Config, TrainerConfig
 from grpo.data import PromptSampler
+from grpo.engine.head_check import check_head
 from grpo.errors import SetupError
 from grpo.models import check_name, load_model, load_reference, load_tokenizer
 from grpo.rewards.score import RewardFunction, in_worker
@@ -29,6 +30,7 @@ from grpo.rollout.episodes.spec import build_toolset, choose_format, multi_turn
 from grpo.rollout.episodes.worker import ToolWorker
 from grpo.runtime.base import Runtime
 from grpo.trainer.checkpoint import resolve_resume
+from grpo.trainer.evaluate import check_sets
 from grpo.trainer.logger import interactive
 from grpo.trainer.pipeline import check as check_async
 from grpo.trainer.run import Run
@@ -86,6 +88,7 @@ def preflight(cfg: Config) -> list[RewardFunction]:
         raise SetupError(f"reward.functions.{toolset.env_name}: the environment's reward() is logged under that name; "
                          "rename the reward function")
     data.check_source(cfg.data)
+    check_sets(cfg.evaluation.sets, cfg.data, rewards)  # evaluation.sets: each reads, with the columns rewards read
     get_policy_loss(cfg.algorithm.policy_loss)  # a registered name, or a module:function that imports
     check_async(cfg)  # rollout.max_staleness > 0: what the generator process does not run with yet
     return rewards
@@ -113,7 +116,7 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
             rewards.append(environment_reward(toolset))
     splits = data.build(cfg.data, tokenizer, tools=fmt.template_tools(list(toolset.schemas)) if fmt else None,
                         keep_turns=toolset is not None,
-                        system_text=fmt.system_text(list(toolset.schemas)) if fmt else None)
+                        system_text=fmt.system_text(list(toolset.schemas)) if fmt else None, sets=cfg.evaluation.sets)
     if splits.dropped and runtime.is_main:
         print(f"[grpo] dropped {splits.dropped} prompts longer than data.max_prompt_tokens="
               f"{cfg.data.max_prompt_tokens}; {len(splits.train)} train / {len(splits.eval)} held-out remain",
@@ -134,6 +137,8 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
                                   weight_decay=cfg.trainer.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.trainer))
     runtime.setup(policy, optimizer, scheduler)
+    # the engine's log-probs equal the model's own forward, under this runtime, or the run stops (one line)
+    check_head(runtime.model, agree=lambda gap: runtime.all_max({"head_gap": gap})["head_gap"])
     from grpo.trainer.budget import plan as plan_memory  # sizes `auto`, refuses a prompt + completion that cannot fit
     settings = derive(cfg, plan_memory(cfg, splits, runtime), chat=uses_chat(cfg.data, tokenizer))
     sampler = PromptSampler(len(splits.train), seed=cfg.trainer.seed)

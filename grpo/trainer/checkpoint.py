@@ -145,7 +145,8 @@ RUN_DEFINING = ["model.name_or_path", "model.lora", "data.source", "data.task_kw
                 "data.num_train", "data.num_eval", "data.split", "data.load_kwargs", "data.prompt_column",
                 "data.answer_column", "data.system_prompt", "data.prompt_template", "data.chat_template",
                 "data.max_prompt_tokens", "algorithm.group_size", "rollout.prompts_per_step", "trainer.seed",
-                "reward.functions", "rollout.max_staleness"]
+                "reward.functions", "rollout.max_staleness",
+                "evaluation.sets"]  # a training prompt that is in a named set is dropped from training
 
 
 def fingerprint(cfg: Config) -> dict:

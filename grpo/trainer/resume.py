@@ -95,6 +95,8 @@ def choose(resume: str | None, output_dir: str | Path, checksums: bool = True):
                              "new trainer.output_dir")
         return found, skipped
     p = Path(resume)
+    if resume in ("disable", "resume_path") and not p.exists():  # verl's trainer.resume_mode values
+        raise FileNotFoundError(f"trainer.resume={resume} is verl's; ours: null (a fresh run), auto or a path")
     if not p.is_dir():
         raise FileNotFoundError(f"trainer.resume={resume!r}: no such checkpoint directory")
     folder = p / "checkpoints" if (p / "checkpoints").is_dir() else p

@@ -129,3 +129,14 @@ def test_only_a_verifying_resume_reads_the_files_and_latest_of_nothing_is_none(t
         assert resume.choose(where, tmp_path, checksums=False) == (resume.checkpoints_dir(tmp_path) / "step_2", [])
     assert resume.newest_intact(resume.checkpoints_dir(tmp_path))[0].name == "step_1"
     assert resume.newest_intact(resume.checkpoints_dir(tmp_path), checksums=False)[0].name == "step_2"
+
+
+def test_verls_resume_modes_are_refused_naming_ours_unless_a_directory_has_that_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for mode in ("disable", "resume_path"):
+        with pytest.raises(FileNotFoundError, match=rf"^trainer.resume={mode} is verl's; ours: null \(a fresh run\), "
+                                                   "auto or a path$"):
+            resume.choose(mode, tmp_path)
+    (tmp_path / "disable").mkdir()
+    with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
+        resume.choose("disable", tmp_path)  # a directory of that name is a path like any other
