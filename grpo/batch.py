@@ -27,8 +27,8 @@ class Batch:
     episodes: list | None = None              # nested: each episode's turns and tool counts (samples.jsonl)
     scores: list | None = None                # nested: each completion's {reward function: score or None}
     versions: list | None = None              # per group: the policy version that sampled it (asynchronous GRPO)
-    # this rank's sums that ``stats`` were made of, by kind (`grpo.experience.reduce_stats` makes them again over
-    # every rank, for a batch sampled apart from the trainer's collectives)
+    # this rank's sums the sampling statistics are made of, by kind (`grpo.experience.finish` reduces them over
+    # every rank once, for a batch sampled in the loop or apart from the trainer's collectives)
     sums: dict | None = None
 
     # how `select` and `concat` treat each field: nested per group (the default), per completion (a flat tensor

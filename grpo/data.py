@@ -210,6 +210,30 @@ def _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text=None,
     return out, dropped
 
 
+def check_columns(rows: list[dict], dcfg) -> None:
+    """Every column the config names is in the data (in some row), else one line listing the columns there are:
+    data.prompt_column, each ``{column}`` of data.prompt_template, and data.answer_column when it is not the default
+    ``answer`` (a task whose rewards need no reference has none)."""
+    import string
+
+    have = list(dict.fromkeys(k for row in rows for k in row))
+    there = f"the data's columns are: {', '.join(map(str, have))}"
+    named = [("data.prompt_column", dcfg.prompt_column)]
+    if dcfg.answer_column != "answer":
+        named.append(("data.answer_column", dcfg.answer_column))
+    for key, column in named:
+        if column not in have:
+            raise DataError(f"{key}={column!r}: the data has no such column; {there}")
+    try:
+        used = [f for _, f, _, _ in string.Formatter().parse(dcfg.prompt_template) if f]
+    except ValueError as e:
+        raise DataError(f"data.prompt_template={dcfg.prompt_template!r}: {e}") from None
+    for field_name in used:
+        column = field_name.split(".")[0].split("[")[0]
+        if column != "prompt" and column not in have:
+            raise DataError(f"data.prompt_template uses column {column!r}, which the data does not have; {there}")
+
+
 @dataclass
 class Splits:
     train: list[dict]
@@ -285,6 +309,7 @@ def _build(dcfg, tokenizer, tools, keep_turns, system_text, image_processor) -> 
     rows = load_rows(dcfg)
     if not rows:
         raise DataError(f"data.source={dcfg.source!r} has no rows")
+    check_columns(rows, dcfg)
     rows, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text, image_processor)
     if not rows:
         raise DataError(f"every prompt is longer than data.max_prompt_tokens={dcfg.max_prompt_tokens}: the shortest "

@@ -175,13 +175,19 @@ def _already_done(run: Run, cfg: Config, log: logger.MetricsLogger, start: int) 
                   "with trainer.resume=auto")
         log.finish()
         return {"steps": start, "resumed": True}
-    if os.path.isdir(os.path.join(cfg.trainer.output_dir, "final")):
+    why = checkpoint.final_damage(cfg.trainer.output_dir)  # final/ verified against its manifest
+    if why is None:
         _say(run, f"run already reached trainer.max_steps={cfg.trainer.max_steps} (checkpoint step {start}); "
                   "nothing to do")
         log.finish()
         return {"steps": start, "resumed": True}
-    _say(run, f"run reached trainer.max_steps={cfg.trainer.max_steps} but stopped before its final model was "
-              "saved; saving it from the last checkpoint")
+    if os.path.isdir(os.path.join(cfg.trainer.output_dir, "final")):
+        kept = checkpoint.set_final_aside(cfg.trainer.output_dir) if run.runtime.is_main else None
+        _say(run, f"final/ is damaged ({why}): saving it again from checkpoint step {start}; the damaged one is "
+                  f"kept as {kept}")
+    else:
+        _say(run, f"run reached trainer.max_steps={cfg.trainer.max_steps} but stopped before its final model was "
+                  "saved; saving it from the last checkpoint")
     save_final(run, cfg)
     log.finish()
     return {"steps": start, "resumed": True, "final_saved": True}
