@@ -24,7 +24,7 @@ import torch
 
 from grpo.batch import Batch
 from grpo.errors import SetupError
-from grpo.rollout.generator import Generated
+from grpo.rollout.generator_process import Generated
 
 RECORDS = {"Batch": Batch, "Generated": Generated}
 _TAGS = ("__tensor__", "__tuple__", "__items__", "__ndarray__", "__np__", "__record__")
@@ -139,8 +139,8 @@ def _allowed() -> list:
     """What a pickle of the earlier checkpoints holds besides tensors and builtins: the step's batch, an in-flight
     batch, numpy's RNG state (arrays and their dtypes) and numpy scalars."""
     dtypes = {type(np.dtype(c)) for c in "?bhilqBHILQefdgFDGUS"}
-    return [Batch, Generated, np.ndarray, np.dtype, *dtypes, np._core.multiarray._reconstruct,
-            np._core.multiarray.scalar]
+    return [Batch, Generated, (Generated, "grpo.rollout.generator.Generated"),  # pickled before the module's rename
+            np.ndarray, np.dtype, *dtypes, np._core.multiarray._reconstruct, np._core.multiarray.scalar]
 
 
 def load_legacy(path: Path):

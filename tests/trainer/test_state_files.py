@@ -15,7 +15,7 @@ import torch
 
 from grpo.batch import Batch
 from grpo.errors import SetupError
-from grpo.rollout.generator import Generated
+from grpo.rollout.generator_process import Generated
 from grpo.trainer import state_files
 from tests.helpers import ROOT
 
