@@ -1,5 +1,6 @@
 """The command line before Hydra (grpo/config/cli.py) and the run directory around it (grpo/train.py): checks that
 need no model run before one loads, `--cfg job` is checked as a run is, sweeps and paths land where the docs say."""
+import json
 import os
 import sys
 
@@ -101,3 +102,25 @@ def test_an_error_removes_a_run_directory_holding_only_what_hydra_wrote(monkeypa
     (kept / "metrics.jsonl").write_text("{}\n")
     _drop_empty_run_dir(str(kept))
     assert (kept / "metrics.jsonl").exists() and (kept / ".hydra").exists()
+
+
+@pytest.mark.slow
+def test_a_sweep_resumed_continues_every_job_in_its_own_directory(monkeypatch, capsys, tmp_path):
+    """getting-started.md §6: the same sweep command with `trainer.resume=auto` (and here `trainer.max_steps` one
+    further) continues every job where it stopped, in the job's directory, not in a new one per changed key."""
+    from grpo import train
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.chdir(tmp_path)
+    sweep = ["-m", "recipe=smoke", "algorithm.group_size=2,4", "trainer.output_dir=runs/g", "data.num_eval=0",
+             "rollout.max_new_tokens=4"]
+    for more in (["trainer.max_steps=1"], ["trainer.max_steps=2", "trainer.resume=auto"]):
+        monkeypatch.setattr(sys, "argv", ["grpo-train", *sweep, *more])
+        train.main()
+    jobs = sorted(p.name for p in (tmp_path / "runs" / "g").iterdir() if p.is_dir())
+    assert jobs == [f"{n}_algorithm.group_size={g},data.num_eval=0,rollout.max_new_tokens=4" for n, g in ((0, 2), (1, 4))]
+    err = capsys.readouterr().err
+    for job in jobs:
+        lines = (tmp_path / "runs" / "g" / job / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(x)["step"] for x in lines if '"loss"' in x] == [1, 2]
+        assert f"resumed from {tmp_path}/runs/g/{job}/checkpoints/step_1 (step 1)" in err
