@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> None:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     ours = argv[:argv.index("--")] if "--" in argv else argv
     dry = "--print" in ours
+    if {"-h", "--help"} & set(ours):
+        from grpo.config.cli import usage
+
+        print(usage("grpo-serve"))
+        return
     overrides = [a for a in ours if a != "--print"]
     try:
         from grpo.config.cli import check_argv

@@ -125,3 +125,34 @@ def test_a_sweep_resumed_continues_every_job_in_its_own_directory(monkeypatch, c
         lines = (tmp_path / "runs" / "g" / job / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(x)["step"] for x in lines if '"loss"' in x] == [1, 2]
         assert f"resumed from {tmp_path}/runs/g/{job}/checkpoints/step_1 (step 1)" in err
+
+
+@pytest.mark.parametrize("command", ["grpo-train", "grpo-serve"])
+def test_help_says_how_to_run_a_recipe_lists_the_recipes_and_names_the_docs(monkeypatch, capsys, tmp_path, command):
+    from grpo import serve, train
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "short-sums.yaml").write_text("# My own sums. Longer text\ntrainer: {max_steps: 2}\n")
+    monkeypatch.setenv("GRPO_RECIPE_PATH", str(mine))
+    monkeypatch.chdir(tmp_path)
+    if command == "grpo-train":
+        monkeypatch.setattr(sys, "argv", ["grpo-train", "--help"])
+        with pytest.raises(SystemExit) as e:
+            train.main()
+        assert e.value.code == 0
+    else:
+        serve.main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {command} recipe=NAME [key=value ...]")
+    for name in ("quickstart", "smoke", "countdown", "zero3-multi"):
+        assert f"\n  {name} " in out
+    assert "\n  short-sums" in out and "My own sums\n" in out  # $GRPO_RECIPE_PATH's, its first sentence
+    assert "docs/getting-started.md" in out and max(map(len, out.splitlines())) <= 120
+    assert os.listdir(tmp_path) == ["mine"]  # no run directory
+
+
+def test_cfg_job_with_a_sweep_is_one_line(monkeypatch, capsys, tmp_path):
+    code, err = main(monkeypatch, capsys, tmp_path, "-m", "recipe=smoke", "algorithm.group_size=2,4", "--cfg", "job")
+    assert code == 2 and err.startswith("error: --cfg and --info show one run: drop -m") and err.count("\n") == 1
+    assert os.listdir(tmp_path) == []
