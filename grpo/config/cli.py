@@ -173,9 +173,9 @@ def usage(command: str) -> str:
                       if x.startswith("#") and "@package" not in x), "")
         first = first.split(". ")[0]
         lines.append(f"  {name:<{width}}  {first if len(first) <= 76 else first[:75] + '…'}")
-    lines += ["", "every key: grpo-train recipe=NAME --cfg job; docs (in the grpo repository): docs/getting-started.md,",
-              "docs/recipes.md, docs/config-reference.md" + (", docs/rollout.md#the-server-backend"
-                                                             if command == "grpo-serve" else "")]
+    docs = "docs/getting-started.md, docs/recipes.md, docs/config-reference.md"
+    docs += ", docs/rollout.md#the-server-backend" if command == "grpo-serve" else ""
+    lines += ["", "every key: grpo-train recipe=NAME --cfg job; docs (in the grpo repository):", docs]
     return "\n".join(lines)
 
 
