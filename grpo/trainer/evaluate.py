@@ -25,7 +25,10 @@ def evaluate(run: Run, label: str) -> dict:
     # every rank generates as many prompts (ZeRO-3 ranks decode in lockstep); the padding is not scored
     padded = shard + shard[-1:] * (-(-len(rows) // rt.world_size) - len(shard))
     greedy = Sampling(run.settings.evaluation.max_new_tokens, greedy=True)
-    backend.desc = f"eval {label}"
+    backend.desc = f"eval {label}"  # its progress bar (a terminal): done/total [elapsed<remaining]
+    if rt.is_main:
+        print(f"[grpo] held-out evaluation ({label}): {len(rows)} prompts, greedy, up to {greedy.max_new_tokens} "
+              "new tokens", file=sys.stderr, flush=True)
     extra = episode_stats = None
     if run.turn_loop is None:
         out = backend.generate([r["prompt_ids"] for r in padded], 1, greedy)

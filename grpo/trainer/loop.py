@@ -17,6 +17,7 @@ from grpo.trainer import checkpoint, logger, pipeline
 from grpo.trainer.build import build_run
 from grpo.trainer.checkpoint import abandon_after, restore, save_checkpoint, save_final
 from grpo.trainer.evaluate import evaluate
+from grpo.trainer.progress import StepClock
 from grpo.trainer.run import LoopState, Run
 from grpo.trainer.signals import StopSignals
 from grpo.update import policy_update
@@ -56,16 +57,18 @@ def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
     signals.step = start + 1
     summary = {"eval_before": _eval_before(run, cfg, log, start)}
     batches = pipeline.batches(run, cfg, state)  # the batch for step t: collected now, or sampled ahead (K > 0)
+    clock = StepClock(start, cfg.trainer.max_steps)  # the console's step k/N [elapsed<remaining]
     try:
         for step in range(start + 1, cfg.trainer.max_steps + 1):
-            if (stopped := _step(run, cfg, state, batches, log, signals, step)) is not None:
+            if (stopped := _step(run, cfg, state, batches, log, signals, step, clock)) is not None:
                 return stopped
         return _finish(run, state, cfg, log, summary, batches)
     finally:
         batches.close()
 
 
-def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSignals, step: int) -> dict | None:
+def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSignals, step: int,
+          clock: StepClock) -> dict | None:
     """One training step; returns the run's summary when it stops here (a signal)."""
     t0, signals.step, mu = time.time(), step, cfg.algorithm.num_iterations
     lr = run.scheduler.get_last_lr()[0]  # this step's (the update steps the scheduler on to the next one's)
@@ -86,7 +89,7 @@ def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSi
     metrics.setdefault("kl", batch.stats.get("kl"))  # None with beta = 0: there is no reference
     if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.max_steps:
         metrics.update({f"eval/{k}": v for k, v in evaluate(run, f"step {step}").items()})
-    log.log(metrics, console=step % cfg.logging.log_every == 0)
+    log.log(metrics, console=step % cfg.logging.log_every == 0, progress=clock.line(step))
     if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
         log.samples(step, experience.sample_rows(run, batch, cfg.logging.num_samples))
         log.completions(step, experience.completion_rows(run, batch))  # wandb's completions table
