@@ -156,3 +156,17 @@ def test_cfg_job_with_a_sweep_is_one_line(monkeypatch, capsys, tmp_path):
     code, err = main(monkeypatch, capsys, tmp_path, "-m", "recipe=smoke", "algorithm.group_size=2,4", "--cfg", "job")
     assert code == 2 and err.startswith("error: --cfg and --info show one run: drop -m") and err.count("\n") == 1
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("given, line", [
+    ("algorithm.kl_estimator=low_var_kl", "k1, k2, k3; verl's low_var_kl is algorithm.kl_estimator=k3 here"),
+    ("algorithm.scale_rewards=false", "group, batch, none; TRL's false is algorithm.scale_rewards=none here"),
+    ("rollout.min_p=0.05", "unknown config key 'rollout.min_p': min-p sampling is not supported; rollout.top_p and "
+                           "rollout.top_k are"),
+])
+def test_what_a_trl_or_verl_user_types_is_refused_naming_ours(monkeypatch, capsys, tmp_path, given, line):
+    """docs/coming-from-trl-verl.md's mapping, said where it is needed: the line names our equivalent, which runs."""
+    code, err = main(monkeypatch, capsys, tmp_path, *SMOKE, given)
+    assert code == 2 and err.strip().endswith(line) and err.count("\n") == 1 and os.listdir(tmp_path) == []
+    if "here" in line:
+        compose_recipe("smoke", [line.split()[-2]])  # the key=value it names is accepted
