@@ -13,7 +13,7 @@ import os
 import shlex
 import sys
 
-from grpo.errors import GRPOError, SetupError
+from grpo.errors import GRPOError, SetupError, show_warnings_as_lines
 
 
 def settings(cfg, device: str):
@@ -32,6 +32,7 @@ def settings(cfg, device: str):
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    show_warnings_as_lines()
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     ours = argv[:argv.index("--")] if "--" in argv else argv
     dry = "--print" in ours

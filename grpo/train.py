@@ -10,7 +10,7 @@ import sys
 from dataclasses import asdict
 
 from grpo.config.schema import Config, load
-from grpo.errors import GRPOError
+from grpo.errors import GRPOError, show_warnings_as_lines
 
 
 def _hydra_main():
@@ -99,6 +99,7 @@ def _drop_empty_run_dir(run_dir: str | None) -> None:
 def main() -> None:
     from grpo.config.cli import prepare_argv
 
+    show_warnings_as_lines()
     try:
         sys.argv = prepare_argv(sys.argv)
     except GRPOError as e:

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from grpo.config.checks import check_distributed, check_server, check_tools
+from grpo.config.theirs import NOT_HERE, ours_for
 from grpo.errors import ConfigError
 
 
@@ -234,18 +235,6 @@ _CHOICES = {
     "reward.completion_format": ("auto", "text", "messages"),
 }
 
-# what a TRL or verl user types for a choice of ours: refused, naming ours (docs/coming-from-trl-verl.md)
-_THEIRS = {
-    "algorithm.kl_estimator": {"low_var_kl": ("k3", "verl's"), "kl": ("k1", "verl's"), "mse": ("k2", "verl's")},
-    "algorithm.scale_rewards": {"false": ("none", "TRL's"), "true": ("group", "TRL's")},
-}
-# keys of theirs we have no equivalent of: why, instead of a close name that means something else
-_NOT_HERE = {
-    "rollout.min_p": "min-p sampling is not supported; rollout.top_p and rollout.top_k are",
-    "rollout.repetition_penalty": "not a sampling option here: a reward, "
-                                  "'+reward.functions.rep={fn: repetition_penalty, weight: 0.5}'",
-}
-
 # key -> (predicate, what is allowed)
 _RANGES = {
     "algorithm.group_size": (lambda v: v >= 2, "an integer >= 2 (GRPO needs a group to compare)"),
@@ -279,8 +268,7 @@ _RANGES = {
     "algorithm.rollout_is_cap": (lambda v: v >= 1, ">= 1"),
     "engine.max_tokens_per_micro_batch": (
         lambda v: v == "auto" or (not isinstance(v, bool) and isinstance(v, (int, str)) and str(v).isdigit()
-                                  and int(v) >= 1),
-        "auto or an integer >= 1"),
+                                  and int(v) >= 1), "auto or an integer >= 1"),
     "trainer.max_steps": (lambda v: v >= 0, ">= 0"),
     "trainer.lr": (lambda v: v > 0 and math.isfinite(v), "> 0"),
     "trainer.weight_decay": (lambda v: v >= 0, ">= 0"),
@@ -326,11 +314,9 @@ def open_dict_keys() -> set[str]:
 
 
 def suggest(key: str) -> str:
-    if key in _NOT_HERE:
-        return f": {_NOT_HERE[key]}"
     candidates = schema_keys() + [f.name for f in fields(Config)]
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    return f": {NOT_HERE[key]}" if key in NOT_HERE else f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -345,9 +331,7 @@ def validate(cfg: Config) -> Config:
     for key, allowed in _CHOICES.items():
         v = _get(cfg, key)
         if v not in allowed:
-            ours, whose = _THEIRS.get(key, {}).get(str(v).lower(), (None, ""))
-            hint = f"; {whose} {str(v).lower()} is {key}={ours} here" if ours else ""
-            raise ConfigError(f"{key}={v!r} is not allowed; choose one of: {', '.join(allowed)}{hint}")
+            raise ConfigError(f"{key}={v!r} is not allowed; choose one of: {', '.join(allowed)}{ours_for(key, v)}")
     for key, (ok, allowed) in _RANGES.items():
         v = _get(cfg, key)
         if not ok(v):

@@ -19,6 +19,7 @@ from grpo.engine.micro_batches import MicroBatch, plan_micro_batches
 from grpo.engine.patch import check_every_layer, placeholder_mask, shared_prefix_unsupported, switched_attention
 from grpo.engine.prefix_attention import LAYOUT_KWARG
 from grpo.engine.unwrap import unwrap_chain
+from grpo.errors import GRPOWarning
 
 __all__ = ["token_logprobs", "ATTENTION_KERNELS"]
 
@@ -116,7 +117,7 @@ def _shared_prefix_serves(lm, prompts, comps) -> bool:
     max_len = max([len(p) + max([0] + [len(r) for r in cs]) for p, cs in zip(prompts, comps)] + [0])
     reason = shared_prefix_unsupported(lm, max_len)
     if reason is not None:
-        warnings.warn(f"shared-prefix forward disabled, using the standard layout: {reason}", stacklevel=3)
+        warnings.warn(f"shared-prefix forward disabled, using the standard layout: {reason}", GRPOWarning, stacklevel=3)
     return reason is None
 
 

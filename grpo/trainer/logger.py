@@ -221,7 +221,7 @@ def ascii_curve(values: list[float], width: int = 60, height: int = 8, label: st
         line = "".join("█" if (p - lo) / span * height >= r - 1e-9 else " " for p in pts)
         rows.append(f"{level:7.3f} |{line}")
     rows.append(" " * 8 + "+" + "-" * len(pts))
-    rows.append(" " * 9 + f"{label} over {len(vals)} steps")
+    rows.append(" " * 9 + f"{label} over {len(vals)} step{'s' * (len(vals) != 1)}")
     return "\n".join(rows)
 
 

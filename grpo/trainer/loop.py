@@ -103,6 +103,7 @@ def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSi
                          "Lower trainer.lr or check the rewards; the last good state is checkpointed")
     if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or state.stop_requested:
         _save(run, state, cfg, batches)
+        signals.saved_step = step  # a second signal from here on: this step is finished and saved
     if state.stop_requested:
         _say(run, f"stopped by signal at step {step}; checkpoint written, resume with trainer.resume=auto")
         log.finish()
@@ -154,7 +155,8 @@ def _summary_line(run: Run, cfg: Config) -> str:
     """The run at a glance, the first line of its log."""
     t, r = cfg.trainer, cfg.rollout
     return (f"{cfg.model.name_or_path}: {len(run.splits.train)} train / {len(run.splits.eval)} held-out prompts, "
-            f"{r.prompts_per_step} prompts x G={cfg.algorithm.group_size} per step, {t.max_steps} steps, "
+            f"{r.prompts_per_step} prompts x G={cfg.algorithm.group_size} per step, "
+            f"{t.max_steps} step{'s' * (t.max_steps != 1)}, "
             f"lr {t.lr:g} ({t.lr_schedule}, warmup {t.warmup_steps}), beta {cfg.algorithm.beta:g}, "
             f"rewards {', '.join(rf.name for rf in run.rewards)}; output {t.output_dir}"
             + (f"; asynchronous, max_staleness {r.max_staleness}" if r.max_staleness else ""))

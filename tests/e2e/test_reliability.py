@@ -57,9 +57,12 @@ def test_resume_gives_identical_metrics(cfg_factory, tmp_path, mu, stop):
 def test_resume_of_a_finished_run_exits_without_training(cfg_factory, tmp_path, capsys):
     cfg = cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "r")}})
     train(cfg)
-    again = cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "r"), "resume": "auto"}})
+    assert ", 1 step, lr " in capsys.readouterr().err  # the summary line: not "1 steps"
+    # a changed learning rate would take effect from the next step: there is none, so it is not announced
+    again = cfg_factory({"trainer": {"max_steps": 1, "output_dir": str(tmp_path / "r"), "resume": "auto", "lr": 0.125}})
     assert train(again) == {"steps": 1, "resumed": True}
-    assert "already reached trainer.max_steps=1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "already reached trainer.max_steps=1" in err and "changed since the checkpoint" not in err
 
 
 def test_resume_after_a_stop_before_the_final_save_writes_it(cfg_factory, tmp_path, capsys):
