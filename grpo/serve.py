@@ -60,7 +60,13 @@ def main(argv: list[str] | None = None) -> None:
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        from grpo.models import check_name
+        from grpo.rollout.backends import check_vllm_cpu
         from grpo.rollout.server.launch import serve_command
+
+        check_name(cfg.model.name_or_path)  # what the in-process vLLM backend refuses, refused before vLLM starts
+        if device == "cpu":
+            check_vllm_cpu(cfg.model.name_or_path, cfg.model.tiny, who="grpo-serve")
 
         cmd, env = serve_command(settings(cfg, device), cache_dir(), extra)
     except GRPOError as e:
