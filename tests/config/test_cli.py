@@ -170,3 +170,25 @@ def test_what_a_trl_or_verl_user_types_is_refused_naming_ours(monkeypatch, capsy
     assert code == 2 and err.strip().endswith(line) and err.count("\n") == 1 and os.listdir(tmp_path) == []
     if "here" in line:
         compose_recipe("smoke", [line.split()[-2]])  # the key=value it names is accepted
+
+
+@pytest.mark.parametrize("where", ["loading the model", "the checks before Hydra"])
+def test_ctrl_c_while_starting_is_one_line_and_leaves_no_run_directory(monkeypatch, capsys, tmp_path, where):
+    from grpo import train
+    from grpo.config import cli
+    from grpo.trainer import build
+
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(build if where == "loading the model" else cli, "load_model" if where == "loading the model"
+                        else "check_argv", ctrl_c)
+    monkeypatch.setattr(sys, "argv", ["grpo-train", *SMOKE, "trainer.output_dir=runs/a"])
+    with pytest.raises(SystemExit) as e:
+        train.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and err.strip().splitlines()[-1] == \
+        "[grpo] interrupted (Ctrl-C) while starting; nothing was trained"
+    assert "Traceback" not in err and os.listdir(tmp_path) == []
