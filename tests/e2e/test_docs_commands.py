@@ -18,7 +18,7 @@ import yaml
 from tests.helpers import ROOT
 
 DOCS = ["README.md", "docs/getting-started.md", "docs/data.md", "docs/tasks.md", "docs/rewards.md",
-        "docs/tools-and-environments.md"]
+        "docs/tools-and-environments.md", "docs/reliability.md"]
 # key -> value appended unless the command sets the key itself: the tiny model, one short step
 SCALE = {"model": "tiny", "trainer.max_steps": "1", "data.num_eval": "0", "rollout.max_new_tokens": "8",
          "rollout.prompts_per_step": "2", "data.num_train": "32"}
@@ -134,6 +134,15 @@ def check_dir(path, **expect):
     return check
 
 
+def check_branch(src, dst, at, to):
+    def check(ctx, p):
+        assert f"[grpo] resumed from {src}/checkpoints/step_{at} (step {at})" in p.stderr
+        assert [m["step"] for m in steps(ctx.cwd / dst)] == list(range(at + 1, to + 1))
+        assert [m["step"] for m in steps(ctx.cwd / src)] == list(range(1, at + 1))  # the source run is untouched
+        assert (ctx.cwd / dst / "final").is_dir()
+    return check
+
+
 def check_report(sweep_dir, rows):
     def check(ctx, p):
         md = (ctx.cwd / sweep_dir / "report.md").read_text()
@@ -194,7 +203,11 @@ CASES = {
     "grpo-train recipe=smoke trainer.max_steps=3": ([], check_steps(3)),
     "python -m grpo.train recipe=quickstart algorithm.group_size=4": ([], check_group_size(4)),
     "grpo-train -m recipe=smoke algorithm.group_size=2,4,8": ([], check_sweep([2, 4, 8], None)),
-    "grpo-train recipe=smoke trainer.output_dir=runs/a trainer.resume=auto": ([], check_dir("runs/a")),
+    "grpo-train recipe=smoke trainer.output_dir=runs/a trainer.resume=auto": (["trainer.max_steps=2"],
+                                                                              check_dir("runs/a")),
+    # reliability.md: a new run from another run's checkpoint, trained further (runs/a is the command above's)
+    "grpo-train recipe=smoke trainer.output_dir=runs/b trainer.resume=runs/a/checkpoints/step_2 trainer.max_steps=4":
+        ([], check_branch("runs/a", "runs/b", 2, 4)),
     "grpo-train recipe=quickstart +reward.functions.mine.fn=myrewards:short_and_right "
     "+reward.functions.mine.weight=0.5 '~reward.functions.accuracy'": ([], check_rewards(MINE)),
     "grpo-train recipe=quickstart algorithm.group_size=4 trainer.lr=1e-5": ([], check_group_size(4)),
@@ -252,6 +265,8 @@ CHAINS = [
      "grpo-report multirun/g"),
     ("grpo-train recipe=quickstart trainer.output_dir=runs/qs trainer.save_every=10",
      "grpo-train recipe=quickstart trainer.output_dir=runs/qs trainer.save_every=10 trainer.resume=auto"),
+    ("grpo-train recipe=smoke trainer.output_dir=runs/a trainer.resume=auto",
+     "grpo-train recipe=smoke trainer.output_dir=runs/b trainer.resume=runs/a/checkpoints/step_2 trainer.max_steps=4"),
 ]
 ALONE = [c for c in CASES if not any(c in chain for chain in CHAINS)]
 
