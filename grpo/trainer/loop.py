@@ -47,6 +47,8 @@ def _saved(cfg: Config) -> str:
 def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
     state = restore(run, cfg)  # LoopState: step, counters, rollout buffer, batches in flight (step 0 when fresh)
     start = state.step
+    if cfg.rollout.backend == "server" and not cfg.rollout.max_staleness:
+        run.rollout.ready()  # connect: a server of another model or a shorter length refused before anything runs
     log = logger.MetricsLogger(cfg.trainer.output_dir, asdict(cfg), cfg.logging.wandb, enabled=run.runtime.is_main,
                                resumed=start > 0)
     if start >= cfg.trainer.max_steps and start > 0:

@@ -192,3 +192,29 @@ def test_ctrl_c_while_starting_is_one_line_and_leaves_no_run_directory(monkeypat
     assert e.value.code == 130 and err.strip().splitlines()[-1] == \
         "[grpo] interrupted (Ctrl-C) while starting; nothing was trained"
     assert "Traceback" not in err and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("what", ["name", "length"])
+def test_a_wrong_server_is_refused_before_the_held_out_evaluation_and_leaves_no_run_directory(
+        monkeypatch, capsys, tmp_path, what):
+    from grpo import train
+    from tests.rollout.server.fake_server import FakeServer
+
+    from grpo.models import char_tokenizer, tiny_model
+
+    model = tiny_model("llama", len(char_tokenizer()))  # recipe=smoke's model: only the name or the length differs
+    server = FakeServer(model, **({"name": "tiny:qwen2"} if what == "name" else {"max_model_len": 16})).start()
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["grpo-train", "recipe=smoke", "trainer.max_steps=1", "data.num_eval=4",
+                                      "rollout.backend=server", f"rollout.server.urls=[{server.url}]",
+                                      "trainer.output_dir=runs/a"])
+    try:
+        with pytest.raises(SystemExit) as e:
+            train.main()
+    finally:
+        server.stop()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip().splitlines()[-1].startswith(f"error: rollout server {server.url} ")
+    assert {"name": "serves tiny:qwen2, not 'tiny:llama'", "length": "has max_model_len=16"}[what] in err
+    assert "held-out" not in err.split("[grpo] tiny:llama:")[-1] and os.listdir(tmp_path) == []
