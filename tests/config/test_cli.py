@@ -198,9 +198,8 @@ def test_ctrl_c_while_starting_is_one_line_and_leaves_no_run_directory(monkeypat
 def test_a_wrong_server_is_refused_before_the_held_out_evaluation_and_leaves_no_run_directory(
         monkeypatch, capsys, tmp_path, what):
     from grpo import train
-    from tests.rollout.server.fake_server import FakeServer
-
     from grpo.models import char_tokenizer, tiny_model
+    from tests.rollout.server.fake_server import FakeServer
 
     model = tiny_model("llama", len(char_tokenizer()))  # recipe=smoke's model: only the name or the length differs
     server = FakeServer(model, **({"name": "tiny:qwen2"} if what == "name" else {"max_model_len": 16})).start()
