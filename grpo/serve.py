@@ -16,6 +16,13 @@ import sys
 from grpo.errors import GRPOError, SetupError, show_warnings_as_lines
 
 
+# what vLLM's log shows on a healthy server of ours, said once before it starts (its own lines are vLLM's to word)
+EXPECTED_IN_VLLM_LOG = ("[grpo] expected in vLLM's log below, on a healthy server: a 'Chat template warmup failed' "
+                        "traceback (the server is sent token ids and has no tokenizer) and 'RotaryEmbedding: Failed to "
+                        "load weights' after each weight push (the pushed weights hold nothing for it); the trainer's "
+                        "sync check says whether the weights arrived")
+
+
 def settings(cfg, device: str):
     from grpo.rollout.episodes.spec import max_completion_tokens
     from grpo.rollout.server.connect import transfer_kind
@@ -77,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"[grpo] serving {cfg.model.name_or_path} at http://{cfg.rollout.server.host}:{cfg.rollout.server.port} "
           "(vLLM's OpenAI-compatible server; GET /health answers when it is ready)", file=sys.stderr, flush=True)
+    print(EXPECTED_IN_VLLM_LOG, file=sys.stderr, flush=True)
     os.execve(cmd[0], cmd, {**os.environ, **env})
 
 

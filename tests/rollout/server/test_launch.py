@@ -97,3 +97,17 @@ def test_grpo_serve_refuses_what_its_vllm_cannot_serve_before_starting_it(monkey
     fix = err.split("or '")[1].split("'")[0]
     serve.main(["recipe=smoke", "trainer.device=cpu", fix, "--print"])
     assert "--served-model-name tiny:llama" in capsys.readouterr().out
+
+
+def test_grpo_serve_says_once_what_vllms_log_shows_on_a_healthy_server(monkeypatch, capsys):
+    import importlib.util
+
+    from grpo import serve
+
+    real, started = importlib.util.find_spec, []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(serve.os, "execve", lambda *a: started.append(a[1]))
+    serve.main(["recipe=smoke", "trainer.device=cpu", *TINY])
+    err = capsys.readouterr().err
+    assert started and started[0][1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert err.count(serve.EXPECTED_IN_VLLM_LOG) == 1 and "Chat template warmup failed" in serve.EXPECTED_IN_VLLM_LOG
