@@ -15,7 +15,6 @@ import sys
 
 from grpo.errors import GRPOError, SetupError, show_warnings_as_lines
 
-
 # what vLLM's log shows on a healthy server of ours, said once before it starts (its own lines are vLLM's to word)
 EXPECTED_IN_VLLM_LOG = ("[grpo] expected in vLLM's log below, on a healthy server: a 'Chat template warmup failed' "
                         "traceback (the server is sent token ids and has no tokenizer) and 'RotaryEmbedding: Failed to "
