@@ -28,6 +28,7 @@ TOGETHER = {
         "beta_zero_logs", "resume_keeps")),  # a smoke run, resumed by the last
     "server": ("tests/e2e/test_server.py::",),  # `ctx`: one grpo-serve process the walkthrough starts late
     "multinode": ("tests/e2e/test_multinode.py::",),  # `nodes`: one launch of two torchrun nodes
+    "own_project": ("tests/e2e/test_own_project.py::",),  # `installed`: a fresh venv with the wheel and torch
 }
 
 
