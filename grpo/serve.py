@@ -43,13 +43,13 @@ def main(argv: list[str] | None = None) -> None:
     ours = argv[:argv.index("--")] if "--" in argv else argv
     dry = "--print" in ours
     if {"-h", "--help"} & set(ours):
-        from grpo.config.cli import usage
+        from grpo.cli import usage
 
         print(usage("grpo-serve"))
         return
     overrides = [a for a in ours if a != "--print"]
     try:
-        from grpo.config.cli import check_argv
+        from grpo.cli import check_argv
         from grpo.config.compose import compose
         from grpo.config.schema import load
         from grpo.models import cache_dir

@@ -1,6 +1,6 @@
 """Entry point: ``grpo-train recipe=NAME key=value ...`` or ``python -m grpo.train ...``.
 
-The command line is composed and its schema checked (grpo/config/cli.py, grpo/config/schema.py) before the training loop
+The command line is composed and its schema checked (grpo/cli.py, grpo/config/schema.py) before the training loop
 (grpo/trainer/loop.py), and with it torch, is imported: a mistake there costs one line, not torch's start-up.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _hydra_main():
         from hydra.core.hydra_config import HydraConfig
         from omegaconf import OmegaConf
 
-        from grpo.config.cli import expand_paths
+        from grpo.cli import expand_paths
         from grpo.config.compose import apply_precedence
         from grpo.trainer.loop import train  # torch and the models: only for a config that passed its checks
 
@@ -36,7 +36,7 @@ def _hydra_main():
                                    lambda ov: hydra_compose(config_name="config", overrides=ov))
         except GRPOError as e:
             _fail(e, run_dir)
-        if not expand_paths(raw.trainer):  # a sweep's job: its own directory (grpo/config/cli.py `_sweep_dir`)
+        if not expand_paths(raw.trainer):  # a sweep's job: its own directory (grpo/cli.py `_sweep_dir`)
             raw.trainer.output_dir = run_dir
         cfg = _load_or_exit(OmegaConf.to_container(raw, resolve=True), run_dir)
         saved = os.path.join(hc.runtime.output_dir, hc.output_subdir or "", "config.yaml")
@@ -106,7 +106,7 @@ def _drop_empty_run_dir(run_dir: str | None) -> None:
 
 
 def main() -> None:
-    from grpo.config.cli import prepare_argv
+    from grpo.cli import prepare_argv
 
     show_warnings_as_lines()
     try:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Asynchronous GRPO side by side (issue 33; docs/benchmarks.md#asynchronous-grpo): the same steps through today's
+"""Asynchronous GRPO side by side (issue 33; docs/benchmarks.md#current-figures): the same steps through today's
 loop (inline: one process samples then trains) and through the generator process at rollout.max_staleness K = 0,
 1, 2 (generation and update in two processes, one thread each), the variants alternated round by round.
 

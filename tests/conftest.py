@@ -23,12 +23,18 @@ TOGETHER = {
                     "tests/config/test_schema.py::test_recipes_compose_and_validate",
                     "tests/e2e/test_config_reference.py::"),
     "report_sweep": ("tests/trainer/test_report.py::",),           # `sweep`: a two-run smoke sweep
-    "run_output_first_run": tuple(f"tests/e2e/test_run_output.py::test_{name}" for name in (  # `first_run`
+    "run_output_first_run": tuple(f"tests/e2e/test_run_output.py::test_{name}" for name in (  # `cli`, `first_run`
         "a_removed_reward", "everything_lands", "train_log_holds", "a_reward_that_raises", "a_quiet_console",
-        "beta_zero_logs", "resume_keeps")),  # a smoke run, resumed by the last
+        "beta_zero_logs", "resume_keeps", "a_reward_returning", "a_hanging_reward")),  # resume_keeps resumes the run
     "server": ("tests/e2e/test_server.py::",),  # `ctx`: one grpo-serve process the walkthrough starts late
     "multinode": ("tests/e2e/test_multinode.py::",),  # `nodes`: one launch of two torchrun nodes
     "own_project": ("tests/e2e/test_own_project.py::",),  # `installed`: a fresh venv with the wheel and torch
+    "memory_cli": tuple(f"tests/engine/test_memory.py::test_{name}" for name in (  # `cli`: three commands, one process
+        "impossible_fit", "auto_is")),
+    "tools_cli": tuple(f"tests/e2e/test_tools_train.py::test_{name}" for name in (  # `cli`: one process
+        "a_smoke_run_with", "a_bad_tool", "tools_with_the_tiny", "tools_with_smollm2")),
+    "conversational": ("tests/e2e/test_conversational.py::test_a_",),  # `smoke_runs`: two runs, one process
+    "docs_commands": ("tests/e2e/test_docs_commands.py::test_documented",),  # `ran`: every command in one process
 }
 
 

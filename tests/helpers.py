@@ -1,4 +1,5 @@
 """Shared test helpers: compose recipes with Hydra exactly as the command line does."""
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -86,3 +87,55 @@ def nest_like(batch, values: list) -> list[list]:
         out.append(values[k:k + len(g)])
         k += len(g)
     return out
+
+
+@dataclass
+class Ran:
+    """What a command's own process would have given (`in_one_process`): its exit status and output."""
+    returncode: int
+    stdout: str
+    stderr: str
+    files: set[str]  # what its working directory held when it ended (paths relative to it)
+
+
+def in_one_process(commands: list[tuple], path: Path = ROOT, timeout_each: int = 300) -> list[Ran]:
+    """``python -m MODULE ARGS...`` for each ``(cwd, [MODULE, *ARGS])`` or ``(cwd, [MODULE, *ARGS], env)`` of
+    ``commands`` (``env``: variables added for that command), one after the other in one process
+    (tests/in_one_process.py, with ``path`` on sys.path after the working directory, as a checkout run from there):
+    the imports are paid once. Each command's exit status, stdout, stderr and working directory's files after it,
+    as `Ran`."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="grpo-commands-") as tmp:
+        runs = [{"cwd": str(c[0]), "argv": c[1], "out": f"{tmp}/{i}", "env": c[2] if len(c) > 2 else {}}
+                for i, c in enumerate(commands)]
+        Path(tmp, "plan.json").write_text(json.dumps({"path": str(path), "runs": runs}))
+        p = subprocess.run([sys.executable, str(ROOT / "tests" / "in_one_process.py"), f"{tmp}/plan.json"],
+                           capture_output=True, text=True, timeout=60 + timeout_each * len(runs))
+        out = []
+        for run in runs:
+            prefix = Path(run["out"])
+            assert prefix.with_suffix(".rc").exists(), f"the process stopped early ({p.returncode}): {p.stderr[-3000:]}"
+            out.append(Ran(int(prefix.with_suffix(".rc").read_text()), prefix.with_suffix(".stdout").read_text(),
+                           prefix.with_suffix(".stderr").read_text(),
+                           set(prefix.with_suffix(".files").read_text().splitlines())))
+    return out
+
+
+def train_cli_error(tmp_path, monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """(exit code, stderr) of ``grpo-train recipe=smoke <args>`` run in process from ``tmp_path``, with its output
+    directory at ``tmp_path/run``, for a command line that must fail before training."""
+    import sys
+
+    import pytest
+
+    from grpo import train
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["grpo-train", "recipe=smoke", *args, f"trainer.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(SystemExit) as e:
+        train.main()
+    return e.value.code, capsys.readouterr().err

@@ -1,6 +1,7 @@
-"""The codebase's shape (docs/architecture.md, "Rules the tests hold the code to"): no import circle, modules
-that import alone, the stages in order (no stage imports a later one), the root config only in config/ and
-trainer/, small files and functions, and the runtime as the only door to torch.distributed."""
+"""The codebase's shape (docs/architecture.md, "Rules the tests hold the code to"): no import circle, between modules
+or between packages; modules that import alone; the tiers in order, from the loader and the errors at the bottom to
+the entry points at the top, with no import running upward; the root config only in config/, trainer/ and the entry
+points; small files and functions; and the runtime as the only door to torch.distributed."""
 import ast
 import subprocess
 import sys
@@ -20,6 +21,11 @@ def _modules() -> dict[str, ast.Module]:
     return out
 
 
+# The grpo package itself only re-exports the engine (grpo/__init__.py): a name taken from it that is not one of its
+# modules (``from grpo import token_logprobs``) is the engine's.
+REEXPORTED_BY_GRPO = "grpo.engine"
+
+
 def _imports(name: str, tree: ast.Module, known: set[str]) -> set[str]:
     """grpo modules that ``name`` imports anywhere in its body (inside functions too: a circle hidden in a
     function is still a circle). grpo uses absolute imports only."""
@@ -27,6 +33,8 @@ def _imports(name: str, tree: ast.Module, known: set[str]) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module == "grpo":
+            targets = [f"grpo.{a.name}" if f"grpo.{a.name}" in known else REEXPORTED_BY_GRPO for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
             targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         else:
@@ -40,11 +48,97 @@ def test_no_import_circle():
     graph = {name: _imports(name, tree, set(modules)) for name, tree in modules.items()}
     # a package's __init__ importing its own submodules is how packages work, not a circle
     graph = {n: {d for d in deps if not d.startswith(n + ".")} for n, deps in graph.items()}
+    circles = _circles(graph)
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+# The tiers of the tree, bottom first (docs/architecture.md, "The tree"): the loader and the errors every stage uses,
+# the modules the stages share, the stages in the order a step flows through them, the trainer, and the entry points
+# above it all. A module may import modules of its own tier and of lower ones, never of a higher one. Each entry is
+# a top-level name of grpo (a package or a module) and files the whole of it: no module of a package sits in a tier
+# apart from its package (as `grpo/config/cli.py` once sat with the trainer while config/ sat below the stages).
+STAGES = [
+    ("bottom", ["grpo.errors", "grpo.objects"]),
+    ("shared", ["grpo.batch", "grpo.config", "grpo.models", "grpo.tiny_models", "grpo.data", "grpo.tasks",
+                "grpo.worker_process"]),
+    ("engine, runtime, algorithm", ["grpo.engine", "grpo.runtime", "grpo.algorithm"]),
+    ("rewards, rollout", ["grpo.rewards", "grpo.rollout"]),
+    ("experience, update", ["grpo.experience", "grpo.update"]),
+    ("trainer", ["grpo.trainer"]),
+    ("entry points", ["grpo.train", "grpo.serve", "grpo.cli"]),
+]
+TRAINER = [name for name, _ in STAGES].index("trainer")
+
+
+def top_of(module: str) -> str:
+    """The top-level name of grpo that ``module`` belongs to: ``grpo.rollout.server.client`` -> ``grpo.rollout``."""
+    return ".".join(module.split(".")[:2])
+
+
+def stage_of(module: str) -> int | None:
+    """The index in STAGES of ``module`` (None: the ``grpo`` package itself, which only re-exports the engine)."""
+    for i, (_, tops) in enumerate(STAGES):
+        if top_of(module) in tops:
+            return i
+    return None
+
+
+def test_every_top_level_name_is_in_exactly_one_tier():
+    """STAGES files each of grpo's packages and top-level modules once, whole, and names nothing else."""
+    filed = sorted(t for _, tops in STAGES for t in tops)
+    assert filed == sorted({top_of(m) for m in _modules() if m != "grpo"})
+
+
+def _upward(modules: dict[str, ast.Module]) -> list[str]:
+    found = []
+    for name, tree in modules.items():
+        mine = stage_of(name)
+        for dep in _imports(name, tree, set(modules)):
+            theirs = stage_of(dep)
+            if mine is not None and theirs is not None and theirs > mine:
+                found.append(f"{name} ({STAGES[mine][0]}) imports {dep} ({STAGES[theirs][0]})")
+    return sorted(found)
+
+
+def test_no_import_runs_upward():
+    upward = _upward(_modules())
+    assert not upward, "imports that run upward in the tree (docs/architecture.md):\n" + "\n".join(upward)
+
+
+def test_an_upward_import_anywhere_is_caught():
+    """The check above on planted imports: the bottom loader importing the command line (an entry point) is
+    reported, as a shared module importing a stage is (inside a function, or through the grpo package's re-export of
+    the engine), and the loader importing the errors beside it is not."""
+    modules = _modules()
+    planted = dict(modules)
+    planted["grpo.objects"] = ast.parse("from grpo.errors import ConfigError\nfrom grpo.cli import prepare_argv\n")
+    planted["grpo.config.schema"] = ast.parse("def f():\n    from grpo.rewards import registry\n")
+    planted["grpo.batch"] = ast.parse("from grpo import token_logprobs\n")  # the engine, through the package
+    assert [u for u in _upward(planted) if u not in _upward(modules)] == [
+        "grpo.batch (shared) imports grpo.engine (engine, runtime, algorithm)",
+        "grpo.config.schema (shared) imports grpo.rewards (rewards, rollout)",
+        "grpo.config.schema (shared) imports grpo.rewards.registry (rewards, rollout)",
+        "grpo.objects (bottom) imports grpo.cli (entry points)"]
+
+
+def test_no_circle_between_top_level_packages():
+    """Peers of one tier may import each other one way only (rollout imports rewards, never the reverse): the graph
+    of grpo's top-level names has no circle, so that every tier could be cut into an order."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, tree in modules.items():
+        if name != "grpo":
+            graph.setdefault(top_of(name), set()).update(
+                top_of(d) for d in _imports(name, tree, set(modules)) if d != "grpo" and top_of(d) != top_of(name))
+    assert not _circles(graph), "circles between grpo's packages:\n" + "\n".join(_circles(graph))
+
+
+def _circles(graph: dict[str, set[str]]) -> list[str]:
     state, circles = {}, []
 
     def visit(node, path):
         state[node] = "open"
-        for dep in sorted(graph[node]):
+        for dep in sorted(graph.get(node, ())):
             if state.get(dep) == "open":
                 circles.append(" -> ".join(path[path.index(dep):] + [dep]))
             elif dep not in state:
@@ -54,53 +148,15 @@ def test_no_import_circle():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
-    assert not circles, "import circles:\n" + "\n".join(circles)
-
-
-# The stages in the order a step flows through them (docs/architecture.md): a module may import modules of its own
-# stage and of earlier ones, never of a later one. A module belongs to the longest prefix listed.
-STAGES = [
-    ("shared", ["grpo.errors", "grpo.batch", "grpo.config", "grpo.models", "grpo.data", "grpo.tasks",
-                "grpo.worker_process"]),
-    ("engine, runtime, algorithm", ["grpo.engine", "grpo.runtime", "grpo.algorithm"]),
-    ("rollout, rewards", ["grpo.rollout", "grpo.rewards"]),
-    ("experience, update", ["grpo.experience", "grpo.update"]),
-    ("trainer", ["grpo.trainer", "grpo.config.cli", "grpo.train", "grpo.serve"]),
-]
-
-
-def stage_of(module: str) -> int | None:
-    """The index in STAGES of ``module`` (None: the ``grpo`` package itself, which only re-exports the engine)."""
-    best, rank = "", None
-    for i, (_, prefixes) in enumerate(STAGES):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > len(best):
-                best, rank = p, i
-    return rank
-
-
-def test_every_module_has_a_stage():
-    assert [m for m in _modules() if m != "grpo" and stage_of(m) is None] == []
-
-
-def test_no_stage_imports_a_later_one():
-    modules = _modules()
-    backwards = []
-    for name, tree in modules.items():
-        mine = stage_of(name)
-        for dep in _imports(name, tree, set(modules)):
-            theirs = stage_of(dep)
-            if mine is not None and theirs is not None and theirs > mine:
-                backwards.append(f"{name} ({STAGES[mine][0]}) imports {dep} ({STAGES[theirs][0]})")
-    assert not backwards, "imports against the stage order:\n" + "\n".join(sorted(backwards))
+    return circles
 
 
 def test_the_root_config_stops_at_the_trainer():
     """Below the trainer code takes settings or its own config section: no module outside config/, trainer/ and
-    the entry point imports the root `Config` or annotates a parameter with it."""
+    the entry points imports the root `Config` or annotates a parameter with it."""
     offenders = []
     for name, tree in _modules().items():
-        if stage_of(name) == len(STAGES) - 1 or name.startswith("grpo.config"):
+        if (stage_of(name) or 0) >= TRAINER or top_of(name) == "grpo.config":
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module == "grpo.config.schema" and \

@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from grpo.config.objects import load_object
 from grpo.errors import ConfigError
+from grpo.objects import load_object
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict]]
 _REGISTRY: dict[str, PolicyLoss] = {}

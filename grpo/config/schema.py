@@ -31,7 +31,7 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    # a local HF directory, a hub id, "embedded:smollm2-135m-instruct", or "tiny:<llama|qwen2|qwen3|mistral>"
+    # a local HF directory, a hub id, "embedded:smollm2-135m-instruct", or "tiny:<family>" (llama, gemma2, ...)
     name_or_path: str = "embedded:smollm2-135m-instruct"
     dtype: str = "float32"           # float32 | bfloat16 | float16
     attn_implementation: str = "sdpa"  # sdpa | eager | flex_attention | flash_attention_2

@@ -11,6 +11,8 @@ Public entries: :func:`token_logprobs` and :func:`plan_micro_batches` (also ``gr
 - ``merged_attention``: that half on CPU: two fused flash-attention calls merged by their log-sum-exps
 - ``flex_kernel``: the FlexAttention kernel and its block mask
 - ``decode_attention``: ``grpo_prefix_decode``, the rollout's shared-prefix (cascade) decoding
+- ``state_layers``: recurrent layers (Gated DeltaNet, Mamba2, short convolutions): each completion continues from
+  its prompt's state; the rollout's states copied to the G rows
 - ``patch``: switching a model's attention to ours, the placeholder mask, the every-layer check
 - ``logprob_head``: log p and entropy from hidden states without storing vocabulary logits
 - ``micro_batches``: cutting groups into micro-batches under a token budget

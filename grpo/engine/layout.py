@@ -32,6 +32,7 @@ class PrefixLayout:
     max_group: int  # Gmax
     max_completion: int  # Smax
     max_seq_len: int  # longest P + S_i (what a sliding window would have to cover)
+    prompt_lens: list  # len(P_b) per group (recurrent layers run prompts of one length together)
     prompt_idx: torch.Tensor  # (B*Pmax,) flat token index of each prompt slot (0 for padding)
     prompt_valid: torch.Tensor | None  # (B, Pmax) bool, None when every prompt has length Pmax
     comp_idx: torch.Tensor  # (B*Gmax*Smax,) flat token index of each completion slot (0 for padding)
@@ -111,6 +112,7 @@ def build_layout(prompts: list[list[int]], completions: list[list[list[int]]], d
         max_group=Gmax,
         max_completion=Smax,
         max_seq_len=max(len(p) + max([0] + [len(r) for r in c]) for p, c in zip(prompts, completions)),
+        prompt_lens=lens,
         prompt_idx=t(packed.prompt_idx),
         prompt_valid=prompt_valid,
         comp_idx=t(packed.comp_idx),

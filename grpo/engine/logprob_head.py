@@ -7,21 +7,60 @@ backward; other heads (LoRA on lm_head, DeepSpeed ZeRO-3 partitioned weights) us
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-__all__ = ["head_logprobs"]
+__all__ = ["head_logprobs", "head_transform", "HeadTransform", "TRANSFORMS"]
 
 _CHUNK_ELEMENTS = 1 << 24  # logits materialised at once (rows x vocab), forward and backward
 
 
-def _head_transform(cfg):
-    """(multiplier, soft-cap) the model applies to ``lm_head`` outputs before they are logits."""
-    mult = 1.0
-    if getattr(cfg, "logits_scaling", None):  # granite divides
-        mult /= cfg.logits_scaling
-    if getattr(cfg, "logit_scale", None) and cfg.model_type.startswith("cohere"):
-        mult *= cfg.logit_scale
-    return mult, getattr(cfg, "final_logit_softcapping", None) or None
+@dataclasses.dataclass(frozen=True)
+class HeadTransform:
+    """What a model does to the output head's result before it is logits: ``logits = cap * tanh(mult * u / cap)``
+    (no tanh when ``cap`` is None) over the first ``vocab`` entries of ``u = head(hidden)`` (all when None)."""
+
+    mult: float = 1.0
+    cap: float | None = None
+    vocab: int | None = None
+
+
+def _times(key):
+    return lambda c: HeadTransform(mult=float(getattr(c, key)))
+
+
+def _divided(key):
+    return lambda c: HeadTransform(mult=1.0 / getattr(c, key))
+
+
+def _capped(key):
+    return lambda c: HeadTransform(cap=getattr(c, key) or None)
+
+
+# model_type (of the text config) -> its transform, as each *ForCausalLM.forward of transformers 5.24 computes its
+# logits after the decoder (a head multiplying the hidden state instead, e.g. MiniCPM3's, is the same product). A
+# model_type not listed has none; grpo/engine/head_check.py refuses a model whose own logits disagree.
+TRANSFORMS = {
+    **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "granitemoehybrid",
+                     "minicpm3"), _divided("logits_scaling")),
+    "hyperclovax": _times("logits_scaling"),
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), _times("logit_scale")),
+    "cohere_compass_text": lambda c: HeadTransform(mult=1.0 if c.logit_scale is None else float(c.logit_scale)),
+    "falcon_h1": _times("lm_head_multiplier"),  # real checkpoints: 0.039 or 0.078
+    "inkling_text": lambda c: HeadTransform(mult=1.0 / c.logits_mup_width_multiplier, vocab=c.unpadded_vocab_size),
+    **dict.fromkeys(("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "vaultgemma",
+                     "nanochat", "beam", "inkling2_text", "inkling2_loop_text"), _capped("final_logit_softcapping")),
+    "recurrent_gemma": _capped("logits_soft_cap"),
+    "xlstm": _capped("output_logit_soft_cap"),
+}
+
+
+def head_transform(cfg) -> HeadTransform:
+    """The transform of a model with config ``cfg`` (a composite model's: its text config's)."""
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    make = TRANSFORMS.get(getattr(text, "model_type", None))
+    return make(text) if make is not None else HeadTransform()
 
 
 class _FusedLogProb(torch.autograd.Function):
@@ -104,13 +143,20 @@ class _FusedLogProb(torch.autograd.Function):
 
 
 def head_logprobs(hidden, head, cfg, targets, temperature, want_entropy):
-    """hidden (M, h) at predicting positions -> (log p(target), entropy or None), both (M,) float32."""
-    mult, cap = _head_transform(cfg)
+    """hidden (M, h) at predicting positions -> (log p(target), entropy or None), both (M,) float32, from the logits
+    the model itself computes (``head`` and the config's :func:`head_transform`)."""
+    tf = head_transform(cfg)
+    mult, cap = tf.mult, tf.cap
     weight = getattr(head, "weight", None)
     if type(head) is torch.nn.Linear and not hasattr(weight, "ds_id"):  # plain head (not LoRA, not ZeRO-3)
-        logp, ent = _FusedLogProb.apply(hidden, weight, head.bias, targets, mult, cap, temperature, want_entropy)
+        bias = head.bias
+        if tf.vocab is not None:  # the rows past the model's vocabulary are padding it drops
+            weight, bias = weight[: tf.vocab], None if bias is None else bias[: tf.vocab]
+        logp, ent = _FusedLogProb.apply(hidden, weight, bias, targets, mult, cap, temperature, want_entropy)
         return logp, (ent if want_entropy else None)
     logits = head(hidden).float()
+    if tf.vocab is not None:
+        logits = logits[..., : tf.vocab]
     if mult != 1.0:
         logits = logits * mult
     if cap:

@@ -16,13 +16,15 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 
 from grpo.engine.decode_attention import DECODE_ATTN_NAME, prefix_decode_attention_forward
-from grpo.engine.features import model_features
+from grpo.engine.features import attention_modules, mixing_layers, model_features
 from grpo.engine.layout import ACTIVE
 from grpo.engine.prefix_attention import ATTN_NAME, prefix_attention_forward
+from grpo.engine.state_layers import state_layers, switched_state_layers
 from grpo.engine.unwrap import unwrap_model
 
 # what to do when some layer did not come through our attention, per attention function
@@ -43,6 +45,17 @@ def shared_prefix_unsupported(model, max_seq_len: int) -> str | None:
     if not _checkpointing_is_wrappable(lm):
         return "gradient checkpointing is applied by a mechanism the engine cannot follow"
     return None
+
+
+def shared_decode_unsupported(model, max_seq_len: int) -> str | None:
+    """Why the rollout cannot decode ``model``'s rows against one shared copy of each prompt's K/V, or None: what
+    the shared layout refuses, and attention blocks shared between decoder layers (Zamba2), whose one module
+    serves several layers' K/V."""
+    reason = shared_prefix_unsupported(model, max_seq_len)
+    if reason is None and any("layer_idx" in inspect.signature(type(m).forward).parameters
+                              for m in attention_modules(unwrap_model(model))):
+        return "attention blocks shared between decoder layers"
+    return reason
 
 
 def _checkpointing_is_wrappable(model) -> bool:
@@ -92,16 +105,18 @@ def _set_impl(configs, values) -> None:
             cfg._attn_implementation = val
 
 
-def _with_impl(fn, configs, name, state):
-    """Run ``fn`` with attention ``name`` (and its ``state``) active: used for the recompute of gradient
-    checkpointing, which happens in backward, after ``switched_attention`` has restored the configs."""
+def _with_impl(fn, configs, name, state, layers):
+    """Run ``fn`` with attention ``name`` (and its ``state``) active and the recurrent ``layers`` switched: used for
+    the recompute of gradient checkpointing, which happens in backward, after ``switched_attention`` has restored
+    the configs."""
 
     def run(*args, **kwargs):
         saved = [c._attn_implementation for c in configs]
         _set_impl(configs, [name] * len(configs))
         token = ACTIVE.set(state)
         try:
-            return fn(*args, **kwargs)
+            with switched_state_layers(layers):
+                return fn(*args, **kwargs)
         finally:
             ACTIVE.reset(token)
             _set_impl(configs, saved)
@@ -114,10 +129,12 @@ def switched_attention(model, name: str = ATTN_NAME, state=None):
     """Switch every config of ``model`` to attention ``name`` (``grpo_prefix``, or ``grpo_prefix_decode`` for the
     rollout) for the duration, and make gradient-checkpointing recomputes switch too. ``state`` (the layout, or
     the shared prompt K/V) is what our attention reads where a decoder layer does not pass its keyword arguments
-    on. Everything is restored on exit, also on exception."""
+    on. Recurrent layers (grpo/engine/state_layers.py) continue each completion from its prompt's state inside a
+    training forward. Everything is restored on exit, also on exception."""
     register()
     configs = _configs(model)
     saved = [c._attn_implementation for c in configs]
+    layers = state_layers(model)
     wrapped = []
     token = ACTIVE.set(state)
     try:
@@ -127,10 +144,11 @@ def switched_attention(model, name: str = ATTN_NAME, state=None):
                 had_own = "_gradient_checkpointing_func" in vars(m)
                 wrapped.append((m, func, had_own))
                 m._gradient_checkpointing_func = (
-                    lambda fn, *a, _f=func, **kw: _f(_with_impl(fn, configs, name, state), *a, **kw)
+                    lambda fn, *a, _f=func, **kw: _f(_with_impl(fn, configs, name, state, layers), *a, **kw)
                 )
         _set_impl(configs, [name] * len(configs))
-        yield
+        with switched_state_layers(layers):
+            yield
     finally:
         ACTIVE.reset(token)
         _set_impl(configs, saved)
@@ -148,10 +166,14 @@ def placeholder_mask(device) -> torch.Tensor:
 
 
 def check_every_layer(calls: int, model, name: str = ATTN_NAME) -> None:
-    """Raise (one line) unless ``calls`` attention calls, counted by our function ``name`` in one forward, cover
-    every layer of ``model``."""
-    cfg = model.config
-    layers = getattr(cfg, "num_hidden_layers", 1)
+    """Raise (one line) unless ``calls`` calls, counted by our function ``name`` in one forward, cover every layer
+    of ``model`` that mixes tokens (in training: attention and recurrent layers; in decoding: attention layers)."""
+    lm = unwrap_model(model)
+    cfg = lm.config
+    layers = mixing_layers(cfg)
+    if name != ATTN_NAME:  # decoding: the layers whose only token mixer is recurrent do not call us
+        attention = {m.layer_idx for m in attention_modules(lm)}
+        layers -= len({m.layer_idx for m in state_layers(lm)} - attention)
     if calls < layers:
         raise RuntimeError(
             f"only {calls} of {layers} attention layers of this {cfg.model_type!r} model went through the "

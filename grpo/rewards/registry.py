@@ -14,8 +14,8 @@ import functools
 import inspect
 from typing import Callable
 
-from grpo.config.objects import import_attr
 from grpo.errors import RewardSpecError
+from grpo.objects import import_attr
 from grpo.rewards.adapters import as_text, from_verl
 
 RewardFn = Callable[..., list]

@@ -14,7 +14,8 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo.engine.decode_attention import DECODE_ATTN_NAME, DECODE_KWARG, SharedPrefixKV
-from grpo.engine.patch import check_every_layer, placeholder_mask, shared_prefix_unsupported, switched_attention
+from grpo.engine.patch import check_every_layer, placeholder_mask, shared_decode_unsupported, switched_attention
+from grpo.engine.state_layers import fork_states, has_recurrent_layers
 from grpo.engine.unwrap import unwrap_model
 from grpo.errors import GRPOWarning
 from grpo.rollout.base import cut_at_eos, eos_ids
@@ -42,7 +43,8 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
     ``suffixes`` (multi-turn episodes after their first turn): per prompt, the contexts to continue it with, one
     sample each, returned in their order (``group_size`` is then unused). With ``share_prompt`` each prompt is
     prefilled once, its K/V forked to its rows (copied, not held once as above), and each row prefills only its
-    own suffix; without it every prompt + suffix is prefilled whole.
+    own suffix; without it (and for models with recurrent layers, whose state would run through the padding
+    between a prompt and a shorter suffix) every prompt + suffix is prefilled whole.
 
     ``context``: the runtime's ``generation_context`` (`grpo.runtime.base.Runtime`), entered around the decode loop:
     a multi-process runtime may need every rank in every decoding step (DeepSpeed ZeRO-3: partitioned weights),
@@ -52,7 +54,8 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int, 
     context that continues a kept row prefills only its new tokens (the sampled turn's last token, the tool text);
     this call's rows are kept in turn. Not used with ``share_prompt=False`` or a synced runtime (ZeRO-3: every
     rank must run the same forwards)."""
-    if suffixes is not None and not share_prompt:
+    if suffixes is not None and (not share_prompt or has_recurrent_layers(unwrap_model(model, peft=False))):
+        # a recurrent layer's state would run through the padding between a prompt and a shorter row's suffix
         ids, cut = generate(model, tokenizer, flatten(prompt_ids, suffixes), group_size=1,
                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             batch_size=batch_size, greedy=greedy, desc=desc, progress=progress,
@@ -129,16 +132,13 @@ def _generate(model, tokenizer, prompt_ids, *, group_size, max_new_tokens, tempe
         if suffixes is not None:  # each prompt's K/V forked to its rows; each row runs its last prompt token + suffix
             counts = [len(ss) for ss in tails]
             owner = torch.tensor([i for i, n in enumerate(counts) for _ in range(n)], device=device)
-            cache.batch_select_indices(owner)
+            cache = _forked(cache, owner)
             input_ids, own = _left_padded([[p[-1], *s] for p, ss in zip(chunk, tails) for s in ss], pad_id, device)
             attention = torch.cat([attention[owner, :-1], own], dim=1)
             cache = prefill(model, input_ids, attention, synced=synced is not None, cache=cache)
         elif share_prompt and not greedy and n_samples > 1:  # prefilled once; G rows decode from it
-            if width > 1 and _cascade_ok(model, width + max_new_tokens):
-                shared = _shared_prompt(cache, attention[:, :-1], n_samples)
-                cache = type(cache)(config=model.config)  # each row's own tokens only
-            elif width > 1:
-                cache.batch_repeat_interleave(n_samples)  # fork: G copies of the prompt's K/V
+            if width > 1:
+                shared, cache = _share_or_fork(model, cache, attention, n_samples, width + max_new_tokens)
             input_ids, attention = input_ids.repeat_interleave(n_samples, 0), attention.repeat_interleave(n_samples, 0)
         new = decode(model, input_ids[:, -1], attention, cache, pick, max_new_tokens=max_new_tokens, eos=eos,
                      pad_id=pad_id, min_new_tokens=min_new_tokens, synced=synced, shared=shared)
@@ -224,21 +224,46 @@ def prefill(model, input_ids, attention, synced: bool = False, cache=None):
 def _cascade_ok(model, max_len: int) -> bool:
     """Whether decoding can attend to one shared copy of each prompt's K/V (the prefix engine's families)."""
     try:
-        return shared_prefix_unsupported(model, max_len) is None
+        return shared_decode_unsupported(model, max_len) is None
     except NotImplementedError:  # e.g. prompt-learning PEFT: the fork path serves it
         return False
 
 
+def _share_or_fork(model, cache, attention, group: int, max_len: int):
+    """After one prefill per prompt: (the prompts' K/V held once, a cache of each row's own tokens holding a copy
+    of its prompt's recurrent states) where the cascade serves the model, else (None, the prefilled cache with
+    G copies of each prompt's K/V and states)."""
+    rows = torch.arange(attention.shape[0], device=attention.device).repeat_interleave(group)  # each row's prompt
+    if _cascade_ok(model, max_len):
+        return _shared_prompt(cache, attention[:, :-1], group), fork_states(cache, type(cache)(config=model.config),
+                                                                             rows)
+    return None, _forked(cache, rows)
+
+
+def _forked(cache, rows: torch.Tensor):
+    """The prefilled cache, in place, with prompt ``rows[r]``'s K/V and recurrent states copied to row r."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:  # transformers releases before the per-layer cache
+        cache.batch_select_indices(rows)
+        return cache
+    for layer in layers:
+        if hasattr(layer, "keys"):  # a recurrent layer holds no K/V
+            layer.batch_select_indices(rows)
+    return fork_states(cache, cache, rows)
+
+
 def _shared_prompt(cache, valid, group: int) -> SharedPrefixKV:
     layers = getattr(cache, "layers", None)
-    if layers is not None:
-        keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
+    if layers is not None:  # a recurrent layer holds no K/V (its state is forked instead: fork_states)
+        keys, values = [getattr(layer, "keys", None) for layer in layers], [getattr(layer, "values", None)
+                                                                          for layer in layers]
     else:  # transformers releases before the per-layer cache
         keys, values = list(cache.key_cache), list(cache.value_cache)
     valid = valid.bool()
     pad = ~valid[:, None, :, None]  # left padding: zero it, so that no stray non-finite value reaches a sum
     for t in keys + values:  # a sliding-window layer's cache may keep only the last slots
-        t.masked_fill_(pad[:, :, pad.shape[2] - t.shape[2]:], 0.0)
+        if t is not None:
+            t.masked_fill_(pad[:, :, pad.shape[2] - t.shape[2]:], 0.0)
     return SharedPrefixKV(keys=keys, values=values, valid=valid, group=group)
 
 

@@ -18,6 +18,7 @@ from grpo import data
 from grpo.algorithm.policy_loss import get_policy_loss
 from grpo.config.schema import Config, TrainerConfig
 from grpo.data import PromptSampler
+from grpo.engine.head_check import check_head
 from grpo.errors import SetupError
 from grpo.models import check_name, load_model, load_reference, load_tokenizer
 from grpo.rewards.score import RewardFunction, in_worker
@@ -134,6 +135,8 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
                                   weight_decay=cfg.trainer.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.trainer))
     runtime.setup(policy, optimizer, scheduler)
+    # the engine's log-probs equal the model's own forward, under this runtime, or the run stops (one line)
+    check_head(runtime.model, agree=lambda gap: runtime.all_max({"head_gap": gap})["head_gap"])
     from grpo.trainer.budget import plan as plan_memory  # sizes `auto`, refuses a prompt + completion that cannot fit
     settings = derive(cfg, plan_memory(cfg, splits, runtime), chat=uses_chat(cfg.data, tokenizer))
     sampler = PromptSampler(len(splits.train), seed=cfg.trainer.seed)

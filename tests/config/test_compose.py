@@ -199,7 +199,7 @@ def test_a_recipe_of_yours_goes_by_its_own_name_unless_a_built_in_has_it(monkeyp
 
 
 def test_a_recipe_not_found_names_every_folder_searched(monkeypatch, tmp_path):
-    from grpo.config.cli import check_argv
+    from grpo.cli import check_argv
     from grpo.errors import ConfigError
 
     monkeypatch.setenv("GRPO_RECIPE_PATH", str(tmp_path / "mine"))

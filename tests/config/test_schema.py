@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from grpo.config.cli import check_argv
+from grpo.cli import check_argv
 from grpo.config.schema import ConfigError, load, schema_keys
 from tests.helpers import ROOT, compose_recipe
 

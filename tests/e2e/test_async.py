@@ -230,20 +230,22 @@ def test_the_commands_of_docs_async_md(tmp_path):
     import shlex
 
     from tests.e2e.test_docs_commands import SCALE
-    from tests.helpers import ROOT
+    from tests.helpers import ROOT, in_one_process
 
     text = (ROOT / "docs" / "async.md").read_text()
     commands = [shlex.split(line, comments=True) for block in re.findall(r"```bash\n(.*?)```", text, re.S)
                 for line in block.splitlines() if line.startswith("grpo-train")]
     assert len(commands) == 2
+    runs = []
     for i, words in enumerate(commands):
-        out = tmp_path / f"run{i}"
         given = dict(w.split("=", 1) for w in words[1:])
-        args = {**given, **SCALE, "trainer.max_steps": "3", "trainer.output_dir": str(out)}
+        args = {**given, **SCALE, "trainer.max_steps": "3", "trainer.output_dir": str(tmp_path / f"run{i}")}
         if "trainer.save_every" in given:
             args["trainer.save_every"] = "1"
-        p = subprocess.run([sys.executable, "-m", "grpo.train", *[f"{k}={v}" for k, v in args.items()]],
-                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        runs.append((given, [f"{k}={v}" for k, v in args.items()]))
+    # both in one process (tests/helpers.py `in_one_process`), each as `python -m grpo.train` would run it
+    for i, ((given, _), p) in enumerate(zip(runs, in_one_process([(tmp_path, ["grpo.train", *a]) for _, a in runs]))):
+        out = tmp_path / f"run{i}"
         assert p.returncode == 0, p.stderr[-2000:]
         K = int(given["rollout.max_staleness"])
         assert [m["async/staleness_max"] for m in steps(out).values()] == [min(K, t - 1) for t in (1, 2, 3)]

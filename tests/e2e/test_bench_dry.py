@@ -285,3 +285,22 @@ def test_bench_server_plans_the_server_backend_at_a_lag():
     assert "rollout.backend=server" in lagged and "rollout.max_staleness=1" in lagged
     assert [w for w in sync if w.startswith("rollout.server.urls")] == \
         [w for w in lagged if w.startswith("rollout.server.urls")]
+
+
+def test_bench_engine_ab_counts_each_trees_ops_and_parses_each_runs_row(capsys):
+    """scripts/bench_engine_ab.py: an exported tree against this one (op counts per layout), and the timing mode's
+    parse of a bench_prefix.py table (its own run takes minutes: the coordinator's, on an idle machine)."""
+    from tests.helpers import load_script
+
+    ab = load_script("bench_engine_ab")
+    assert ab.main(["--ops", "16x4x2", "--old", "HEAD"]) == 0
+    out = capsys.readouterr().out
+    totals = re.search(r"old HEAD \{'standard': (\d+), 'shared': (\d+)\}, new working tree \{'standard': (\d+)", out)
+    assert totals and int(totals[1]) > 100 and int(totals[2]) > int(totals[1]) and totals[1] == totals[3], out
+    table = ("# device=cpu\n| model | P | S | G | standard s | shared s | speedup |\n|---|---|---|---|---|---|---|\n"
+             "| tiny-llama-49k | 4096 | 256 | 16 | 116.750 | 27.360 | 4.27x |\n")
+    done = subprocess.CompletedProcess([], 0, stdout=table, stderr="")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ab.subprocess, "run", lambda *a, **k: done)
+        row = ab.bench_row(ROOT, "4096x256x16", threads=2, repeats=1)
+    assert row == {"standard": 116.75, "shared": 27.36, "speedup": 116.75 / 27.36}

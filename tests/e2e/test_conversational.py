@@ -1,8 +1,6 @@
 """Conversational datasets (a prompt column of messages, as TRL and verl store them) and the rewards written
 for them: TRL's conversational reward convention and verl's compute_score, used unchanged."""
 import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -12,6 +10,7 @@ from grpo.data import DataError, format_prompt, prepare
 from grpo.models import char_tokenizer
 from grpo.rewards import resolve
 from grpo.rewards.score import reward_inputs
+from tests.helpers import in_one_process
 
 CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -91,28 +90,49 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def run_smoke(tmp_path, *args):
-    import os
-
-    p = subprocess.run([sys.executable, "-m", "grpo.train", "recipe=smoke", f"trainer.output_dir={tmp_path}/run",
-                        "trainer.max_steps=1", *args], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                       env={**os.environ, "SEEN_FILE": str(tmp_path / "seen.jsonl")})
-    assert p.returncode == 0, p.stderr[-3000:]
-    step = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-            if '"loss"' in line][0]
-    seen = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
-    return step, seen
-
-
-def test_a_trl_conversational_dataset_and_rewards_train_unchanged(tmp_path):
+def _trl(cwd) -> list[str]:
+    """A TRL conversational dataset and TRL-style rewards in ``cwd``: the arguments that train on them."""
     rows = [{"prompt": [{"role": "system", "content": "Think in <think> tags."},
                         {"role": "user", "content": f"What is {a} + {a}?"}], "solution": str(2 * a)}
             for a in range(10)]
-    (tmp_path / "conv.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "trl_rewards.py").write_text(textwrap.dedent(TRL_STYLE))
-    step, seen = run_smoke(tmp_path, "data.source=conv.jsonl",
-                           "reward.functions={fmt: {fn: trl_rewards:think_format}, "
-                           "acc: {fn: trl_rewards:contains_solution}}")
+    (cwd / "conv.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (cwd / "trl_rewards.py").write_text(textwrap.dedent(TRL_STYLE))
+    return ["data.source=conv.jsonl", "reward.functions={fmt: {fn: trl_rewards:think_format}, "
+            "acc: {fn: trl_rewards:contains_solution}}"]
+
+
+def _verl(cwd) -> list[str]:
+    """A verl parquet and its compute_score in ``cwd``: the arguments that train on them."""
+    import pandas as pd
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {a} + 1?"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(a + 1)},
+             "extra_info": {"split": "train", "index": a}} for a in range(10)]
+    pd.DataFrame(rows).to_parquet(cwd / "train.parquet")
+    (cwd / "verl_reward.py").write_text(textwrap.dedent(VERL_STYLE))
+    return ["data.source=train.parquet", "reward.functions={score: {fn: verl_reward:compute_score}}"]
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory) -> dict:
+    """A one-step smoke run on each dataset, from a directory of its own holding it and its rewards, both in one
+    process (tests/helpers.py `in_one_process`; conftest.py's TOGETHER keeps their tests on one worker): name -> (the
+    step's metrics, what the rewards saw)."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in ("trl", "verl")}
+    args = {"trl": _trl(dirs["trl"]), "verl": _verl(dirs["verl"])}
+    ran = in_one_process([(cwd, ["grpo.train", "recipe=smoke", f"trainer.output_dir={cwd}/run", "trainer.max_steps=1",
+                                 *args[name]], {"SEEN_FILE": str(cwd / "seen.jsonl")}) for name, cwd in dirs.items()])
+    out = {}
+    for (name, cwd), p in zip(dirs.items(), ran):
+        assert p.returncode == 0, p.stderr[-3000:]
+        step = [json.loads(line) for line in (cwd / "run" / "metrics.jsonl").read_text().splitlines()
+                if '"loss"' in line][0]
+        out[name] = step, [json.loads(line) for line in (cwd / "seen.jsonl").read_text().splitlines()]
+    return out
+
+
+def test_a_trl_conversational_dataset_and_rewards_train_unchanged(smoke_runs):
+    step, seen = smoke_runs["trl"]
     assert step["reward/fmt_errors"] == 0 and step["reward/acc_errors"] == 0
     assert step["reward/fmt"] is not None and step["reward/acc"] is not None
     first = seen[0]
@@ -121,16 +141,8 @@ def test_a_trl_conversational_dataset_and_rewards_train_unchanged(tmp_path):
     assert first["completion"][0]["role"] == "assistant" and isinstance(first["completion"][0]["content"], str)
 
 
-def test_a_verl_parquet_trains_with_its_compute_score(tmp_path):
-    import pandas as pd
-
-    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {a} + 1?"}],
-             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(a + 1)},
-             "extra_info": {"split": "train", "index": a}} for a in range(10)]
-    pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
-    (tmp_path / "verl_reward.py").write_text(textwrap.dedent(VERL_STYLE))
-    step, seen = run_smoke(tmp_path, "data.source=train.parquet",
-                           "reward.functions={score: {fn: verl_reward:compute_score}}")
+def test_a_verl_parquet_trains_with_its_compute_score(smoke_runs):
+    step, seen = smoke_runs["verl"]
     assert step["reward/score_errors"] == 0 and step["reward/score"] is not None
     first = seen[0]
     assert first["data_source"] == "openai/gsm8k" and isinstance(first["solution_str"], str)

@@ -1,21 +1,23 @@
 """Every command block of README.md and the user docs, run as a user would paste it, scaled down (the tiny
 model, one step), each checked for the effect its text promises. A command added to those docs without a
-case here fails `test_every_documented_command_has_a_case`. Each command runs in a checkout of its own (a copy of
-this one, as getting-started.md's `git clone ... && cd grpo` leaves the user in), so they run in any order, on
-either worker, and the recipe the docs tell the user to write into recipes/ never lands in this checkout; the
-commands that build on each other (`CHAINS`) run in one test, in their order."""
+case here fails `test_every_documented_command_has_a_case`. The commands run from a checkout of the user's own (a copy
+of this one's code, configs and recipes, as getting-started.md's `git clone ... && cd grpo` leaves the user in, with
+the files the docs tell the user to write), so the recipe the docs tell the user to write into recipes/ never lands
+in this checkout; each test's commands in a working directory of their own (the commands that build on each other,
+`CHAINS`, in one, in their order). All of them run in one process (tests/in_one_process.py: each is the entry
+point's main() with the command's arguments, its exit status and output those of a process of its own), which
+imports torch and transformers once instead of once per command."""
 import json
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, in_one_process
 
 DOCS = ["README.md", "docs/getting-started.md", "docs/data.md", "docs/tasks.md", "docs/rewards.md",
         "docs/tools-and-environments.md", "docs/reliability.md"]
@@ -253,7 +255,7 @@ CASES = {
         ([], check_episodes({"accuracy", "format", "Guess"})),
     "grpo-train recipe=smoke 'rollout.tools=[mytools:add]' rollout.max_turns=2":
         ([], check_tool_format("hermes", {"accuracy", "format"})),
-    # the recipe as measured (docs/benchmarks.md#calculator-tools-multi-turn): the code format, the python tool
+    # the recipe as measured (docs/benchmarks.md#current-figures): the code format, the python tool
     "grpo-train recipe=calculator-tools": (["logging.sample_every=1"],
                                            check_tool_format("code", {"accuracy"})),  # and reward/tool_call
 }
@@ -299,15 +301,30 @@ def user_files(tmp_path_factory) -> Path:
     return files
 
 
-@pytest.fixture
-def ctx(tmp_path, user_files):
-    """A checkout of the user's own: this one's code, configs and recipes (`python -m grpo.train` run from it
-    imports its grpo/, whose configs/recipe is its recipes/), with the user's files added."""
-    cwd = tmp_path / "grpo"
+UNITS = [(c,) for c in ALONE] + CHAINS  # what runs in one working directory, in order: a test's commands
+
+
+@pytest.fixture(scope="module")
+def ran(request, tmp_path_factory, user_files) -> dict:
+    """The commands of every selected test of this file (conftest.py's TOGETHER: one worker runs them all), in one
+    process from the user's checkout: a copy of this one's code, configs and recipes (so `python -m grpo.train`
+    imports its grpo/, whose configs/recipe is its recipes/) with the user's files added. Each unit of `UNITS` runs
+    in a directory of its own holding the user's files. unit -> its working directory and each command's `Ran`."""
+    root = tmp_path_factory.mktemp("docs-commands")
+    checkout = root / "grpo"
     for part in ("grpo", "configs", "recipes"):
-        shutil.copytree(ROOT / part, cwd / part, symlinks=True, ignore=shutil.ignore_patterns("_data"))
-    shutil.copytree(user_files, cwd, dirs_exist_ok=True)
-    return Context(cwd)
+        shutil.copytree(ROOT / part, checkout / part, symlinks=True,
+                        ignore=shutil.ignore_patterns("_data", "__pycache__"))
+    shutil.copytree(user_files, checkout, dirs_exist_ok=True)
+    selected = {item.callspec.params.get("chain") or (item.callspec.params["command"],)
+                for item in request.session.items if item.module is request.module and hasattr(item, "callspec")}
+    units, commands = {}, []
+    for i, unit in enumerate(u for u in UNITS if u in selected):
+        units[unit] = cwd = root / f"unit{i}"
+        shutil.copytree(user_files, cwd)
+        commands += [(cwd, argv(command, CASES[command][0])[2:]) for command in unit]
+    done = iter(in_one_process(commands, path=checkout, timeout_each=600))
+    return {unit: (cwd, [next(done) for _ in unit]) for unit, cwd in units.items()}
 
 
 def _verl_parquet(cwd: Path) -> None:
@@ -334,23 +351,26 @@ def argv(command: str, extra: list[str] | None) -> list[str]:
     return [sys.executable, "-m", "grpo.train", *words, *extra, *scale]
 
 
-def run_and_check(ctx, command: str) -> None:
-    extra, check = CASES[command]
-    ctx.before = run_dirs(ctx.cwd)
-    p = subprocess.run(argv(command, extra), cwd=ctx.cwd, capture_output=True, text=True, timeout=600)
-    if "max_stepz" not in command:
-        assert p.returncode == 0, p.stderr[-3000:]
-    check(ctx, p)
+def check_unit(ran: dict, unit: tuple[str, ...]) -> None:
+    """Each command of ``unit`` succeeded (the misspelt key: failed) with the effect its check wants; `new_run` sees
+    the run directories it added to what the command before it left."""
+    cwd, done = ran[unit]
+    ctx, before = Context(cwd), set()
+    for command, p in zip(unit, done):
+        ctx.before = {(cwd / path).parent for path in before if Path(path).match("outputs/*/*/.hydra")}
+        if "max_stepz" not in command:
+            assert p.returncode == 0, p.stderr[-3000:]
+        CASES[command][1](ctx, p)
+        before = p.files
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ALONE)
-def test_documented_command(ctx, command):
-    run_and_check(ctx, command)
+def test_documented_command(ran, command):
+    check_unit(ran, (command,))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("chain", CHAINS, ids=lambda chain: chain[-1])
-def test_documented_commands_in_order(ctx, chain):
-    for command in chain:
-        run_and_check(ctx, command)
+def test_documented_commands_in_order(ran, chain):
+    check_unit(ran, chain)

@@ -14,6 +14,7 @@ import torch
 from grpo.errors import SetupError
 from grpo.trainer import checkpoint
 from grpo.trainer.loop import train
+from tests.helpers import in_one_process
 
 COMPARED = ("loss", "reward_mean", "reward_std", "kl", "grad_norm", "completion_len_mean", "reward/accuracy",
             "reward/format", "entropy", "ratio_mean", "clip_ratio")
@@ -331,32 +332,39 @@ def test_non_finite_steps_are_skipped_then_stop(cfg_factory, monkeypatch):
 
 
 # -------------------------------------------------------------------------------------- bad input
-def _cli_error(tmp_path, *args) -> str:
-    p = subprocess.run([sys.executable, "-m", "grpo.train", "recipe=smoke", f"trainer.output_dir={tmp_path}/o", *args],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert p.returncode != 0
-    assert "Traceback" not in p.stderr
-    lines = [l for l in p.stderr.splitlines() if l.startswith("error:")]
-    assert len(lines) == 1, p.stderr
-    return lines[0]
+def _cli_errors(tmp_path, *commands: list[str]) -> list[str]:
+    """The one error line of each command line (``grpo-train recipe=smoke ARGS``, run from ``tmp_path``), which
+    must fail without a traceback; all of them run in one process (tests/helpers.py `in_one_process`)."""
+    lines = []
+    for p in in_one_process([(tmp_path, ["grpo.train", "recipe=smoke", f"trainer.output_dir={tmp_path}/o", *args])
+                             for args in commands], timeout_each=120):
+        assert p.returncode != 0
+        assert "Traceback" not in p.stderr
+        errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, p.stderr
+        lines.append(errors[0])
+    return lines
 
 
 def test_bad_data_files(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    assert "the file is empty" in _cli_error(tmp_path, f"data.source={empty}")
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "1+1", "answer": 2}\n{"question": "2+2", "answer": 4}\n')
-    assert "data row 1 has no 'prompt' value" in _cli_error(tmp_path, f"data.source={rows}")
     odd = tmp_path / "data.txt"
     odd.write_text("x")
-    assert "unknown file type" in _cli_error(tmp_path, f"data.source={odd}")
+    errors = _cli_errors(tmp_path, [f"data.source={empty}"], [f"data.source={rows}"], [f"data.source={odd}"])
+    assert "the file is empty" in errors[0]
+    assert "data row 1 has no 'prompt' value" in errors[1]
+    assert "unknown file type" in errors[2]
 
 
 def test_bad_reward_signature_and_resume_path(tmp_path):
     (tmp_path / "sigmod.py").write_text("def one_arg(x):\n    return [0.0]\n")
-    assert "expected fn(prompts, completions" in _cli_error(tmp_path, "reward.functions.accuracy.fn=sigmod:one_arg")
-    assert "no such checkpoint directory" in _cli_error(tmp_path, f"trainer.resume={tmp_path}/missing")
+    errors = _cli_errors(tmp_path, ["reward.functions.accuracy.fn=sigmod:one_arg"],
+                         [f"trainer.resume={tmp_path}/missing"])
+    assert "expected fn(prompts, completions" in errors[0]
+    assert "no such checkpoint directory" in errors[1]
 
 
 def test_fresh_run_into_a_used_directory_is_refused(cfg_factory, tmp_path):
@@ -458,6 +466,7 @@ def test_eval_with_no_scored_sample_prints_na_not_a_traceback(cfg_factory, fault
 
 
 def test_flex_kernel_on_cpu_is_refused_before_the_model_loads(tmp_path):
-    err = _cli_error(tmp_path, "engine.attention_kernel=flex", "trainer.device=cpu")
-    assert "engine.attention_kernel=flex needs a CUDA device" in err
-    assert "engine.attention_kernel='fast' is not allowed" in _cli_error(tmp_path, "engine.attention_kernel=fast")
+    flex, fast = _cli_errors(tmp_path, ["engine.attention_kernel=flex", "trainer.device=cpu"],
+                             ["engine.attention_kernel=fast"])
+    assert "engine.attention_kernel=flex needs a CUDA device" in flex
+    assert "engine.attention_kernel='fast' is not allowed" in fast

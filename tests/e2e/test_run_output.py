@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import in_one_process
+
 BAD_REWARDS = '''
 import os
 
@@ -39,14 +41,29 @@ def read(path):
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory):
+def cli(tmp_path_factory) -> dict:
+    """The command lines of this file, in one process (tests/helpers.py `in_one_process`), from one working directory
+    holding the bad rewards: name -> (its output directory, what it gave)."""
     cwd = tmp_path_factory.mktemp("cwd")
     (cwd / "badrewards.py").write_text(BAD_REWARDS)
-    out = cwd / "runs" / "a"
-    p = grpo(cwd, f"trainer.output_dir={out}", "trainer.max_steps=2", "trainer.save_every=1", "algorithm.beta=0",
-             "~reward.functions.accuracy", "+reward.functions.boom.fn=badrewards:boom")
+    commands = {  # name -> output directory, arguments after recipe=smoke, environment
+        "first": (cwd / "runs" / "a", ["trainer.max_steps=2", "trainer.save_every=1", "algorithm.beta=0",
+                                       "~reward.functions.accuracy", "+reward.functions.boom.fn=badrewards:boom"], {}),
+        "one_score": (cwd / "short", ["trainer.max_steps=3", "data.num_eval=0",
+                                      "+reward.functions.short.fn=badrewards:one_score"], {}),
+        "slow": (cwd / "slow", ["trainer.max_steps=1", "data.num_eval=0", "reward.timeout_s=2",
+                                "+reward.functions.slow.fn=badrewards:slow"], {"CALLS_FILE": str(cwd / "calls.txt")}),
+    }
+    ran = in_one_process([(cwd, ["grpo.train", "recipe=smoke", f"trainer.output_dir={out}", *args], env)
+                          for out, args, env in commands.values()])
+    return {"cwd": cwd, **{name: (out, p) for (name, (out, _, _)), p in zip(commands.items(), ran)}}
+
+
+@pytest.fixture(scope="module")
+def first_run(cli):
+    out, p = cli["first"]
     assert p.returncode == 0, p.stderr[-3000:]
-    return cwd, out, p
+    return cli["cwd"], out, p
 
 
 def test_a_removed_reward_is_not_scored_and_the_saved_config_says_so(first_run):
@@ -142,11 +159,8 @@ def test_resume_keeps_the_step_zero_evaluation_and_refuses_a_changed_prompt(firs
     assert before and "before     n/a" not in before[0], p.stderr[-2000:]
 
 
-def test_a_reward_returning_the_wrong_number_of_scores_stops_at_the_first_step(tmp_path):
-    (tmp_path / "badrewards.py").write_text(BAD_REWARDS)
-    out = tmp_path / "run"
-    p = grpo(tmp_path, f"trainer.output_dir={out}", "trainer.max_steps=3", "data.num_eval=0",
-             "+reward.functions.short.fn=badrewards:one_score")
+def test_a_reward_returning_the_wrong_number_of_scores_stops_at_the_first_step(cli):
+    out, p = cli["one_score"]
     assert p.returncode == 2
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: reward.functions.short (badrewards:one_score) returned 1 scores for 8 completions; "
@@ -155,15 +169,10 @@ def test_a_reward_returning_the_wrong_number_of_scores_stops_at_the_first_step(t
     assert not [r for r in read(out / "metrics.jsonl") if "loss" in r]
 
 
-def test_a_hanging_reward_is_timed_out_once_per_batch(tmp_path):
+def test_a_hanging_reward_is_timed_out_once_per_batch(cli):
     """reward.timeout_s: the batch call is killed after the timeout and not retried sample by sample."""
-    import os
-
-    (tmp_path / "badrewards.py").write_text(BAD_REWARDS)
-    calls = tmp_path / "calls.txt"
-    out = tmp_path / "run"
-    p = grpo(tmp_path, f"trainer.output_dir={out}", "trainer.max_steps=1", "data.num_eval=0", "reward.timeout_s=2",
-             "+reward.functions.slow.fn=badrewards:slow", env={**os.environ, "CALLS_FILE": str(calls)})
+    out, p = cli["slow"]
+    calls = cli["cwd"] / "calls.txt"
     assert p.returncode == 0, p.stderr[-3000:]
     assert calls.read_text().split() == ["8"]  # one call with the whole batch, no per-sample retries
     rows = [r for r in read(out / "metrics.jsonl") if "loss" in r]
@@ -195,13 +204,16 @@ def test_samples_come_from_every_group_first_then_fill_from_within_groups():
 
 
 def test_the_tests_of_the_first_run_are_scheduled_together():
-    """tests/conftest.py's TOGETHER lists them by name: one worker runs them in file order (the resume last)."""
+    """tests/conftest.py's TOGETHER lists the tests of the `cli` process by name: one worker runs them in file order
+    (the resume last); the others are scheduled on their own."""
     import inspect
 
     from tests.conftest import _scope
 
-    users = [f"{__name__.replace('.', '/')}.py::{name}" for name, fn in globals().items()
-             if name.startswith("test_") and "first_run" in inspect.signature(fn).parameters]
-    assert len(users) >= 7 and all(_scope(nodeid) == "run_output_first_run" for nodeid in users), users
-    assert _scope(f"{__name__.replace('.', '/')}.py::test_a_hanging_reward_is_timed_out_once_per_batch") != \
-        "run_output_first_run"
+    def nodeid(name: str) -> str:
+        return f"{__name__.replace('.', '/')}.py::{name}"
+
+    tests = {name: inspect.signature(fn).parameters for name, fn in globals().items() if name.startswith("test_")}
+    users = [name for name, params in tests.items() if {"first_run", "cli"} & set(params)]
+    assert len(users) >= 9 and all(_scope(nodeid(name)) == "run_output_first_run" for name in users), users
+    assert all(_scope(nodeid(name)) != "run_output_first_run" for name in set(tests) - set(users))

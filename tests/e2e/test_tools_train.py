@@ -1,12 +1,12 @@
 """Multi-turn episodes through the real command line: a 2-step smoke run with a plain-text environment, and a bad
 tool path refused at start with one line."""
 import json
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, in_one_process
 
 ENV = '''
 class Steps:
@@ -25,20 +25,45 @@ class Steps:
 '''
 
 
-def _cli(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "grpo.train", "recipe=smoke", *args], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=300)
+SMOLLM2 = Path.home() / ".cache" / "grpo" / "SmolLM2-135M-Instruct" / "config.json"
+LORA = {"full": [], "lora": ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8"]}
+
+
+def _commands(root: Path) -> dict:
+    """name -> (working directory, ``grpo-train`` arguments, output directory) of every command line of this file."""
+    env = ["rollout.environment=smoke_env:Steps", "rollout.max_turns=3", "rollout.max_new_tokens=8",
+           "rollout.max_tool_tokens=16", "trainer.eval_every=2", "data.num_eval=2"]
+    out = {f"env-{k}": (root, ["recipe=smoke", f"trainer.output_dir={root / k}", *env, *extra], root / k)
+           for k, extra in LORA.items()}
+    out["bad-tool"] = (root, ["recipe=smoke", f"trainer.output_dir={root / 'bad'}",
+                              "rollout.tools=[no_such_pkg.tools:calc]"], root / "bad")
+    out["tiny-tools"] = (ROOT, ["recipe=smoke", "rollout.tools=[tests.tool_fixtures:add]", "rollout.max_turns=2",
+                                f"trainer.output_dir={root / 'tiny'}", "trainer.max_steps=1", "data.num_eval=2"],
+                         root / "tiny")
+    if SMOLLM2.exists():
+        out["smollm2-tools"] = (ROOT, ["recipe=quickstart", "rollout.tools=[tests.tool_fixtures:add]",
+                                       "rollout.max_turns=2", f"trainer.output_dir={root / 'smollm2'}",
+                                       "trainer.max_steps=1", "data.num_eval=0", "rollout.prompts_per_step=2",
+                                       "algorithm.group_size=2", "rollout.max_new_tokens=8", "logging.sample_every=1"],
+                                root / "smollm2")
+    return out
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory) -> dict:
+    """Every command line of this file, in one process (tests/helpers.py `in_one_process`; conftest.py's TOGETHER
+    runs the tests that read them on one worker): name -> (its output directory, what it gave)."""
+    root = tmp_path_factory.mktemp("cli")
+    (root / "smoke_env.py").write_text(ENV)
+    commands = _commands(root)
+    ran = in_one_process([(cwd, ["grpo.train", *args]) for cwd, args, _ in commands.values()], timeout_each=600)
+    return {name: (out, p) for (name, (_, _, out)), p in zip(commands.items(), ran)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_a_smoke_run_with_an_environment(tmp_path, lora):
-    (tmp_path / "smoke_env.py").write_text(ENV)
-    out = tmp_path / "run"
-    extra = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8"] if lora else []
-    p = _cli(tmp_path, f"trainer.output_dir={out}", "rollout.environment=smoke_env:Steps", "rollout.max_turns=3",
-             "rollout.max_new_tokens=8", "rollout.max_tool_tokens=16", "trainer.eval_every=2", "data.num_eval=2",
-             *extra)
+@pytest.mark.parametrize("lora", ["full", "lora"])
+def test_a_smoke_run_with_an_environment(cli, lora):
+    out, p = cli[f"env-{lora}"]
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
@@ -59,9 +84,8 @@ def test_a_smoke_run_with_an_environment(tmp_path, lora):
     assert evals and any(k.endswith("turns_mean") for k in evals[-1])
 
 
-def test_a_bad_tool_fails_before_anything_loads(tmp_path):
-    out = tmp_path / "run"
-    p = _cli(tmp_path, f"trainer.output_dir={out}", "rollout.tools=[no_such_pkg.tools:calc]")
+def test_a_bad_tool_fails_before_anything_loads(cli):
+    out, p = cli["bad-tool"]
     assert p.returncode == 2 and not out.exists()
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("error: rollout.tools[0]='no_such_pkg.tools:calc': cannot import module"), p.stderr[-500:]
@@ -73,13 +97,10 @@ def _metrics(out):
 
 
 @pytest.mark.slow
-def test_tools_with_the_tiny_model_from_the_cli(tmp_path):
+def test_tools_with_the_tiny_model_from_the_cli(cli):
     """The tiny model's tokenizer has no chat template: rollout.tool_format=auto describes the tools in the hermes
     format and the run completes with the episode metrics."""
-    out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "grpo.train", "recipe=smoke", "rollout.tools=[tests.tool_fixtures:add]",
-                        "rollout.max_turns=2", f"trainer.output_dir={out}", "trainer.max_steps=1", "data.num_eval=2"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out, p = cli["tiny-tools"]
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stderr.count("rollout.tool_format=hermes (the prompts use no chat template)") == 1
     (step,) = [r for r in _metrics(out) if "loss" in r]
@@ -144,19 +165,12 @@ def test_tools_that_raise_or_hang_do_not_stop_training(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_tools_with_smollm2_from_the_cli(tmp_path):
+def test_tools_with_smollm2_from_the_cli(cli):
     """The quickstart recipe (SmolLM2-135M-Instruct, whose chat template shows no tools) with a tool: hermes, results
     as the template's generic tool turn."""
-    from pathlib import Path
-
-    if not (Path.home() / ".cache" / "grpo" / "SmolLM2-135M-Instruct" / "config.json").exists():
+    if not SMOLLM2.exists():
         pytest.skip("embedded SmolLM2 not prepared (make model)")
-    out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "grpo.train", "recipe=quickstart",
-                        "rollout.tools=[tests.tool_fixtures:add]", "rollout.max_turns=2", f"trainer.output_dir={out}",
-                        "trainer.max_steps=1", "data.num_eval=0", "rollout.prompts_per_step=2",
-                        "algorithm.group_size=2", "rollout.max_new_tokens=8", "logging.sample_every=1"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    out, p = cli["smollm2-tools"]
     assert p.returncode == 0, p.stderr[-3000:]
     assert "rollout.tool_format=hermes (the chat template of" in p.stderr and "results as tool turns" in p.stderr
     (step,) = [r for r in _metrics(out) if "loss" in r]

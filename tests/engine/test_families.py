@@ -60,7 +60,6 @@ def test_bench_families_quick_runs(capsys):
 
 
 @pytest.mark.parametrize("family,feature", [("jamba", "layers of type linear_attention"),
-                                            ("falcon_h1", "layers of type hybrid"),
                                             ("llama4_text", "layers of type chunked_attention"),
                                             ("bloom", "attention that does not go through transformers' Attention")])
 def test_families_with_an_unimplemented_feature_are_refused_naming_it(family, feature):

@@ -18,6 +18,7 @@ from tests.engine.test_logprobs import (
     max_err,
     reference_with_grads,
 )
+from tests.helpers import in_one_process
 
 GiB = 2**30
 
@@ -245,28 +246,39 @@ def test_auto_budget_splits_the_batch_and_keeps_the_gradient(cfg_factory, monkey
         run.close()
 
 
-def _train(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "grpo.train", "recipe=smoke", f"trainer.output_dir={tmp_path}",
-                           *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
-
-
-@pytest.mark.parametrize("args, fragment", [
+IMPOSSIBLE = [
     (["engine.max_tokens_per_micro_batch=20"], "engine.max_tokens_per_micro_batch=20 is smaller than the longest"),
     (["engine.max_tokens_per_micro_batch=auto", "engine.memory_limit_gib=0.01"], "model.gradient_checkpointing=true"),
-])
-def test_impossible_fit_fails_at_start_in_one_line(tmp_path, args, fragment):
-    r = _train(tmp_path, *args)
+]
+AUTO = ["engine.max_tokens_per_micro_batch=auto", "trainer.max_steps=1", "data.num_eval=0"]
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory) -> dict:
+    """``grpo-train recipe=smoke`` with each `IMPOSSIBLE` case's arguments and with `AUTO`, all in one process
+    (tests/helpers.py `in_one_process`; conftest.py's TOGETHER runs this file's tests of it on one worker): arguments
+    -> (its output directory, what it gave)."""
+    root = tmp_path_factory.mktemp("cli")
+    cases = [tuple(args) for args, _ in IMPOSSIBLE] + [tuple(AUTO)]
+    runs = in_one_process([(ROOT, ["grpo.train", "recipe=smoke", f"trainer.output_dir={root / str(i)}", *args])
+                           for i, args in enumerate(cases)])
+    return {args: (root / str(i), p) for i, (args, p) in enumerate(zip(cases, runs))}
+
+
+@pytest.mark.parametrize("args, fragment", IMPOSSIBLE)
+def test_impossible_fit_fails_at_start_in_one_line(cli, args, fragment):
+    out, r = cli[tuple(args)]
     assert r.returncode == 2
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and fragment in errors[0], r.stderr[-2000:]
-    assert "Traceback" not in r.stderr and not (tmp_path / "metrics.jsonl").exists()
+    assert "Traceback" not in r.stderr and not (out / "metrics.jsonl").exists()
 
 
-def test_auto_is_the_default_and_is_resolved_at_start(tmp_path):
+def test_auto_is_the_default_and_is_resolved_at_start(cli):
     from grpo.config.schema import load
 
     assert load({}).engine.max_tokens_per_micro_batch == "auto"
-    r = _train(tmp_path, "engine.max_tokens_per_micro_batch=auto", "trainer.max_steps=1", "data.num_eval=0")
+    r = cli[tuple(AUTO)][1]
     assert r.returncode == 0, r.stderr[-2000:]
     line = next(x for x in r.stderr.splitlines() if "engine.max_tokens_per_micro_batch=auto -> " in x)
     assert int(line.split("-> ")[1].split()[0]) == memory.CPU_CAP  # a tiny model: the CPU cap, not memory, limits

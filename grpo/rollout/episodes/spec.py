@@ -11,8 +11,8 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field, replace
 
-from grpo.config.objects import load_object
 from grpo.errors import ConfigError
+from grpo.objects import load_object
 
 RESERVED = ("reset", "reward", "step")
 

@@ -119,7 +119,7 @@ def _describe(e: BaseException) -> str:
 
 
 def _handle(request: tuple):
-    from grpo.config.objects import import_attr
+    from grpo.objects import import_attr
 
     objects, envs = _objects, _envs
 

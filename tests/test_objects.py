@@ -1,8 +1,8 @@
-"""grpo/config/objects.py: the one module:attr loader; its errors name the key."""
+"""grpo/objects.py: the one module:attr loader; its errors name the key."""
 import pytest
 
-from grpo.config.objects import import_attr, load_object
 from grpo.errors import ConfigError
+from grpo.objects import import_attr, load_object
 
 
 def test_loads_from_beside_the_working_directory(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The command line before Hydra (grpo/config/cli.py) and the run directory around it (grpo/train.py): checks that
+"""The command line before Hydra (grpo/cli.py) and the run directory around it (grpo/train.py): checks that
 need no model run before one loads, `--cfg job` is checked as a run is, sweeps and paths land where the docs say."""
 import json
 import os
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from grpo.config.cli import prepare_argv
+from grpo.cli import prepare_argv
 from grpo.rollout import backends as rollout_backends
 from tests.helpers import compose_recipe
 
@@ -174,8 +174,7 @@ def test_what_a_trl_or_verl_user_types_is_refused_naming_ours(monkeypatch, capsy
 
 @pytest.mark.parametrize("where", ["loading the model", "the checks before Hydra"])
 def test_ctrl_c_while_starting_is_one_line_and_leaves_no_run_directory(monkeypatch, capsys, tmp_path, where):
-    from grpo import train
-    from grpo.config import cli
+    from grpo import cli, train
     from grpo.trainer import build
 
     def ctrl_c(*a, **k):
