@@ -112,7 +112,7 @@ def tiny_config(family: str, vocab_size: int, *, window: int | None = None, **ov
     for heads, dim, expand in _SSM_WIDTH.get(family, ()):  # the SSM's heads x head size follow the width
         if dim not in overrides and heads in kwargs:
             kwargs[dim] = kwargs.get(expand, 2) * kwargs["hidden_size"] // kwargs[heads]
-    if family in ("deepseek_v3", "kimi_linear"):  # MLA: the rotary part is the head; a K/V head per query head (its code needs both)
+    if family in ("deepseek_v3", "kimi_linear"):  # MLA: the rotary part is the head, a K/V head per query head
         kwargs.update(head_dim=kwargs["qk_rope_head_dim"], num_key_value_heads=kwargs["num_attention_heads"])
     return transformers.AutoConfig.for_model(family, **kwargs)
 
