@@ -1,5 +1,6 @@
 """grpo/tiny_models.py: ``tiny:<family>`` for every family the engine serves, the same configs the engine's family
-tests use, a table the hybrid families plug into, and the smoke recipe's step for every family, through the shared layout."""
+tests use, a table the hybrid families plug into, and the smoke recipe's step for every family, through the shared
+layout."""
 import pytest
 import torch
 
