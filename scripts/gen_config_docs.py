@@ -25,6 +25,7 @@ from grpo.config import schema
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "config-reference.md"
 SOURCE = Path(schema.__file__)
+SOURCES = (SOURCE, SOURCE.parent / "evaluation.py")  # the schema's dataclasses and those of evaluation and alarms
 
 SECTIONS = {  # one line per top-level group, shown under its heading
     "model": "Which model to train and how it is loaded.",
@@ -37,6 +38,10 @@ SECTIONS = {  # one line per top-level group, shown under its heading
     "trainer": "Optimisation, checkpoints, resume, held-out evaluation.",
     "logging": "metrics.jsonl, console lines, samples, plots, wandb.",
     "distributed": "Several processes with DeepSpeed (see [distributed.md](distributed.md)).",
+    "evaluation": "Held-out evaluation: greedy or sampled (pass@k, maj@k, mean@n), named sets (see "
+                  "[evaluation.md](evaluation.md)).",
+    "alarms": "Rules over each step's metrics that warn of a silent failure (see "
+              "[evaluation.md](evaluation.md#alarms)).",
 }
 
 
@@ -103,15 +108,20 @@ def _default(f):
     return f.default
 
 
-def rows(cls=schema.Config, prefix: str = "") -> list[dict]:
-    """One dict per leaf key: key, type, default, meaning, allowed (depth-first, schema order)."""
-    comments, types = field_comments(), annotations()
+def rows(cls=schema.Config, prefix: str = "", obj=None, note: str = "") -> list[dict]:
+    """One dict per leaf key: key, type, default, meaning, allowed (depth-first, schema order). ``obj``: the
+    section's default instance (an alarm's own threshold and patience); ``note``: the comment of the field holding
+    it (what that alarm's threshold means)."""
+    comments, types = {}, {}
+    for src in SOURCES:
+        comments.update(field_comments(src.read_text()))
+        types.update(annotations(src.read_text()))
     out = []
     for f in fields(cls):
         key = f"{prefix}{f.name}"
-        default = _default(f)
+        default = _default(f) if obj is None else getattr(obj, f.name)
         if is_dataclass(default):
-            out.extend(rows(type(default), key + "."))
+            out.extend(rows(type(default), key + ".", default, comments.get((cls.__name__, f.name), "")))
             continue
         allowed = ""
         if key in schema._CHOICES:
@@ -119,7 +129,8 @@ def rows(cls=schema.Config, prefix: str = "") -> list[dict]:
         elif key in schema._RANGES:
             allowed = schema._RANGES[key][1]
         out.append({"key": key, "type": types.get((cls.__name__, f.name), ""), "default": _yaml(default),
-                    "meaning": comments.get((cls.__name__, f.name), ""), "allowed": allowed})
+                    "meaning": note if note and f.name == "threshold" else comments.get((cls.__name__, f.name), ""),
+                    "allowed": allowed})
     return out
 
 

@@ -28,6 +28,7 @@ TOGETHER = {
         "beta_zero_logs", "resume_keeps", "a_reward_returning", "a_hanging_reward")),  # resume_keeps resumes the run
     "server": ("tests/e2e/test_server.py::",),  # `ctx`: one grpo-serve process the walkthrough starts late
     "multinode": ("tests/e2e/test_multinode.py::",),  # `nodes`: one launch of two torchrun nodes
+    "damaged_checkpoint": ("tests/e2e/test_damaged_checkpoint.py::",),  # `runs`: a three-step run and a resume of it
     "memory_cli": tuple(f"tests/engine/test_memory.py::test_{name}" for name in (  # `cli`: three commands, one process
         "impossible_fit", "auto_is")),
     "tools_cli": tuple(f"tests/e2e/test_tools_train.py::test_{name}" for name in (  # `cli`: one process

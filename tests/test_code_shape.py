@@ -60,12 +60,12 @@ def test_no_import_circle():
 STAGES = [
     ("bottom", ["grpo.errors", "grpo.objects"]),
     ("shared", ["grpo.batch", "grpo.config", "grpo.models", "grpo.tiny_models", "grpo.data", "grpo.tasks",
-                "grpo.worker_process"]),
-    ("engine, runtime, algorithm", ["grpo.engine", "grpo.runtime", "grpo.algorithm"]),
+                "grpo.vision", "grpo.worker_process"]),
+    ("engine, runtime, algorithm", ["grpo.engine", "grpo.runtime", "grpo.algorithm", "grpo.evaluation"]),
     ("rewards, rollout", ["grpo.rewards", "grpo.rollout"]),
     ("experience, update", ["grpo.experience", "grpo.update"]),
     ("trainer", ["grpo.trainer"]),
-    ("entry points", ["grpo.train", "grpo.serve", "grpo.cli"]),
+    ("entry points", ["grpo.train", "grpo.serve", "grpo.cli", "grpo.eval"]),
 ]
 TRAINER = [name for name, _ in STAGES].index("trainer")
 

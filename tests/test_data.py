@@ -116,3 +116,32 @@ def test_every_prompt_too_long_says_the_shortest_and_what_to_raise(tok):
     assert str(e.value) == (f"every prompt is longer than data.max_prompt_tokens=2: the shortest is {shortest} tokens "
                             f"(as the model sees it, template included); raise data.max_prompt_tokens to at least "
                             f"{shortest}")
+
+
+@pytest.mark.parametrize("override,named", [
+    ({"answer_column": "nope"}, "data.answer_column='nope': the data has no such column"),
+    ({"prompt_column": "nope"}, "data.prompt_column='nope': the data has no such column"),
+    ({"prompt_template": "{prompt} ({nope})"}, "data.prompt_template uses column 'nope'"),
+])
+def test_a_named_column_the_data_lacks_is_refused_before_the_model_loads(cfg_factory, tmp_path, monkeypatch,
+                                                                         override, named):
+    """Issue 41: a CSV with prompt,answer and data.answer_column=nope used to train to the end with no answer."""
+    from grpo.trainer import build as build_module
+    from grpo.trainer.loop import train
+
+    csv = tmp_path / "qa.csv"
+    csv.write_text("prompt,answer\n" + "".join(f"What is {i}+1?,{i + 1}\n" for i in range(8)))
+    monkeypatch.setattr(build_module, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    cfg = cfg_factory({"data": {"source": str(csv), "num_eval": 0, **override}})
+    with pytest.raises(DataError) as e:
+        train(cfg)
+    assert str(e.value).startswith(named) and str(e.value).endswith("the data's columns are: prompt, answer")
+    assert "\n" not in str(e.value)
+
+
+def test_the_default_answer_column_may_be_absent_and_a_named_one_present_is_used(tok, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a", "gold": "1"}\n{"prompt": "b", "gold": "2"}\n')
+    assert "answer" not in build(DataConfig(source=str(rows), num_eval=0), tok).train[0]  # optional: not named
+    got = build(DataConfig(source=str(rows), num_eval=0, answer_column="gold"), tok).train
+    assert sorted(r["answer"] for r in got) == ["1", "2"]

@@ -43,3 +43,12 @@ def check_distributed(cfg) -> None:
     if cfg.model.dtype == "float16":
         raise ConfigError("model.dtype=float16 is not supported with distributed.backend=deepspeed (no loss scaling); "
                           "use model.dtype=bfloat16 or distributed.bf16=true")
+
+
+def check_trainer(cfg) -> None:
+    t = cfg.trainer
+    if len(t.adam_betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.adam_betas):
+        raise ConfigError(f"trainer.adam_betas={list(t.adam_betas)} must be two numbers in [0, 1), "
+                          "e.g. trainer.adam_betas=[0.9,0.99]")
+    if t.resume not in (None, "auto", "") and not isinstance(t.resume, str):
+        raise ConfigError("trainer.resume must be null, 'auto' or a checkpoint path")

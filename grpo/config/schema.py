@@ -13,7 +13,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from grpo.config.checks import check_distributed, check_server, check_tools
+from grpo.config.checks import check_distributed, check_server, check_tools, check_trainer
+from grpo.config.evaluation import RANGES, AlarmsConfig, EvalConfig, check_evaluation
 from grpo.errors import ConfigError
 
 
@@ -23,8 +24,7 @@ class LoraConfig:
     r: int = 16                      # rank
     alpha: int = 32                  # scaling numerator: the update is scaled by alpha / r
     dropout: float = 0.0             # dropout on the LoRA input
-    # names of the modules that get adapters
-    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # adapted modules
     merge_on_save: bool = True       # final/ holds a merged model (True) or the adapter only (False)
 
 
@@ -47,6 +47,7 @@ class DataConfig:
     load_kwargs: dict = field(default_factory=dict)  # extra datasets.load_dataset arguments
     prompt_column: str = "prompt"    # the column holding the prompt text
     answer_column: str = "answer"    # the reference column; rewards receive it as `answer`
+    image_column: str = "images"     # a row's images (one or a list: PIL, path, bytes); docs/vision-language.md
     system_prompt: Optional[str] = None  # a system message (without a chat template: a first paragraph)
     prompt_template: str = "{prompt}"  # applied before the chat template; any column by name
     chat_template: bool = True       # use the tokenizer's chat template when it has one
@@ -173,6 +174,7 @@ class TrainerConfig:
     eval_every: int = 0              # 0 = evaluate only before and after training
     eval_max_new_tokens: Optional[int] = None  # None = rollout.max_new_tokens
     max_bad_steps: int = 3           # stop after this many non-finite steps in a row
+    stop_on_alarm: bool = False      # an alarm that fires (alarms.*) checkpoints and stops the run
     device: str = "auto"             # auto | cpu | cuda
 
 
@@ -209,6 +211,8 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
+    alarms: AlarmsConfig = field(default_factory=AlarmsConfig)
 
 
 # --------------------------------------------------------------------------------------- checking
@@ -288,6 +292,7 @@ _RANGES = {
     "distributed.zero_stage": (lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3"),
     "distributed.timeout_s": (lambda v: v > 0 and math.isfinite(v), "> 0 (seconds a rank waits in a collective)"),
     "reward.timeout_s": (lambda v: v >= 0, ">= 0 (0 = run in-process, no timeout)"),
+    **RANGES,
 }
 
 
@@ -342,14 +347,10 @@ def validate(cfg: Config) -> Config:
         w = spec.get("weight", 1.0)
         if not isinstance(w, (int, float)):
             raise ConfigError(f"reward.functions.{name}.weight={w!r} must be a number")
-    betas = cfg.trainer.adam_betas
-    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
-        raise ConfigError(f"trainer.adam_betas={list(betas)} must be two numbers in [0, 1), "
-                          "e.g. trainer.adam_betas=[0.9,0.99]")
+    check_trainer(cfg)
     if not cfg.reward.functions:
         raise ConfigError("reward.functions is empty; give at least one reward function")
-    mode = (cfg.logging.wandb or {}).get("mode", "disabled")
-    if mode not in ("online", "offline", "disabled"):
+    if (mode := (cfg.logging.wandb or {}).get("mode", "disabled")) not in ("online", "offline", "disabled"):
         raise ConfigError(f"logging.wandb.mode={mode!r} is not allowed; choose one of: online, offline, disabled")
     if cfg.algorithm.resample_zero_std and not cfg.algorithm.filter_zero_std_groups:
         raise ConfigError(f"algorithm.resample_zero_std={cfg.algorithm.resample_zero_std} needs "
@@ -362,14 +363,12 @@ def validate(cfg: Config) -> Config:
     check_distributed(cfg)
     check_tools(cfg)
     check_server(cfg)
-    if cfg.trainer.resume not in (None, "auto", "") and not isinstance(cfg.trainer.resume, str):
-        raise ConfigError("trainer.resume must be null, 'auto' or a checkpoint path")
+    check_evaluation(cfg)
     return cfg
 
 
 def _list_example(key: str) -> str:
-    default = dict(_walk()).get(key)
-    return ",".join(map(str, default)) if isinstance(default, list) else "a,b"
+    return ",".join(map(str, d)) if isinstance(d := dict(_walk()).get(key), list) else "a,b"
 
 
 def load(raw: DictConfig | dict) -> Config:

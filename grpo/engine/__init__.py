@@ -15,6 +15,7 @@ Public entries: :func:`token_logprobs` and :func:`plan_micro_batches` (also ``gr
   its prompt's state; the rollout's states copied to the G rows
 - ``patch``: switching a model's attention to ours, the placeholder mask, the every-layer check
 - ``logprob_head``: log p and entropy from hidden states without storing vocabulary logits
+- ``vision_logprobs``: the same for prompts with images (Qwen2.5-VL): the vision tower once per prompt, 3-D positions
 - ``micro_batches``: cutting groups into micro-batches under a token budget
 - ``memory``: sizing that budget from the model and the free memory
 - ``unwrap``: the model inside DDP / DeepSpeed / peft wrappers

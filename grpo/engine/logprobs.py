@@ -15,10 +15,11 @@ import torch
 from grpo.engine.flex_kernel import build_block_mask, flex_available
 from grpo.engine.layout import build_layout
 from grpo.engine.logprob_head import head_logprobs
-from grpo.engine.micro_batches import MicroBatch, plan_micro_batches
+from grpo.engine.micro_batches import plan_micro_batches, scatter
 from grpo.engine.patch import check_every_layer, placeholder_mask, shared_prefix_unsupported, switched_attention
 from grpo.engine.prefix_attention import LAYOUT_KWARG
-from grpo.engine.unwrap import unwrap_chain
+from grpo.engine.unwrap import unwrap_chain, unwrap_model
+from grpo.engine.vision_logprobs import VISION_FAMILIES, vision_token_logprobs
 
 __all__ = ["token_logprobs", "ATTENTION_KERNELS"]
 
@@ -51,6 +52,10 @@ def token_logprobs(
     ``flex`` (FlexAttention block mask, compiled; CUDA, or CPU without grad) or ``auto`` (grouped for now:
     flex becomes the CUDA default once it has been measured on a GPU).
     """
+    if getattr(unwrap_model(model).config, "model_type", None) in VISION_FAMILIES:  # prompts may hold images
+        return vision_token_logprobs(model, prompt_ids, completion_ids, shared_prefix=shared_prefix,
+                                     temperature=temperature, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                                     return_entropy=return_entropy)
     prompts, comps = _as_groups(prompt_ids, completion_ids, temperature)
     lm, decoder, head = _model_parts(model)
     kernel = _resolve_kernel(attention_kernel, lm)
@@ -68,7 +73,7 @@ def token_logprobs(
             lp, ent = _forward_shared_prefix(lm, decoder, head, sub_p, sub_c, temperature, return_entropy, kernel)
         else:
             lp, ent = _forward_standard(lm, decoder, head, sub_p, sub_c, temperature, return_entropy)
-        _scatter(mb, comps, lp, ent, logps, ents)
+        scatter(mb, comps, lp, ent, logps, ents)
     return (logps, ents) if return_entropy else logps
 
 
@@ -197,15 +202,3 @@ def _hidden(out) -> torch.Tensor:
 
 def _empty(device):
     return torch.zeros(0, device=device)
-
-
-def _scatter(mb: MicroBatch, comps, lp, ent, logps, ents) -> None:
-    """Put one micro-batch's flat log-probs (and entropies) into the per-group, per-completion results."""
-    lens = [len(r) for g, sl in mb for r in comps[g][sl]]
-    lp_parts = torch.split(lp, lens)
-    ent_parts = torch.split(ent, lens) if ent is not None else [None] * len(lens)
-    n = 0
-    for g, sl in mb:
-        for i in range(*sl.indices(len(comps[g]))):
-            logps[g][i], ents[g][i] = lp_parts[n], ent_parts[n]
-            n += 1

@@ -1,4 +1,5 @@
-"""Cutting a batch of groups into micro-batches of at most a given number of real tokens (``plan_micro_batches``).
+"""Cutting a batch of groups into micro-batches of at most a given number of real tokens (``plan_micro_batches``),
+and putting a micro-batch's results back in place (``scatter``).
 
 The budget itself (``engine.max_tokens_per_micro_batch``, ``auto`` sized from memory) is grpo/engine/memory.py's.
 """
@@ -80,3 +81,15 @@ def _split_group(g: int, prompt_len: int, lens: Sequence[int], max_tokens: int,
         parts.append([(g, slice(start, stop))])
         start = stop
     return parts
+
+
+def scatter(mb: MicroBatch, comps, lp, ent, logps, ents) -> None:
+    """Put one micro-batch's flat log-probs (and entropies) into the per-group, per-completion results."""
+    lens = [len(r) for g, sl in mb for r in comps[g][sl]]
+    lp_parts = lp.split(lens)
+    ent_parts = ent.split(lens) if ent is not None else [None] * len(lens)
+    n = 0
+    for g, sl in mb:
+        for i in range(*sl.indices(len(comps[g]))):
+            logps[g][i], ents[g][i] = lp_parts[n], ent_parts[n]
+            n += 1

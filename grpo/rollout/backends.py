@@ -22,8 +22,10 @@ from typing import Callable
 
 import torch
 
+from grpo.engine.unwrap import unwrap_model
+from grpo.engine.vision_logprobs import VISION_FAMILIES
 from grpo.errors import SetupError
-from grpo.rollout.base import Completions, RolloutBackend, Sampling
+from grpo.rollout.base import Completions, RolloutBackend, Sampling, eos_ids
 from grpo.rollout.turn_cache import TurnCache
 
 __all__ = ["Completions", "HFBackend", "RolloutBackend", "Sampling", "SyncedBackend", "resolve_backend",
@@ -55,6 +57,8 @@ class HFBackend:
         fn = self._generate or generate
         model = self._model() if callable(self._model) and not isinstance(self._model, torch.nn.Module) \
             else self._model
+        if getattr(unwrap_model(model).config, "model_type", None) in VISION_FAMILIES:  # prompts with images
+            return _generate_with_images(model, self.tokenizer, prompt_ids, group_size, sampling, seed, suffixes)
         extra = {"greedy": True} if sampling.greedy else {}
         if suffixes is not None:
             extra["suffixes"] = suffixes
@@ -120,6 +124,16 @@ def step_seed(base: int, rank: int, *state: int) -> int:
     a resumed run samples what an uninterrupted one would."""
     h = hashlib.sha256(repr((base, rank, *state)).encode()).digest()
     return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+
+
+def _generate_with_images(model, tokenizer, prompt_ids, group_size, sampling, seed, suffixes) -> Completions:
+    """A vision-language model's rollout (`grpo.rollout.vision`): each prompt's images encoded once per group."""
+    from grpo.rollout.vision import generate_with_images
+
+    if suffixes is not None:
+        raise SetupError("multi-turn episodes (rollout.tools / rollout.environment) do not take image prompts yet")
+    out = generate_with_images(model, prompt_ids, group_size, sampling, eos_ids(unwrap_model(model), tokenizer), seed)
+    return Completions(out.ids, out.truncated)  # its log-probs are the trainer's own (checked in tests)
 
 
 class SyncedBackend:

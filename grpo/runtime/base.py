@@ -143,7 +143,7 @@ class Runtime:
     def save_model_state(self, ckpt: Path):
         """Write the model's trained weights (and whatever optimizer state the runtime keeps in its own files)
         into the checkpoint directory ``ckpt``; every rank calls it. Returns the optimizer state to store in
-        the loop's trainer_state.pt, or None when it went into the runtime's own files."""
+        the loop's trainer state, or None when it went into the runtime's own files."""
         raise NotImplementedError
 
     def load_model_state(self, ckpt: Path, optimizer_state) -> None:

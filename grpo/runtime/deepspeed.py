@@ -273,7 +273,7 @@ class DeepSpeedRuntime(Runtime):
     # ---------------------------------------------------------------------------- save / load
     def save_model_state(self, tmp: Path) -> None:
         """Weights, optimizer and ZeRO partitions of every rank under ``tmp/deepspeed`` (all ranks call this);
-        trainer_state.pt holds no optimizer state (None)."""
+        the trainer state holds no optimizer state (None)."""
         self.barrier()  # rank 0 has created tmp
         # frozen weights (a LoRA run's base model) are not trained: they come back from model.name_or_path
         self.engine.save_checkpoint(str(tmp), tag=TAG, save_latest=False, exclude_frozen_parameters=self._frozen())

@@ -41,7 +41,7 @@ class LocalRuntime(Runtime):
         return norm, stepped
 
     def save_model_state(self, ckpt: Path) -> dict:
-        """The trainable parameters as safetensors; the optimizer state goes into trainer_state.pt."""
+        """The trainable parameters as safetensors; the optimizer state goes into the trainer state."""
         from safetensors.torch import save_file
 
         state = {n: p.detach().cpu().contiguous() for n, p in self.model.named_parameters() if p.requires_grad}

@@ -20,7 +20,7 @@ from grpo.config.schema import Config, TrainerConfig
 from grpo.data import PromptSampler
 from grpo.engine.head_check import check_head
 from grpo.errors import SetupError
-from grpo.models import check_name, load_model, load_reference, load_tokenizer
+from grpo.models import check_name, load_image_processor, load_model, load_reference, load_tokenizer
 from grpo.rewards.score import RewardFunction, in_worker
 from grpo.rewards.score import build as build_rewards
 from grpo.rollout.backends import HFBackend, SyncedBackend, check_vllm_cpu, resolve_backend
@@ -30,6 +30,7 @@ from grpo.rollout.episodes.spec import build_toolset, choose_format, multi_turn
 from grpo.rollout.episodes.worker import ToolWorker
 from grpo.runtime.base import Runtime
 from grpo.trainer.checkpoint import resolve_resume
+from grpo.trainer.evaluate import check_sets
 from grpo.trainer.logger import interactive
 from grpo.trainer.pipeline import check as check_async
 from grpo.trainer.run import Run
@@ -87,6 +88,7 @@ def preflight(cfg: Config) -> list[RewardFunction]:
         raise SetupError(f"reward.functions.{toolset.env_name}: the environment's reward() is logged under that name; "
                          "rename the reward function")
     data.check_source(cfg.data)
+    check_sets(cfg.evaluation.sets, cfg.data, rewards)  # evaluation.sets: each reads, with the columns rewards read
     get_policy_loss(cfg.algorithm.policy_loss)  # a registered name, or a module:function that imports
     check_async(cfg)  # rollout.max_staleness > 0: what the generator process does not run with yet
     return rewards
@@ -114,7 +116,8 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction]) -> Run:
             rewards.append(environment_reward(toolset))
     splits = data.build(cfg.data, tokenizer, tools=fmt.template_tools(list(toolset.schemas)) if fmt else None,
                         keep_turns=toolset is not None,
-                        system_text=fmt.system_text(list(toolset.schemas)) if fmt else None)
+                        system_text=fmt.system_text(list(toolset.schemas)) if fmt else None, sets=cfg.evaluation.sets,
+                        image_processor=load_image_processor(cfg.model.name_or_path))
     if splits.dropped and runtime.is_main:
         print(f"[grpo] dropped {splits.dropped} prompts longer than data.max_prompt_tokens="
               f"{cfg.data.max_prompt_tokens}; {len(splits.train)} train / {len(splits.eval)} held-out remain",
@@ -164,6 +167,9 @@ def backend_maker(cfg: Config, runtime: Runtime, tokenizer, splits: data.Splits)
     longest = max((len(row["prompt_ids"]) for split in (splits.train, splits.eval) for row in split),
                   default=cfg.data.max_prompt_tokens)
     max_len = r.vllm.max_model_len or longest + r.max_new_tokens
+    if kind != "hf" and any(getattr(row["prompt_ids"], "n_images", 0) for row in splits.train):
+        raise SetupError(f"rollout.backend={r.backend} ({kind}) does not take images yet; prompts with images need "
+                         "rollout.backend=hf (docs/vision-language.md)")
     if kind == "vllm":
         from grpo.rollout.vllm import VLLMBackend
 

@@ -5,8 +5,10 @@ A checkpoint is written into ``.tmp-step_<N>``, flushed, marked complete, then r
 directory holding the ``COMPLETE`` marker is ever resumed from, so a crash at any instant (kill -9
 during a save included) leaves the previous checkpoint usable. Older checkpoints are removed only
 after the new one is complete, keeping the last ``keep_last``. The model's files are the runtime's
-(`Runtime.save_model_state`); ``trainer_state.pt`` holds the loop's state, the schedule, the sampler and
-the RNG; ``rank_<r>.pt`` each rank's own RNG, rollouts and batches in flight when there are many processes.
+(`Runtime.save_model_state`); ``trainer_state.{json,safetensors}`` hold the loop's state, the schedule, the sampler
+and the RNG; ``rank_<r>.{json,safetensors}`` each rank's own RNG, rollouts and batches in flight when there are many
+processes (`grpo.trainer.state_files`: no pickle). The owner writes ``MANIFEST.json`` last (every file's size and
+CRC-32, `grpo.trainer.manifest`); a resume verifies it (`damage`) and never loads a checkpoint that fails.
 """
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import sys
 from dataclasses import asdict
@@ -26,42 +27,35 @@ import torch
 
 from grpo.config.schema import Config
 from grpo.errors import SetupError
+from grpo.trainer import manifest, state_files
+from grpo.trainer.resume import (  # noqa: F401  (the directory's layout and trainer.resume, used through here)
+    DAMAGED,
+    LEGACY_STATE,
+    MARKER,
+    STATE,
+    checkpoints_dir,
+    choose,
+    complete_checkpoints,
+    damage,
+    later_than,
+    latest,
+    resolve_resume,
+    set_aside,
+    step_of,
+)
 from grpo.trainer.run import LoopState
 
 if TYPE_CHECKING:
     from grpo.trainer.logger import MetricsLogger
     from grpo.trainer.run import Run
 
-MARKER = "COMPLETE"
-STATE = "trainer_state.pt"
-_STEP = re.compile(r"^step_(\d+)$")
+
+def save_state(path: Path, state: dict, name: str = STATE) -> None:
+    state_files.save(path, name, state)
 
 
-def checkpoints_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = checkpoints_dir(output_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and (p / MARKER).exists()]
-    return [p for _, p in sorted(found)]
-
-
-def latest(output_dir: str | Path) -> Path | None:
-    done = complete_checkpoints(output_dir)
-    return done[-1] if done else None
-
-
-def step_of(ckpt: Path) -> int:
-    return int(_STEP.match(ckpt.name).group(1))
-
-
-def later_than(output_dir: str | Path, step: int) -> list[Path]:
-    """Complete checkpoints newer than ``step``, oldest first."""
-    return [p for p in complete_checkpoints(output_dir) if step_of(p) > step]
+def load_state(ckpt: Path, name: str = STATE, say: bool = True) -> dict:
+    return state_files.load_state(ckpt, name, say)
 
 
 def abandon_after(run: Run, cfg: Config, log: MetricsLogger, step: int) -> None:
@@ -129,6 +123,7 @@ def save(output_dir: str | Path, step: int, write_fn, keep_last: int = 2, owner:
     if not owner:
         return final
     (tmp / MARKER).write_text(f"{step}\n")
+    manifest.write(tmp)  # last: every file of every rank in this directory is there (the caller's barrier)
     _fsync_tree(tmp)
     if final.exists():  # a stale copy of the same step (e.g. from a forced re-run)
         shutil.rmtree(final)
@@ -144,35 +139,14 @@ def save(output_dir: str | Path, step: int, write_fn, keep_last: int = 2, owner:
     return final
 
 
-def save_state(path: Path, state: dict) -> None:
-    torch.save(state, path / STATE)
-
-
-def load_state(ckpt: Path) -> dict:
-    return torch.load(ckpt / STATE, map_location="cpu", weights_only=False)
-
-
-def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
-    """``None``/'' -> fresh; ``auto`` -> newest complete checkpoint or fresh; else that path (validated)."""
-    if not resume:
-        return None
-    if resume == "auto":
-        return latest(output_dir)
-    p = Path(resume)
-    if not p.is_dir():
-        raise FileNotFoundError(f"trainer.resume={resume!r}: no such checkpoint directory")
-    if not (p / MARKER).exists() or not (p / STATE).exists():
-        raise FileNotFoundError(f"trainer.resume={resume!r} is not a complete checkpoint (no {MARKER} marker)")
-    return p
-
-
 # ---------------------------------------------------------------------------------- a run's checkpoints
 # Keys that define the run: resuming with any of them changed is refused unless trainer.force_resume.
 RUN_DEFINING = ["model.name_or_path", "model.lora", "data.source", "data.task_kwargs", "data.seed",
                 "data.num_train", "data.num_eval", "data.split", "data.load_kwargs", "data.prompt_column",
                 "data.answer_column", "data.system_prompt", "data.prompt_template", "data.chat_template",
                 "data.max_prompt_tokens", "algorithm.group_size", "rollout.prompts_per_step", "trainer.seed",
-                "reward.functions", "rollout.max_staleness"]
+                "reward.functions", "rollout.max_staleness",
+                "evaluation.sets"]  # a training prompt that is in a named set is dropped from training
 
 
 def fingerprint(cfg: Config) -> dict:
@@ -197,8 +171,8 @@ def save_checkpoint(run: Run, state: LoopState, cfg: Config) -> Path:
     def write(tmp: Path) -> None:
         if rt.world_size > 1:  # each rank's own sampling stream and rollouts (rank 0's are also below)
             rt.barrier()       # rank 0 has created tmp
-            torch.save({"rng": rng_state(), "buffer": state.buffer, "in_flight": state.in_flight},
-                       tmp / f"rank_{rt.rank}.pt")
+            save_state(tmp, {"rng": rng_state(), "buffer": state.buffer, "in_flight": state.in_flight},
+                       f"rank_{rt.rank}")
         optimizer_state = rt.save_model_state(tmp)
         if run.owns_output_dir:  # every node's copy holds the state (the same on every rank)
             save_state(tmp, {
@@ -218,24 +192,20 @@ def save_checkpoint(run: Run, state: LoopState, cfg: Config) -> Path:
 
 def restore(run: Run, cfg: Config) -> LoopState:
     """Load the checkpoint named by trainer.resume into the run's objects; returns the loop's state to continue
-    from (a fresh `LoopState`, step 0, when there is nothing to resume). Nothing in the directory is changed here:
-    a resume that then trains abandons what came after its checkpoint (`abandon_after`), one that has nothing to
-    do leaves everything as it was."""
+    from (a fresh `LoopState`, step 0, when there is nothing to resume). Nothing in the directory is changed here
+    but the damaged checkpoints the resume passed over, moved aside (`set_aside`): a resume that then trains
+    abandons what came after its checkpoint (`abandon_after`), one that has nothing to do leaves the rest as it was."""
     rt = run.runtime
-    try:
-        ckpt = resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
-    except FileNotFoundError as e:
-        raise SetupError(str(e)) from None
-    existing = complete_checkpoints(cfg.trainer.output_dir)
-    if rt.world_size > 1:
-        ckpt, existing = _agree_on_checkpoint(rt, cfg, ckpt, existing)
+    ckpt, skipped, existing = _decide(run, cfg)
     if ckpt is None:
         if existing:
             raise SetupError(f"trainer.output_dir={cfg.trainer.output_dir} already holds checkpoints of another run "
                              f"(newest {existing[-1].name}); continue it with trainer.resume=auto, or use a new "
                              "trainer.output_dir")
         return LoopState()
-    saved = load_state(ckpt)
+    if run.owns_output_dir:
+        set_aside([(p, why) for p, why in skipped if step_of(p) > step_of(ckpt)], ckpt, say=True)
+    saved = load_state(ckpt, say=rt.is_main)
     _check_fingerprint(saved, cfg, ckpt)
     rt.load_model_state(ckpt, saved["optimizer"])
     run.scheduler.load_state_dict(saved["scheduler"])
@@ -244,9 +214,9 @@ def restore(run: Run, cfg: Config) -> LoopState:
     state = LoopState(step=saved["step"], buffer=saved["buffer"], bad_steps=saved["bad_steps"],
                       skipped_steps=saved["skipped_steps"], failed_reward_steps=saved["failed_reward_steps"],
                       in_flight=saved.get("in_flight"))
-    own = ckpt / f"rank_{rt.rank}.pt"
-    if rt.world_size > 1 and own.exists():
-        mine = torch.load(own, map_location="cpu", weights_only=False)
+    own = f"rank_{rt.rank}"
+    if rt.world_size > 1 and (state_files.paths(ckpt, own)[0].exists() or (ckpt / f"{own}.pt").exists()):
+        mine = load_state(ckpt, own, say=False)
         set_rng_state(mine["rng"])
         state.buffer = mine["buffer"]
         state.in_flight = mine.get("in_flight")  # asynchronous GRPO: this rank's share (never rank 0's)
@@ -299,11 +269,38 @@ def _check_fingerprint(saved: dict, cfg: Config, ckpt: Path) -> None:
                          "set trainer.force_resume=true to resume anyway, or use a new trainer.output_dir")
 
 
-def _agree_on_checkpoint(runtime, cfg: Config, ckpt: Path | None, existing: list[Path]):
+def _decide(run: Run, cfg: Config) -> tuple[Path | None, list[tuple[Path, str]], list[Path]]:
+    """The checkpoint to resume, the damaged ones passed over, and the complete ones of this rank's directory
+    (those that verify, on a rank that checked them). The ranks that own a directory read its files to verify
+    them; the others check what needs no read (presence, sizes). With many processes every rank's view is
+    gathered: a damaged explicit path stops them all with the same line, and they all resume one step."""
+    rt, verify = run.runtime, run.owns_output_dir
+    error, ckpt, skipped = None, None, []
+    try:
+        ckpt, skipped = choose(cfg.trainer.resume, cfg.trainer.output_dir, checksums=verify)
+    except (FileNotFoundError, SetupError) as e:
+        if rt.world_size == 1:
+            raise SetupError(str(e)) from None
+        error = str(e)
+    existing = complete_checkpoints(cfg.trainer.output_dir)
+    if rt.world_size > 1:
+        if cfg.trainer.resume == "auto":  # every candidate checked: the step agreed on must verify on every node
+            bad = {p: why for p in existing if (why := damage(p, checksums=verify)) is not None}
+            skipped = sorted(set(skipped) | set(bad.items()), key=lambda s: -step_of(s[0]))
+            existing = [p for p in existing if p not in bad]
+        ckpt, existing = _agree_on_checkpoint(rt, cfg, ckpt, existing, error)
+    return ckpt, skipped, existing
+
+
+def _agree_on_checkpoint(runtime, cfg: Config, ckpt: Path | None, existing: list[Path], error: str | None = None):
     """Every rank resumes the same step. With one output_dir per node each node reads its own copy, and a node
     that died while finalising a checkpoint may hold one fewer: take the newest step complete on every rank.
-    Every rank decides from the same gathered view, so they all raise the same error or none does."""
-    views = runtime.gather((ckpt.name if ckpt else None, [p.name for p in existing]))
+    Every rank decides from the same gathered view, so they all raise the same error or none does (``error``:
+    this rank's reason to stop, e.g. the damaged checkpoint trainer.resume names)."""
+    views = runtime.gather((ckpt.name if ckpt else None, [p.name for p in existing], error))
+    errors = [v[2] for v in views if v[2]]
+    if errors:
+        raise SetupError(errors[0])
     if len({v[0] for v in views}) == 1 and all(set(v[1]) == set(views[0][1]) for v in views):
         return ckpt, existing
     if not any(v[0] for v in views):  # a fresh start: refused if any rank's directory holds checkpoints
@@ -314,18 +311,40 @@ def _agree_on_checkpoint(runtime, cfg: Config, ckpt: Path | None, existing: list
                          "trainer.output_dir; see docs/distributed.md); resume with trainer.resume=<a step every node "
                          "holds> or start a new trainer.output_dir")
     step = max(common, key=lambda name: int(name.split("_")[1]))
-    return checkpoints_dir(cfg.trainer.output_dir) / step, existing
+    return (ckpt.parent if ckpt else checkpoints_dir(cfg.trainer.output_dir)) / step, existing
 
 
 def save_final(run: Run, cfg: Config) -> Path:
     """``<output_dir>/final``: a directory `AutoModelForCausalLM.from_pretrained` loads (or the
-    LoRA adapter with model.lora.merge_on_save=false)."""
+    LoRA adapter with model.lora.merge_on_save=false), with its manifest (`grpo.trainer.manifest`)."""
     out = Path(cfg.trainer.output_dir) / "final"
     tmp = out.with_name(".tmp-final")
     run.runtime.save_final(tmp, run.tokenizer, merge_lora=cfg.model.lora.enabled and cfg.model.lora.merge_on_save)
     if run.runtime.is_main:
+        manifest.write(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
     run.runtime.barrier()
     return out
+
+
+def final_damage(output_dir: str | Path) -> str | None:
+    """What is wrong with ``<output_dir>/final`` (None: it verifies, or it predates manifests and holds a model)."""
+    final = Path(output_dir) / "final"
+    if not final.is_dir():
+        return "there is no final/"
+    if not (final / manifest.NAME).exists() and any(final.glob("*.safetensors")):
+        return None
+    return manifest.problem(final)
+
+
+def set_final_aside(output_dir: str | Path) -> Path:
+    """A damaged ``final/`` moved to ``damaged-final`` (kept) before it is saved again."""
+    final = Path(output_dir) / "final"
+    to, n = final.with_name(DAMAGED + "final"), 1
+    while to.exists():
+        n += 1
+        to = final.with_name(f"{DAMAGED}{n}-final")
+    final.rename(to)
+    return to

@@ -93,7 +93,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.path = self.dir / "metrics.jsonl"
         self.samples_path = self.dir / "samples.jsonl"
-        self._wandb = None
+        self._wandb, self._online = None, False
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -103,6 +103,7 @@ class MetricsLogger:
         if wandb_cfg.get("mode", "disabled") != "disabled":
             import wandb
 
+            self._online = wandb_cfg["mode"] == "online"
             os.environ.setdefault("WANDB_SILENT", "true")
             self._wandb = wandb.init(project=wandb_cfg.get("project", "grpo"), name=wandb_cfg.get("name"),
                                      mode=wandb_cfg["mode"], dir=str(self.dir), config=cfg_dict or {},
@@ -172,6 +173,11 @@ class MetricsLogger:
         columns = ["step", *rows[0]]
         table = wandb.Table(columns=columns, data=[[step, *r.values()] for r in rows])
         self._wandb.log({"completions": table}, step=step)
+
+    def alert(self, title: str, text: str) -> None:
+        """A wandb alert (an e-mail or Slack message, as the user's wandb settings say) when wandb is online."""
+        if self._wandb is not None and self._online:
+            self._wandb.alert(title=title, text=text)
 
     def finish(self) -> None:
         if self._wandb is not None:

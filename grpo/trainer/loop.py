@@ -14,6 +14,7 @@ from grpo.config.schema import Config
 from grpo.errors import SetupError
 from grpo.rewards.score import first_failure
 from grpo.trainer import checkpoint, logger, pipeline
+from grpo.trainer.alarms import Watch
 from grpo.trainer.build import build_run
 from grpo.trainer.checkpoint import abandon_after, restore, save_checkpoint, save_final
 from grpo.trainer.evaluate import evaluate
@@ -56,16 +57,18 @@ def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
     signals.step = start + 1
     summary = {"eval_before": _eval_before(run, cfg, log, start)}
     batches = pipeline.batches(run, cfg, state)  # the batch for step t: collected now, or sampled ahead (K > 0)
+    watch = Watch(cfg, log, run.runtime.is_main)  # the alarms (alarms.*) over every step's metrics
     try:
         for step in range(start + 1, cfg.trainer.max_steps + 1):
-            if (stopped := _step(run, cfg, state, batches, log, signals, step)) is not None:
+            if (stopped := _step(run, cfg, state, batches, log, signals, step, watch)) is not None:
                 return stopped
         return _finish(run, state, cfg, log, summary, batches)
     finally:
         batches.close()
 
 
-def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSignals, step: int) -> dict | None:
+def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSignals, step: int,
+          watch: Watch) -> dict | None:
     """One training step; returns the run's summary when it stops here (a signal)."""
     t0, signals.step, mu = time.time(), step, cfg.algorithm.num_iterations
     lr = run.scheduler.get_last_lr()[0]  # this step's (the update steps the scheduler on to the next one's)
@@ -84,6 +87,7 @@ def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSi
                "lr": lr, "step_time_s": time.time() - t0,
                "time/experience_s": t1 - t0, "time/update_s": time.time() - t1}
     metrics.setdefault("kl", batch.stats.get("kl"))  # None with beta = 0: there is no reference
+    metrics.update(watch.step(step, metrics))  # an alarm that fires or clears: one line; alarm/<name> logged
     if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.max_steps:
         metrics.update({f"eval/{k}": v for k, v in evaluate(run, f"step {step}").items()})
     log.log(metrics, console=step % cfg.logging.log_every == 0)
@@ -98,6 +102,9 @@ def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSi
         _save(run, state, cfg, batches)  # weights are those of the last good step: bad steps change nothing
         raise SetupError(f"{state.bad_steps} steps in a row had a non-finite loss or gradient; stopped. "
                          "Lower trainer.lr or check the rewards; the last good state is checkpointed")
+    if watch.stop is not None:
+        _save(run, state, cfg, batches)
+        raise SetupError(f"{watch.stop}; the state after this step is checkpointed (resume with trainer.resume=auto)")
     if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or state.stop_requested:
         _save(run, state, cfg, batches)
     if state.stop_requested:
@@ -168,13 +175,19 @@ def _already_done(run: Run, cfg: Config, log: logger.MetricsLogger, start: int) 
                   "with trainer.resume=auto")
         log.finish()
         return {"steps": start, "resumed": True}
-    if os.path.isdir(os.path.join(cfg.trainer.output_dir, "final")):
+    why = checkpoint.final_damage(cfg.trainer.output_dir)  # final/ verified against its manifest
+    if why is None:
         _say(run, f"run already reached trainer.max_steps={cfg.trainer.max_steps} (checkpoint step {start}); "
                   "nothing to do")
         log.finish()
         return {"steps": start, "resumed": True}
-    _say(run, f"run reached trainer.max_steps={cfg.trainer.max_steps} but stopped before its final model was "
-              "saved; saving it from the last checkpoint")
+    if os.path.isdir(os.path.join(cfg.trainer.output_dir, "final")):
+        kept = checkpoint.set_final_aside(cfg.trainer.output_dir) if run.runtime.is_main else None
+        _say(run, f"final/ is damaged ({why}): saving it again from checkpoint step {start}; the damaged one is "
+                  f"kept as {kept}")
+    else:
+        _say(run, f"run reached trainer.max_steps={cfg.trainer.max_steps} but stopped before its final model was "
+                  "saved; saving it from the last checkpoint")
     save_final(run, cfg)
     log.finish()
     return {"steps": start, "resumed": True, "final_saved": True}

@@ -6,7 +6,9 @@ sweep, or several of either — and writes ``report.md`` and PNG plots into ``--
 - ``reward.png``: training reward_mean against step and against wall-clock time;
 - ``heldout.png``: held-out accuracy (``eval/accuracy``, else ``eval/reward_mean``) against step and time;
 - ``kl_length.png``: KL to the reference and mean completion length against step;
-- a table of final metrics, one row per run.
+- a table of final metrics, one row per run;
+- with sampled evaluation or named evaluation sets (evaluation.*): ``eval_sets.png`` (pass@k, maj@k, mean@n and
+  accuracy of each set against step) and a table of them before training and at the last evaluation.
 
 Wall-clock time is the cumulative ``step_time_s`` (training steps only; held-out evaluation is not
 counted). Runs still going (a half-written last line, no ``final/`` yet) are read as far as they got.
@@ -21,6 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grpo.trainer import report_eval
 from grpo.trainer.logger import integer_steps, read_metrics
 
 PLOTS = ("reward.png", "heldout.png", "kl_length.png")
@@ -309,6 +312,7 @@ def render(runs: list[RunLog], out: Path, common: list[str]) -> str:
            "## KL and completion length" if has_kl else "## Completion length", "",
            "![kl and length](kl_length.png)" if has_kl else
            "![completion length](kl_length.png) (no KL panel: no run has a reference model, `algorithm.beta=0`)", ""]
+    md += report_eval.section(runs, out)  # sampled metrics and named evaluation sets: eval_sets.png and a table
     return "\n".join(md)
 
 
@@ -345,7 +349,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     n = len(find_runs(args.paths))
-    print(f"report: {path} ({n} run{'s' if n != 1 else ''}; plots: {', '.join(PLOTS)})")
+    plots = [*PLOTS, *([report_eval.PLOT] if f"]({report_eval.PLOT})" in path.read_text() else [])]
+    print(f"report: {path} ({n} run{'s' if n != 1 else ''}; plots: {', '.join(plots)})")
 
 
 if __name__ == "__main__":

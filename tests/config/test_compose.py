@@ -109,6 +109,7 @@ def run_main(monkeypatch, capsys, tmp_path, *args):
     (["~reward.functions.acuracy"], "reward.functions has no 'acuracy' (did you mean 'accuracy'?)"),
     (["reward.functions.acuracy.weight=1"], "reward.functions has no 'acuracy' (did you mean 'accuracy'?)"),
     (["trainer.resume=/no/such/step_3"], "trainer.resume='/no/such/step_3': no such checkpoint directory"),
+    (["trainer.resume=disable"], "trainer.resume=disable is verl's; ours: null (a fresh run), auto or a path"),
 ])
 def test_mistakes_fail_in_one_line_and_leave_no_run_directory(monkeypatch, capsys, tmp_path, args, fragment):
     out = tmp_path / "run"

@@ -84,7 +84,7 @@ def test_a_resume_from_a_checkpoint_trains_what_was_in_flight(k2, tmp_path):
     make, out = k2
     ckpt = tmp_path / "step_2"
     shutil.copytree(out / "checkpoints" / "step_2", ckpt)
-    saved = torch.load(ckpt / "trainer_state.pt", weights_only=False)["in_flight"]
+    saved = checkpoint.load_state(ckpt)["in_flight"]
     assert saved["lag"] == 2 and {s: g.version for s, g in saved["batches"].items()} == {3: 0, 4: 1}
     train(make(tmp_path / "resumed", resume=str(ckpt)))
     got = steps(tmp_path / "resumed")
@@ -168,7 +168,7 @@ def test_k1_with_two_passes_per_batch_logs_its_lag_and_resumes_mid_batch(cfg_fac
     assert [got[t]["async/version"] for t in range(1, 6)] == [0, 0, 0, 0, 2]
     assert [got[t]["async/staleness_max"] for t in range(1, 6)] == [0, 0, 2, 2, 2]
     assert all(got[t]["ratio_mean"] != 1.0 for t in (2, 4))  # the second pass of each batch
-    saved = torch.load(tmp_path / "full" / "checkpoints" / "step_3" / "trainer_state.pt", weights_only=False)
+    saved = checkpoint.load_state(tmp_path / "full" / "checkpoints" / "step_3")
     assert saved["buffer"] is not None and {s: g.version for s, g in saved["in_flight"]["batches"].items()} == {5: 2}
     train(make(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoints" / "step_3")))
     back = steps(tmp_path / "resumed")
@@ -251,5 +251,5 @@ def test_the_commands_of_docs_async_md(tmp_path):
         assert [m["async/staleness_max"] for m in steps(out).values()] == [min(K, t - 1) for t in (1, 2, 3)]
         assert "is the bottleneck" in p.stderr
         if "trainer.save_every" in given:
-            saved = torch.load(out / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)["in_flight"]
+            saved = checkpoint.load_state(out / "checkpoints" / "step_2")["in_flight"]
             assert {s: g.version for s, g in saved["batches"].items()} == {3: 1}  # K = 1: step 3, version 1

@@ -50,12 +50,32 @@ def pipeline_steps(args: list[str], out: Path) -> None:
     torch.save(record, out / f"pipeline_rank{run.runtime.rank}.pt")
 
 
+def damaged(args: list[str], src: Path) -> None:
+    """``resume``, with one file of the copy's newest checkpoint truncated by rank 0 first (``damage=<its path in the
+    checkpoint>`` leads the arguments)."""
+    import os
+    import shutil
+
+    import torch.distributed as dist
+
+    from tests.e2e.test_distributed import train
+
+    name, args = args[0].split("=", 1)[1], args[1:]
+    dst = Path(next(a.split("=", 1)[1] for a in args if a.startswith("trainer.output_dir=")))
+    if int(os.environ.get("RANK", "0")) == 0:
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("final"))
+        newest = max((dst / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+        (newest / name).write_bytes((newest / name).read_bytes()[:-1])
+    dist.barrier()
+    train(args)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     from tests.e2e.test_distributed import resume, train
     from tests.helpers import run_phases
 
-    run_phases(sys.argv[1:], {"pipeline": pipeline_steps, "train": train, "resume": resume})
+    run_phases(sys.argv[1:], {"pipeline": pipeline_steps, "train": train, "resume": resume, "damaged": damaged})
     sys.exit(0)
 
 
@@ -64,6 +84,7 @@ import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
 
+from grpo.trainer import checkpoint  # noqa: E402
 from tests.e2e.test_async import same_numbers, steps  # noqa: E402
 from tests.e2e.test_distributed import ZERO3, launch  # noqa: E402
 from tests.helpers import THEN  # noqa: E402
@@ -92,7 +113,7 @@ def test_zero2_and_zero3_on_two_processes_with_a_generator_per_rank(tmp_path):
     The ZeRO-2 runs are the torchrun command of docs/async.md, scaled down (the tiny model, 3 steps)."""
     from tests.e2e.test_docs_commands import SCALE
 
-    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    a, b, c, d = tmp_path / "a", tmp_path / "b", tmp_path / "c", tmp_path / "d"
     given = doc_command()
     assert given["distributed"] == "zero2" and given["rollout.max_staleness"] == "1"
     scaled = {**given, **SCALE, "trainer.max_steps": "3", "trainer.save_every": "2", "trainer.keep_last": "3",
@@ -102,6 +123,7 @@ def test_zero2_and_zero3_on_two_processes_with_a_generator_per_rank(tmp_path):
                THEN, "train", a, *run, f"trainer.output_dir={a}",
                THEN, "train", b, *run, f"trainer.output_dir={b}",
                THEN, "resume", a, *run, f"trainer.output_dir={c}", f"trainer.resume={c / 'checkpoints' / 'step_2'}",
+               THEN, "damaged", a, "damage=rank_1.safetensors", *run, f"trainer.output_dir={d}", "trainer.resume=auto",
                cwd=tmp_path, phase_s=300)
     ranks = [torch.load(tmp_path / "zero3" / f"pipeline_rank{r}.pt", weights_only=False) for r in (0, 1)]
     for t in range(3):
@@ -115,8 +137,39 @@ def test_zero2_and_zero3_on_two_processes_with_a_generator_per_rank(tmp_path):
     assert [first[t]["async/version"] for t in (1, 2, 3)] == [0, 0, 1]
     assert first[1]["rollout_is/logp_diff_abs_max"] == 0.0 and first[3]["rollout_is/logp_diff_abs_max"] > 0
     same_numbers(first, steps(b))
-    held = [torch.load(a / "checkpoints" / "step_2" / f"rank_{r}.pt", weights_only=False)["in_flight"] for r in (0, 1)]
+    held = [checkpoint.load_state(a / "checkpoints" / "step_2", f"rank_{r}")["in_flight"] for r in (0, 1)]
     assert [{s: g.version for s, g in h["batches"].items()} for h in held] == [{3: 1}, {3: 1}]
     assert held[0]["batches"][3].batch.rows != held[1]["batches"][3].batch.rows  # each rank's own batch
     assert f"resumed from {c / 'checkpoints' / 'step_2'} (step 2)" in p.stderr
     same_numbers(first, steps(c))  # steps 1-2 copied, step 3 trained again on the stored batches
+    # step 3 of d's copy had rank 1's in-flight batch cut short: passed over, kept, step 3 trained again from step 2
+    assert "checkpoint step_3 is damaged (rank_1.safetensors has" in p.stderr
+    assert (d / "checkpoints" / "damaged-step_3").is_dir() and checkpoint.damage(d / "checkpoints" / "step_3") is None
+    same_numbers(first, steps(d))
+    _every_file_of_a_two_process_checkpoint_is_verified(a / "checkpoints" / "step_3", tmp_path / "copy")
+
+
+def _every_file_of_a_two_process_checkpoint_is_verified(step: Path, tmp: Path) -> None:
+    """Both ranks' files, DeepSpeed's shards and the state are in the manifest; each truncated, emptied or deleted
+    in turn is named (a flipped byte of the same size: by the checksum)."""
+    import shutil
+
+    from grpo.trainer import manifest
+
+    names = manifest.files_of(step)
+    assert {"COMPLETE", "trainer_state.json", "trainer_state.safetensors", "rank_0.json", "rank_0.safetensors",
+            "rank_1.json", "rank_1.safetensors"} <= set(names) and sum(n.startswith("deepspeed/") for n in names) >= 3
+    assert sorted(manifest.read(step)) == names and checkpoint.damage(step) is None
+    for name in [*names, manifest.NAME]:
+        for how in ("truncate", "empty", "delete", "flip"):
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(step, tmp)
+            data = (tmp / name).read_bytes()
+            if how == "delete":
+                (tmp / name).unlink()
+            else:
+                cut = {"truncate": data[:-1], "empty": b"", "flip": data[:-1] + bytes([data[-1] ^ 1]) if data else b"x"}
+                (tmp / name).write_bytes(cut[how])
+            why = checkpoint.damage(tmp)
+            assert why is not None and (name in why or (name == "COMPLETE" and "COMPLETE is missing" in why)), \
+                (name, how)

@@ -279,7 +279,7 @@ def test_zero2_two_processes(tmp_path, default_reference):
     _check_run(out, 2)
     ckpt = out / "checkpoints" / "step_2"
     assert (ckpt / "COMPLETE").exists() and (ckpt / "deepspeed").is_dir()
-    assert (ckpt / "rank_0.pt").exists() and (ckpt / "rank_1.pt").exists()
+    assert (ckpt / "rank_0.json").exists() and (ckpt / "rank_1.json").exists()
     for name, extra in (("beyond", BEYOND), ("rank1-empty", RANK1_EMPTY)):
         ref = one_process(tmp_path / f"one-{name}", *extra)
         _check_updates(tmp_path / name, ref, rank1_groups=name != "rank1-empty")

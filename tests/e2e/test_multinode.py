@@ -86,8 +86,8 @@ def test_zero2_one_directory_per_node_writes_a_complete_checkpoint_on_each(nodes
     n0, n1 = (nodes[0] / "zero2" / f"node{node}" for node in (0, 1))
     for node, rank in ((n0, 0), (n1, 1)):
         step = node / "checkpoints" / "step_1"
-        assert (step / "COMPLETE").exists() and (step / "trainer_state.pt").exists()
-        assert (step / f"rank_{rank}.pt").exists()
+        assert (step / "COMPLETE").exists() and (step / "trainer_state.json").exists()
+        assert (step / f"rank_{rank}.json").exists()
         assert (step / "deepspeed" / "mp_rank_00_model_states.pt").exists()  # each node's first rank writes it
         assert list((step / "deepspeed").glob(f"zero_pp_rank_{rank}_*_optim_states.pt"))
     assert (n0 / "final").is_dir() and (n0 / "metrics.jsonl").exists()

@@ -41,7 +41,7 @@ def test_resume_gives_identical_metrics(cfg_factory, tmp_path, mu, stop):
     train(straight)
     half = cfg_factory({"trainer": {"max_steps": stop, "output_dir": str(tmp_path / "b")}, "algorithm": algo})
     train(half)
-    state = torch.load(tmp_path / "b" / "checkpoints" / f"step_{stop}" / "trainer_state.pt", weights_only=False)
+    state = checkpoint.load_state(tmp_path / "b" / "checkpoints" / f"step_{stop}")
     assert (state["buffer"] is not None) == (mu == 2)
     if mu == 2:
         assert state["buffer"].old_logps is not None
@@ -50,8 +50,8 @@ def test_resume_gives_identical_metrics(cfg_factory, tmp_path, mu, stop):
     out = train(rest)
     assert out["steps"] == 4
     assert_same_run(steps(tmp_path / "a"), steps(tmp_path / "b"))
-    a = torch.load(tmp_path / "a" / "checkpoints" / "step_4" / "trainer_state.pt", weights_only=False)
-    b = torch.load(tmp_path / "b" / "checkpoints" / "step_4" / "trainer_state.pt", weights_only=False)
+    a = checkpoint.load_state(tmp_path / "a" / "checkpoints" / "step_4")
+    b = checkpoint.load_state(tmp_path / "b" / "checkpoints" / "step_4")
     assert a["sampler"] == b["sampler"]
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpo.trainer import checkpoint
+from grpo.trainer import checkpoint, manifest
 from grpo.trainer.run import LoopState
 
 
@@ -57,7 +57,7 @@ class _Gathered:
     """A rank whose gather returns what every rank said: its own view and the other ranks' (multi-node resume)."""
 
     def __init__(self, *others):
-        self.others = list(others)
+        self.others = [(*o, None) if len(o) == 2 else o for o in others]  # (step, steps held, no error)
 
     def gather(self, obj):
         return [obj, *self.others]
@@ -316,7 +316,8 @@ def test_save_final_replaces_final_with_what_the_runtime_wrote(tmp_path, enabled
     out = checkpoint.save_final(run, cfg)
     assert out == tmp_path / "final" and seen == [(tmp_path / ".tmp-final", "tok", enabled and merge), "barrier"]
     if main:  # the main rank moves it in place
-        assert [p.name for p in out.iterdir()] == ["model"] and not (tmp_path / ".tmp-final").exists()
+        assert sorted(p.name for p in out.iterdir()) == [manifest.NAME, "model"]
+        assert not (tmp_path / ".tmp-final").exists() and manifest.problem(out) is None
     else:
         assert (out / "old").exists()
 
@@ -330,13 +331,14 @@ def test_with_many_processes_each_rank_resumes_its_own_rollouts_and_sampling_str
     rt.rank, rt.world_size = 1, 2
     rt.gather = lambda obj: [obj, obj]  # both ranks see the same checkpoints
     path = checkpoint.save_checkpoint(run, LoopState(step=2, buffer="shared", in_flight={"batches": ["b0"]}), cfg)
-    own = torch.load(path / "rank_1.pt", weights_only=False)
+    own = checkpoint.load_state(path, "rank_1")
     assert own["buffer"] == "shared" and set(own["rng"]) >= {"python", "numpy", "torch"}
     assert own["in_flight"] == {"batches": ["b0"]}
     random.seed(11)
     own["rng"] = checkpoint.rng_state()
     expected = random.random()
-    torch.save({**own, "buffer": "rank 1's", "in_flight": {"batches": ["b1"]}}, path / "rank_1.pt")
+    checkpoint.save_state(path, {**own, "buffer": "rank 1's", "in_flight": {"batches": ["b1"]}}, "rank_1")
+    manifest.write(path)  # as the owner writes it once every rank's files are there
     random.seed(12)
     state = checkpoint.restore(run, _with(cfg, resume="auto"))
     assert state.buffer == "rank 1's" and state.step == 2 and random.random() == expected

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from grpo.runtime.local import WEIGHTS
-from grpo.trainer import checkpoint
+from grpo.trainer import checkpoint, manifest
 from grpo.trainer.run import LoopState
 from tests.trainer import test_checkpoint
 from tests.trainer.test_checkpoint import _cfg, _fake_run, _Log, _names, _save, _with
@@ -29,8 +29,9 @@ def test_a_save_flushes_every_file_and_both_directories_before_the_rename(tmp_pa
 
     checkpoint.save(tmp_path, 3, write)
     tmp, root = tmp_path / "checkpoints" / ".tmp-step_3", tmp_path / "checkpoints"
-    assert sorted(synced) == sorted(str(p) for p in (tmp / checkpoint.MARKER, tmp / "sub" / "x", tmp / "w", tmp,
-                                                     root))  # then renamed: step_3 holds them
+    assert sorted(synced) == sorted(str(p) for p in (tmp / checkpoint.MARKER, tmp / manifest.NAME, tmp / "sub" / "x",
+                                                     tmp / "w", tmp, root))  # then renamed: step_3 holds them
+    assert manifest.read(root / "step_3").keys() == {checkpoint.MARKER, "sub/x", "w"}  # every file but itself
 
 
 def _racing(monkeypatch, names):
@@ -65,21 +66,26 @@ def test_a_stale_copy_of_the_same_step_is_replaced_not_merged(tmp_path):
     stale.mkdir(parents=True)
     (stale / "old").write_text("a save of step 5 that crashed")
     _save(tmp_path, 5)
-    assert sorted(os.listdir(tmp_path / "checkpoints" / "step_5")) == [checkpoint.MARKER, "w"]
+    assert sorted(os.listdir(tmp_path / "checkpoints" / "step_5")) == [checkpoint.MARKER, manifest.NAME, "w"]
 
 
-def test_resume_refuses_a_directory_missing_its_marker_or_its_state(tmp_path):
+def test_resume_refuses_a_directory_missing_its_marker_its_manifest_or_its_state(tmp_path):
+    from grpo.errors import SetupError
+
     p = tmp_path / "ckpt"
     p.mkdir()
     (p / checkpoint.MARKER).write_text("1\n")
-    with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
-        checkpoint.resolve_resume(str(p), tmp_path)  # marked complete, no trainer_state.pt
+    with pytest.raises(SetupError, match="is damaged: MANIFEST.json is missing"):
+        checkpoint.resolve_resume(str(p), tmp_path)  # marked complete, no manifest, no trainer_state.pt
     (p / checkpoint.MARKER).unlink()
-    (p / checkpoint.STATE).write_text("")
+    (p / checkpoint.LEGACY_STATE).write_text("")
     with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
         checkpoint.resolve_resume(str(p), tmp_path)  # a state, never marked complete
     (p / checkpoint.MARKER).write_text("1\n")
-    assert checkpoint.resolve_resume(str(p), tmp_path) == p
+    assert checkpoint.resolve_resume(str(p), tmp_path) == p  # written before manifests: taken as it is
+    (p / "trainer_state.json").write_text("{}")
+    with pytest.raises(SetupError, match="MANIFEST.json is missing"):  # today's format always carries one
+        checkpoint.resolve_resume(str(p), tmp_path)
 
 
 def test_a_single_process_save_keeps_the_configured_number_and_the_in_flight_batches(built, tmp_path):
@@ -110,7 +116,7 @@ def test_restore_resumes_the_newest_step_every_rank_holds(built, tmp_path):
         checkpoint.save_checkpoint(run, LoopState(step=step), cfg)
     rt = run.runtime
     rt.world_size = 2
-    rt.gather = lambda obj: [obj, ("step_2", ["step_2"])]
+    rt.gather = lambda obj: [obj, ("step_2", ["step_2"], None)]
     assert checkpoint.restore(run, _with(cfg, resume="auto")).step == 2
 
 
@@ -120,3 +126,53 @@ def test_a_resume_reports_a_changed_warmup_and_schedule(built, tmp_path, capsys)
     checkpoint.save_checkpoint(run, LoopState(step=1), cfg)
     checkpoint.restore(run, _with(cfg, resume="auto", warmup_steps=2, lr_schedule="constant"))
     assert "trainer.warmup_steps 4 -> 2, trainer.lr_schedule cosine -> constant" in capsys.readouterr().err
+
+
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused_by_the_restore(built, tmp_path):
+    """A checkpoint in the earlier format (no manifest, a trainer_state.pt) that someone crafted: refused in one
+    line naming what it would run; nothing ran."""
+    import torch
+
+    from grpo.errors import SetupError
+    from tests.trainer.test_state_files import _Payload
+
+    run, cfg = built
+    ckpt = tmp_path / "theirs" / "step_1"
+    ckpt.mkdir(parents=True)
+    (ckpt / checkpoint.MARKER).write_text("1\n")
+    torch.save({"step": 1, "optimizer": _Payload(tmp_path / "ran")}, ckpt / checkpoint.LEGACY_STATE)
+    with pytest.raises(SetupError, match=r"refusing .*trainer_state.pt: its pickle names posix.system"):
+        checkpoint.restore(run, _with(cfg, resume=str(ckpt)))
+    assert not (tmp_path / "ran").exists()
+
+
+def test_with_many_processes_the_step_resumed_verifies_on_every_rank_that_checked_it(built, tmp_path, capsys):
+    """Rank 0 owns the directory and finds step_4's weights changed (same size: only the checksum tells); rank 1,
+    which checks sizes only, sees step_4 whole: every rank resumes step_2, and rank 0 keeps step_4 aside."""
+    run, cfg = built
+    cfg = _with(cfg, output_dir=str(tmp_path))
+    for step in (2, 4):
+        checkpoint.save_checkpoint(run, LoopState(step=step), cfg)
+    weights = tmp_path / "checkpoints" / "step_4" / WEIGHTS
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    rt = run.runtime
+    rt.world_size = 2
+    rt.gather = lambda obj: [obj, ("step_4", ["step_2", "step_4"], None)]
+    assert checkpoint.restore(run, _with(cfg, resume="auto")).step == 2
+    assert "checkpoint step_4 is damaged (trainable.safetensors does not match its checksum" in capsys.readouterr().err
+    assert (tmp_path / "checkpoints" / "damaged-step_4" / WEIGHTS).read_bytes() == bytes(data)
+
+
+def test_with_many_processes_a_damaged_explicit_checkpoint_on_one_rank_stops_every_rank(built, tmp_path):
+    from grpo.errors import SetupError
+
+    run, cfg = built
+    cfg = _with(cfg, output_dir=str(tmp_path))
+    path = checkpoint.save_checkpoint(run, LoopState(step=2), cfg)
+    rt = run.runtime
+    rt.world_size = 2
+    rt.gather = lambda obj: [obj, ("step_2", ["step_2"], "on the other node: trainer_state.json is missing")]
+    with pytest.raises(SetupError, match="^on the other node: trainer_state.json is missing$"):
+        checkpoint.restore(run, _with(cfg, resume=str(path)))  # this rank's copy verifies: the other's stops it too

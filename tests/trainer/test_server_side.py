@@ -8,9 +8,9 @@ import shutil
 from collections import Counter
 
 import pytest
-import torch
 
 from grpo.models import load_model, load_tokenizer
+from grpo.trainer import checkpoint
 from grpo.trainer.loop import train
 from grpo.trainer.pipeline import sampled_with
 from tests.e2e.test_async import same_numbers, steps
@@ -94,7 +94,7 @@ def test_a_checkpoint_stores_the_batch_in_flight_and_a_resume_continues_exactly(
     everything = _asked(servers)
     ckpt = tmp_path / "step_2"
     shutil.copytree(out / "checkpoints" / "step_2", ckpt)
-    saved = torch.load(ckpt / "trainer_state.pt", weights_only=False)["in_flight"]
+    saved = checkpoint.load_state(ckpt)["in_flight"]
     assert saved["lag"] == 1 and {s: g.version for s, g in saved["batches"].items()} == {3: 1}
     _clear(servers)
     train(make(tmp_path / "resumed", 1, resume=str(ckpt)))

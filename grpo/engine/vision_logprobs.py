@@ -1,0 +1,184 @@
+"""``vision_token_logprobs``: per-token log-probs of GRPO completions whose prompts hold images (Qwen2.5-VL).
+
+The shared layout (the default) packs a micro-batch as the text engine does (grpo/engine/layout.py)::
+
+    [P_1; R_11; ...; R_1G; P_2; ...]      P_b holding its images' tokens
+
+and computes, in order:
+
+1. the vision tower once per prompt, all images of the micro-batch in one call (not G times per prompt);
+2. the row's input embeddings: token embeddings, with the image features scattered into the image tokens of the
+   prompts (never into a completion: a sampled image token stays a text embedding there);
+3. the 3-D rotary positions (temporal, height, width) of Qwen2.5-VL: each prompt's from the model's own
+   ``get_rope_index``, and for every completion ``R_i`` text positions restarting at ``max(prompt positions) + 1``,
+   the position the per-sequence forward gives its first token (equal in the three axes, as for any text token);
+4. the language model on that row with the shared-prefix attention (every completion sees its prompt and itself);
+5. the log-prob head at the positions that predict a completion token.
+
+``shared_prefix=False`` is the standard layout: every row ``[P; R_i]`` carries its own copy of its prompt's pixels
+through the model's own forward (the vision tower runs G times per prompt). Both equal the per-sequence forward;
+see docs/vision-language.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo.engine.layout import build_layout
+from grpo.engine.logprob_head import head_logprobs
+from grpo.engine.micro_batches import plan_micro_batches, scatter
+from grpo.engine.patch import check_every_layer, placeholder_mask, shared_prefix_unsupported, switched_attention
+from grpo.engine.prefix_attention import LAYOUT_KWARG
+from grpo.engine.unwrap import unwrap_model
+from grpo.vision.images import ImagePrompt
+
+__all__ = ["vision_token_logprobs", "VISION_FAMILIES"]
+
+VISION_FAMILIES = ("qwen2_5_vl",)  # the model types served here (grpo.token_logprobs hands them over)
+
+def vision_token_logprobs(model, prompts, completion_ids, *, shared_prefix: bool = True, temperature: float = 1.0,
+                          max_tokens_per_micro_batch: int | None = None, return_entropy: bool = False):
+    """Per-token log p(completion token | prompt with images, earlier completion tokens).
+
+    prompts: one :class:`grpo.vision.images.ImagePrompt` per group (token ids with the image tokens expanded, the
+    images' pixels and grids; a prompt may hold 0, 1 or several images); completion_ids: per group, a list of token
+    lists (ragged, G may differ per group). ``grpo.token_logprobs`` comes here for these models. Returns the
+    nesting of ``grpo.token_logprobs``: one 1-D float32 tensor per completion, differentiable (vision tower
+    included) when grad is enabled; with ``return_entropy`` a pair.
+    """
+    vlm = unwrap_model(model)
+    prompts = [p if isinstance(p, ImagePrompt) else ImagePrompt(p) for p in prompts]  # token lists: no images
+    core = _check(vlm, prompts, completion_ids, temperature)
+    comps = [[[int(t) for t in r] for r in cs] for cs in completion_ids]
+    if shared_prefix:
+        reason = shared_prefix_unsupported(core.language_model, 1)
+        if reason is not None:
+            raise ValueError(f"the shared layout cannot serve this model's language model ({reason}); "
+                             "call with shared_prefix=False")
+    plan = plan_micro_batches([len(p.ids) for p in prompts], [[len(r) for r in cs] for cs in comps],
+                              max_tokens_per_micro_batch, shared_prefix=shared_prefix)
+    logps: list[list] = [[None] * len(cs) for cs in comps]
+    ents: list[list] = [[None] * len(cs) for cs in comps]
+    forward = _forward_shared if shared_prefix else _forward_standard
+    for mb in plan:
+        lp, ent = forward(vlm, core, [prompts[g] for g, _ in mb], [comps[g][sl] for g, sl in mb], temperature,
+                          return_entropy)
+        scatter(mb, comps, lp, ent, logps, ents)
+    return (logps, ents) if return_entropy else logps
+
+
+def _check(vlm, prompts, comps, temperature):
+    """The model's multimodal core (vision tower + language model), after checking the inputs."""
+    model_type = getattr(vlm.config, "model_type", None)
+    if model_type not in VISION_FAMILIES:
+        raise ValueError(f"vision_token_logprobs serves {', '.join(VISION_FAMILIES)} models, not {model_type!r}")
+    if len(prompts) != len(comps):
+        raise ValueError(f"{len(prompts)} prompts but {len(comps)} completion groups")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    image_id = vlm.config.image_token_id
+    for g, p in enumerate(prompts):
+        n_tokens = sum(1 for t in p.ids if t == image_id)
+        expected = 0 if p.n_images == 0 else int(p.image_grid_thw.prod(-1).sum()) // _merge(vlm) ** 2
+        if not p.ids or n_tokens != expected:
+            raise ValueError(f"group {g}: the prompt has {n_tokens} image tokens but its images make {expected}"
+                             + ("" if p.ids else " (the prompt is empty)"))
+    return vlm.model
+
+
+def _merge(vlm) -> int:
+    return vlm.config.vision_config.spatial_merge_size
+
+
+def _device(vlm) -> torch.device:
+    return vlm.get_input_embeddings().weight.device
+
+
+# --------------------------------------------------------------------------------------------- shared layout
+def _forward_shared(vlm, core, prompts, comps, temperature, want_entropy):
+    device = _device(vlm)
+    if not any(len(r) for cs in comps for r in cs):
+        return torch.zeros(0, device=device), torch.zeros(0, device=device)
+    text = core.language_model
+    layout = build_layout([p.ids for p in prompts], comps, device)
+    embeds = _embeddings(vlm, core, prompts, layout)  # steps 1-2
+    positions = packed_positions(core, prompts, comps, vlm.config.image_token_id).to(device)  # step 3
+    with switched_attention(text, state=layout):  # step 4: the vision tower ran outside, with its own attention
+        out = text(inputs_embeds=embeds, position_ids=positions, attention_mask=placeholder_mask(device),
+                   use_cache=False, **{LAYOUT_KWARG: layout})
+    check_every_layer(layout.calls, text)
+    h = out.last_hidden_state[0].index_select(0, layout.pred_idx)  # step 5
+    return head_logprobs(h, vlm.get_output_embeddings(), text.config, layout.targets, temperature, want_entropy)
+
+
+def _embeddings(vlm, core, prompts, layout) -> torch.Tensor:
+    """(1, T, hidden): the packed row's token embeddings with every prompt's image features in its image tokens."""
+    embeds = core.get_input_embeddings()(layout.input_ids)
+    with_images = [p for p in prompts if p.n_images]
+    if not with_images:
+        return embeds
+    pixels = torch.cat([p.pixel_values for p in with_images]).to(embeds.device)
+    grids = torch.cat([p.image_grid_thw for p in with_images]).to(embeds.device)
+    feats = torch.cat(core.get_image_features(pixels, grids, return_dict=True).pooler_output).to(embeds.dtype)
+    in_prompt = layout.segment == layout.prompt_segment
+    slots = torch.nonzero(in_prompt & (layout.input_ids[0] == vlm.config.image_token_id)).squeeze(-1)
+    return embeds.index_put((torch.zeros_like(slots), slots), feats)
+
+
+def packed_positions(core, prompts, comps, image_token_id: int) -> torch.Tensor:
+    """(3, 1, T): the 3-D rotary positions of the packed row, in the order of grpo/engine/layout.py's ``_pack``:
+    each prompt's own (images laid out on their grids), then every completion of its group from the same start,
+    ``max(prompt positions) + 1``."""
+    parts = []
+    for p, cs in zip(prompts, comps):
+        pos = prompt_positions(core, p, image_token_id)
+        parts.append(pos)
+        start = int(pos.max()) + 1
+        parts.extend(completion_positions(start, len(r)) for r in cs)
+    return torch.cat(parts, dim=1)[:, None, :]
+
+
+def prompt_positions(core, prompt, image_token_id: int) -> torch.Tensor:
+    """(3, P): the prompt's positions as the model computes them (``get_rope_index``); 0..P-1 without images."""
+    ids = torch.tensor(prompt.ids, dtype=torch.long)
+    if prompt.n_images == 0:
+        return ids.new_tensor(range(len(ids)))[None, :].expand(3, -1)
+    kinds = (ids == image_token_id).int()[None, :]
+    pos, _ = core.get_rope_index(ids[None, :], mm_token_type_ids=kinds, image_grid_thw=prompt.image_grid_thw.cpu())
+    return pos[:, 0, :]
+
+
+def completion_positions(start: int, n: int) -> torch.Tensor:
+    """(3, n): a completion's text positions, from ``start`` in all three axes."""
+    return torch.arange(start, start + n)[None, :].expand(3, -1)
+
+
+# --------------------------------------------------------------------------------------------- standard layout
+def _forward_standard(vlm, core, prompts, comps, temperature, want_entropy):
+    """Right-padded rows [P; R_i], each with its own copy of its prompt's pixels, through the model's own forward."""
+    device = _device(vlm)
+    rows = [(p, r) for p, cs in zip(prompts, comps) for r in cs if len(r)]
+    if not rows:
+        return torch.zeros(0, device=device), torch.zeros(0, device=device)
+    L = max(len(p.ids) + len(r) for p, r in rows)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    mask = torch.zeros(len(rows), L, dtype=torch.long)
+    kinds = torch.zeros(len(rows), L, dtype=torch.int)
+    pred, targets = [], []
+    for n, (p, r) in enumerate(rows):
+        ids[n, : len(p.ids) + len(r)] = torch.tensor(p.ids + r)
+        mask[n, : len(p.ids) + len(r)] = 1
+        kinds[n, : len(p.ids)] = (torch.tensor(p.ids) == vlm.config.image_token_id).int()
+        pred.extend(n * L + len(p.ids) - 1 + k for k in range(len(r)))
+        targets.extend(r)
+    with_images = [p for p, _ in rows if p.n_images]
+    images = {}
+    if with_images:
+        images = {"pixel_values": torch.cat([p.pixel_values for p in with_images]).to(device),
+                  "image_grid_thw": torch.cat([p.image_grid_thw for p in with_images]).to(device)}
+    out = core(input_ids=ids.to(device), attention_mask=mask.to(device), mm_token_type_ids=kinds.to(device),
+               use_cache=False, **images)
+    hidden = out.last_hidden_state
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, torch.tensor(pred, device=device))
+    tgt = torch.tensor(targets, dtype=torch.long, device=device)
+    return head_logprobs(h, vlm.get_output_embeddings(), core.language_model.config, tgt, temperature, want_entropy)

@@ -1,0 +1,79 @@
+"""Rollout for prompts with images (Qwen2.5-VL): each prompt's images and text prefilled once, G samples decoded.
+
+For every group, in order:
+
+1. prefill the prompt once through the model's own forward, pixels included: the vision tower runs once per prompt,
+   and the model computes the prompt's 3-D rotary positions;
+2. fork the prompt's K/V cache to the G rows (``batch_repeat_interleave``) and sample each row's first token from
+   the prompt's last logits;
+3. decode: step k feeds each row's last token at the text position ``max(prompt positions) + 1 + k`` (all three
+   axes), the position the per-sequence forward and grpo/engine/vision_logprobs.py give it.
+
+Sampling is exactly softmax(logits / T) (or argmax), as in grpo/rollout/hf.py; the log-prob of every sampled token
+is returned alongside, so a caller can check it against the trainer's. Groups are decoded one after the other (not
+batched across prompts yet).
+"""
+from __future__ import annotations
+
+import torch
+
+from grpo.engine.unwrap import unwrap_model
+from grpo.engine.vision_logprobs import prompt_positions
+from grpo.rollout.base import Completions, Sampling, cut_at_eos
+from grpo.vision.images import ImagePrompt
+
+
+@torch.no_grad()
+def generate_with_images(model, prompts, group_size: int, sampling: Sampling, eos: list[int],
+                         seed: int | None = None) -> Completions:
+    """G completions per :class:`grpo.vision.images.ImagePrompt`, with the sampler's log-prob of each token.
+    ``eos``: the ids that end a completion (kept); ``sampling.greedy`` decodes one argmax completion per prompt."""
+    if sampling.top_p < 1.0 or sampling.top_k:
+        raise ValueError("image rollout samples the full softmax only; set rollout.top_p=1.0 and rollout.top_k=0")
+    vlm = unwrap_model(model)  # a peft model: its base, the adapters injected and active
+    gen = None  # seed None: the process's generator (checkpointed), as grpo/rollout/hf.py draws
+    if seed is not None:
+        gen = torch.Generator(device=vlm.device)
+        gen.manual_seed(seed)
+    prompts = [p if isinstance(p, ImagePrompt) else ImagePrompt(p) for p in prompts]  # token lists: no images
+    G = 1 if sampling.greedy else group_size
+    ids, cut, logps = [], [], []
+    for prompt in prompts:
+        toks, lps = _group(vlm, prompt, G, sampling, eos, gen)
+        kept = [cut_at_eos(t, eos, sampling.max_new_tokens) for t in toks]
+        ids.append([k for k, _ in kept])
+        cut.append([c for _, c in kept])
+        logps.append([lp[: len(k)] for lp, (k, _) in zip(lps, kept)])
+    return Completions(ids=ids, truncated=cut, logprobs=logps)
+
+
+def _group(vlm, prompt, G, sampling, eos, gen):
+    """(G token lists, G log-prob tensors) of one prompt, each ``max_new_tokens`` long or stopped at EOS."""
+    device = vlm.device
+    ids = torch.tensor([prompt.ids], device=device)
+    images = {}
+    if prompt.n_images:
+        images = {"pixel_values": prompt.pixel_values.to(device), "image_grid_thw": prompt.image_grid_thw.to(device)}
+    image_id = vlm.config.image_token_id
+    out = vlm(input_ids=ids, mm_token_type_ids=(ids == image_id).int(), use_cache=True, **images)  # step 1
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    cache.batch_repeat_interleave(G)  # step 2
+    logits = out.logits[:, -1].float().expand(G, -1)
+    start = int(prompt_positions(vlm.model, prompt, image_id).max()) + 1
+    mask = torch.ones(G, len(prompt.ids), dtype=torch.long, device=device)
+    tokens, lps = [], []
+    done = torch.zeros(G, dtype=torch.bool, device=device)
+    for k in range(sampling.max_new_tokens):
+        logp = torch.log_softmax(logits / sampling.temperature, dim=-1)
+        nxt = logp.argmax(-1) if sampling.greedy else torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+        tokens.append(nxt)
+        lps.append(logp.gather(-1, nxt[:, None])[:, 0])
+        done |= torch.isin(nxt, torch.tensor(eos, device=device))
+        if bool(done.all()) or k + 1 == sampling.max_new_tokens:
+            break
+        mask = torch.cat([mask, mask.new_ones(G, 1)], dim=1)
+        pos = torch.full((3, G, 1), start + k, dtype=torch.long, device=device)  # step 3
+        out = vlm(input_ids=nxt[:, None], position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
+        logits = out.logits[:, -1].float()
+    toks = torch.stack(tokens, 1).tolist()
+    return toks, list(torch.stack(lps, 1).cpu())

@@ -1,0 +1,10 @@
+"""Vision-language models: the tiny random ones (``tiny:qwen2_5_vl``), their processor, and image prompts.
+
+- ``models``: ``tiny:qwen2_5_vl``, a randomly initialised Qwen2.5-VL (vision tower included) with a character
+  tokenizer and a small image processor, built offline and deterministic in its seed
+- ``images``: images from a row (PIL, a path, bytes, ``{"bytes"|"path"}``), conversational prompts with
+  ``{"type": "image"}`` parts rendered by the chat template, and :class:`ImagePrompt`, what the engine
+  (grpo/engine/vision_logprobs.py) takes: the prompt's token ids with its image tokens, pixels and grids
+
+See docs/vision-language.md.
+"""

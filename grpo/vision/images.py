@@ -1,0 +1,145 @@
+"""Image prompts: a row's images read, its messages rendered, its image tokens expanded.
+
+A row carries its images in a column (``images``: one image or a list), each a PIL image, a file path, raw bytes or
+a ``{"bytes": ..., "path": ...}`` dict (how `datasets` stores an ``Image`` feature in Parquet). Its prompt is TRL's
+conversational format: messages whose ``content`` is a list of ``{"type": "text", "text": ...}`` and
+``{"type": "image"}`` parts, the images taken in order. The chat template renders one placeholder per image part;
+:func:`encode` repeats its image token once per token the vision tower makes of that image (what a transformers
+processor does) and returns an :class:`ImagePrompt`.
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from grpo.errors import DataError
+
+if TYPE_CHECKING:  # no torch at import: grpo/data.py imports this module, and the config checks stay light
+    import torch
+
+
+class ImagePrompt(list):
+    """One prompt's token ids (image tokens expanded), a list like any prompt's, carrying the pixels of its images in
+    order (``(patches, channels * patch area)``, Qwen-VL's flattened patches) and their ``(t, h, w)`` patch grids.
+    Everything that handles token lists handles it; the engine and the rollout read its images."""
+
+    def __init__(self, ids, pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None):
+        super().__init__(ids)
+        self.pixel_values, self.image_grid_thw = pixel_values, image_grid_thw
+
+    @property
+    def ids(self) -> list[int]:
+        return list(self)
+
+    @property
+    def n_images(self) -> int:
+        return 0 if self.image_grid_thw is None else len(self.image_grid_thw)
+
+    def __reduce__(self):  # pickled with its images (checkpoints of in-flight batches, spawned generators)
+        return type(self), (list(self), self.pixel_values, self.image_grid_thw)
+
+
+def load_image(value, where: str = "data row"):
+    """A PIL RGB image from a PIL image, a path, bytes, or a ``{"bytes", "path"}`` dict; one clear line otherwise."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    try:
+        if isinstance(value, Image.Image):
+            img = value
+        elif isinstance(value, (bytes, bytearray)):
+            img = Image.open(io.BytesIO(value))
+        elif isinstance(value, (str, Path)):
+            if not Path(value).is_file():
+                raise DataError(f"{where}: image file {str(value)!r} not found")
+            img = Image.open(value)
+        else:
+            raise DataError(f"{where}: an image must be a PIL image, a path, bytes or {{'bytes', 'path'}}; "
+                            f"got {type(value).__name__}")
+        return img.convert("RGB")
+    except (UnidentifiedImageError, OSError) as e:
+        raise DataError(f"{where}: unreadable image ({str(e).splitlines()[0][:120]})") from None
+
+
+def image_parts(messages: list[dict]) -> int:
+    """How many ``{"type": "image"}`` parts the messages hold."""
+    return sum(1 for m in messages if not isinstance(m["content"], str)
+               for part in m["content"] if part.get("type") == "image")
+
+
+def encode(messages: list[dict], images: list, tokenizer, image_processor, where: str = "data row") -> ImagePrompt:
+    """Render ``messages`` with the tokenizer's chat template (generation prompt added) and tokenize them, with
+    ``images`` (one per image part, in order) through ``image_processor``."""
+    images = [load_image(x, where) for x in images]
+    if image_parts(messages) != len(images):
+        raise DataError(f"{where}: the prompt has {image_parts(messages)} image part(s) but the row has "
+                        f"{len(images)} image(s); give one image per {{'type': 'image'}} part")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    image_token = "<|image_pad|>"
+    pixel_values = grid = None
+    if images:
+        out = image_processor(images=images, return_tensors="pt")
+        pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
+        per_token = image_processor.merge_size ** 2
+        pieces = text.split(image_token)
+        if len(pieces) != len(images) + 1:
+            raise DataError(f"{where}: the chat template rendered {len(pieces) - 1} image placeholder(s) for "
+                            f"{len(images)} image(s); the model's template must place one {image_token} per image")
+        text = pieces[0] + "".join(image_token * (int(g.prod()) // per_token) + rest
+                                   for g, rest in zip(grid, pieces[1:]))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ImagePrompt(ids=ids, pixel_values=pixel_values, image_grid_thw=grid)
+
+
+def as_parts(messages: list[dict]) -> list[dict]:
+    """Messages with verl's ``<image>`` markers in text content turned into TRL's ``{"type": "image"}`` parts (content
+    already in parts is kept)."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str) and "<image>" in content:
+            pieces = content.split("<image>")
+            parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+            for rest in pieces[1:]:
+                parts.append({"type": "image"})
+                if rest:
+                    parts.append({"type": "text", "text": rest})
+            content = parts
+        out.append({**m, "content": content})
+    return out
+
+
+def encode_row(row: dict, prompt_column: str, image_column: str, tokenizer, image_processor,
+               where: str = "data row") -> ImagePrompt:
+    """A dataset row's :class:`ImagePrompt`: its messages (TRL parts, or verl's ``<image>`` markers) and the images
+    in ``image_column`` (one image or a list)."""
+    if image_column not in row:
+        raise DataError(f"{where} has no image column {image_column!r}; its columns are: {', '.join(map(str, row))}")
+    messages = row[prompt_column]
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    images = row[image_column]
+    images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+    return encode(as_parts(messages), images, tokenizer, image_processor, where)
+
+
+def image_row(row: dict, dcfg, tokenizer, image_processor, where: str = "data row") -> dict:
+    """A dataset row whose ``data.image_column`` holds images, prepared as grpo/data.py prepares a text row: its
+    columns, ``prompt`` (the rendered text, one placeholder per image), ``prompt_messages`` and ``prompt_ids`` (an
+    :class:`ImagePrompt`). A model without an image processor (a text model) is refused."""
+    if image_processor is None:
+        raise DataError(f"{where} has images in data.image_column={dcfg.image_column!r} but the model is a text model "
+                        "(no image processor); use a vision-language model such as tiny:qwen2_5_vl, or drop the column")
+    messages = row[dcfg.prompt_column]
+    messages = as_parts([{"role": "user", "content": messages}] if isinstance(messages, str) else list(messages))
+    if dcfg.system_prompt and not any(m["role"] == "system" for m in messages):
+        messages = [{"role": "system", "content": dcfg.system_prompt}, *messages]
+    prompt = encode_row({**row, dcfg.prompt_column: messages}, dcfg.prompt_column, dcfg.image_column, tokenizer,
+                        image_processor, where)
+    cols = {k: v for k, v in row.items() if k != dcfg.prompt_column}
+    if dcfg.answer_column in row and dcfg.answer_column != "answer":
+        cols["answer"] = row[dcfg.answer_column]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return {**cols, "prompt": text, "prompt_messages": messages, "prompt_ids": prompt}

@@ -1,0 +1,72 @@
+"""``tiny:qwen2_5_vl``: a tiny random Qwen2.5-VL and its processor, with no download.
+
+The language model has the shapes of ``tiny:qwen2`` (grpo/models.py: hidden 64, 2 layers, 4 heads) with
+Qwen2.5-VL's 3-D multimodal rotary positions (``mrope_section`` [2, 3, 3] of the 8 rotary frequencies); the
+vision tower is 2 blocks of width 32 on 4x4 patches merged 2x2, so a 32x32 image is 16 image tokens. The
+tokenizer is the character tokenizer of the text tiny models plus Qwen's vision tokens. grpo/models.py builds
+both (``tiny:qwen2_5_vl``); this module imports nothing of it.
+"""
+from __future__ import annotations
+
+import torch
+
+from grpo.errors import ModelError
+
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+TINY_VLM_FAMILIES = ("qwen2_5_vl",)
+
+# The prompt as the chat template renders it: an image part becomes <|vision_start|><|image_pad|><|vision_end|>,
+# and the processor repeats <|image_pad|> once per image token (grpo/vision/images.py).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+VISION_DEFAULTS = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                       spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1])
+
+
+def with_vision_tokens(tok):
+    """``tok`` (grpo/models.py's character tokenizer) with Qwen's vision tokens added and the chat template above."""
+    tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def image_processor(min_pixels: int = 16 * 16, max_pixels: int = 64 * 64):
+    """Qwen2-VL's image processor (the PIL one: no torchvision needed) at the tiny tower's patch sizes. An image
+    is resized to a multiple of 8 pixels a side with between ``min_pixels`` and ``max_pixels`` pixels."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    v = VISION_DEFAULTS
+    return Qwen2VLImageProcessorPil(patch_size=v["patch_size"], merge_size=v["spatial_merge_size"],
+                                    temporal_patch_size=v["temporal_patch_size"], min_pixels=min_pixels,
+                                    max_pixels=max_pixels)
+
+
+def tiny_vlm(family: str, tokenizer, text: dict, seed: int = 0):
+    """A randomly initialised vision-language model of ``family`` (deterministic in ``seed``) whose language model
+    has the config ``text`` (what grpo/models.py gives a text tiny model) and whose vision tokens are ``tokenizer``'s
+    (made by :func:`with_vision_tokens`)."""
+    import transformers
+
+    if family not in TINY_VLM_FAMILIES:
+        raise ModelError(f"tiny:{family} is not a vision-language family; choose one of: "
+                         + ", ".join(TINY_VLM_FAMILIES))
+    ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(t)
+           for name, t in zip(("vision_start", "image", "vision_end", "video"), VISION_TOKENS)}
+    text = dict(text)
+    half = text["hidden_size"] // text["num_attention_heads"] // 2  # rotary frequencies, split over (t, h, w)
+    hw = half * 3 // 8  # as Qwen2.5-VL's [16, 24, 24] of 64
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * hw, hw, hw]}
+    vision = {**VISION_DEFAULTS, "out_hidden_size": text["hidden_size"]}
+    try:
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            return transformers.Qwen2_5_VLForConditionalGeneration(config)
+    except (ValueError, TypeError) as e:
+        raise ModelError(f"model.tiny={text} does not make a valid {family} model: "
+                         f"{str(e).strip().splitlines()[0][:200]}") from None

@@ -1,0 +1,161 @@
+"""vision_token_logprobs on tiny:qwen2_5_vl: log-probs and gradients (vision tower included) equal the model's own
+per-sequence forward, in the shared layout (each prompt's images encoded once) and the standard one."""
+import random
+
+import pytest
+import torch
+
+from grpo.engine import plan_micro_batches
+from grpo.engine import vision_logprobs as vl
+from grpo.engine.vision_logprobs import vision_token_logprobs
+from grpo.models import load_image_processor, load_tokenizer, tiny_model
+from grpo.tasks.shapes import draw
+from grpo.vision.images import encode
+
+ATOL_LP, ATOL_GRAD = 2e-5, 5e-5
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok, proc = load_tokenizer("tiny:qwen2_5_vl"), load_image_processor("tiny:qwen2_5_vl")
+    model = tiny_model("qwen2_5_vl", len(tok), seed=0)
+    rng = random.Random(0)
+
+    def picture(size):
+        return draw(rng, size, [("red", "square"), ("blue", "circle")])
+
+    def user(n_images, text):
+        return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
+
+    prompts = [  # ragged: one image, two images of other sizes, none
+        encode(user(1, "How many?"), [picture(32)], tok, proc),
+        encode(user(2, "Count them"), [picture(24), picture(40)], tok, proc),
+        encode([{"role": "user", "content": "no picture"}], [], tok, proc),
+    ]
+    return model, prompts
+
+
+def _completions(sizes, seed=0):
+    rng = random.Random(seed)
+    return [[[rng.randrange(3, 100) for _ in range(rng.randint(1, 7))] for _ in range(G)] for G in sizes]
+
+
+def _reference(model, prompts, comps):
+    """Every prompt + completion alone through the model's own forward (logits, log-softmax)."""
+    out = []
+    for p, cs in zip(prompts, comps):
+        row = []
+        for r in cs:
+            ids = torch.tensor([p.ids + r])
+            images = {} if not p.n_images else {"pixel_values": p.pixel_values, "image_grid_thw": p.image_grid_thw}
+            logits = model(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).int(),
+                           **images).logits[0].float()
+            row.append(torch.log_softmax(logits, -1)[len(p.ids) - 1:-1].gather(-1, torch.tensor(r)[:, None])[:, 0])
+        out.append(row)
+    return out
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+
+
+def _grads(model, logps, weights):
+    model.zero_grad()
+    sum((w * lp).sum() for ws, lps in zip(weights, logps) for w, lp in zip(ws, lps)).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("sizes", [(1, 1, 1), (3, 2, 5)])
+@pytest.mark.parametrize("shared", [True, False])
+def test_logprobs_and_gradients_equal_the_per_sequence_forward(setup, sizes, shared):
+    model, prompts = setup
+    comps = _completions(sizes)
+    weights = [[torch.randn(len(r), generator=torch.Generator().manual_seed(len(r))) for r in cs] for cs in comps]
+    ref = _reference(model, prompts, comps)
+    g_ref = _grads(model, ref, weights)
+    got = vision_token_logprobs(model, prompts, comps, shared_prefix=shared)
+    assert _max_diff(got, ref) < ATOL_LP
+    g_got = _grads(model, got, weights)
+    assert set(g_got) == set(g_ref) and any(n.startswith("model.visual") for n in g_got)  # the tower trains too
+    for n in g_ref:
+        assert torch.allclose(g_got[n], g_ref[n], atol=ATOL_GRAD), n
+
+
+def test_micro_batches_and_entropy(setup):
+    model, prompts = setup
+    comps = _completions((2, 3, 1), seed=1)
+    plan = plan_micro_batches([len(p.ids) for p in prompts], [[len(r) for r in cs] for cs in comps], 75)
+    assert len(plan) >= 3 and any(g == 1 for g, _ in plan[1])  # the two-image group is cut in two
+    with torch.no_grad():
+        ref = _reference(model, prompts, comps)
+        got, ent = vision_token_logprobs(model, prompts, comps, max_tokens_per_micro_batch=75, return_entropy=True)
+    assert _max_diff(got, ref) < ATOL_LP
+    assert all(e.shape == lp.shape and (e > 0).all() for es, lps in zip(ent, got) for e, lp in zip(es, lps))
+
+
+def test_vision_tower_runs_once_per_prompt_in_the_shared_layout(setup):
+    model, prompts = setup
+    comps = _completions((3, 2, 3))
+    seen = []
+    handle = model.model.visual.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    try:
+        with torch.no_grad():
+            vision_token_logprobs(model, prompts, comps, shared_prefix=True)
+            vision_token_logprobs(model, prompts, comps, shared_prefix=False)
+    finally:
+        handle.remove()
+    patches = [p.pixel_values.shape[0] if p.n_images else 0 for p in prompts]
+    assert seen == [sum(patches), sum(n * len(cs) for n, cs in zip(patches, comps))]
+
+
+def _planted(monkeypatch, fn):
+    monkeypatch.setattr(vl, "packed_positions", fn)
+
+
+def _cumulative(core, prompts, comps, image_token_id):
+    """Planted bug: the second completion continues after the first instead of restarting."""
+    parts = []
+    for p, cs in zip(prompts, comps):
+        pos = vl.prompt_positions(core, p, image_token_id)
+        parts.append(pos)
+        start = int(pos.max()) + 1
+        for r in cs:
+            parts.append(vl.completion_positions(start, len(r)))
+            start += len(r)
+    return torch.cat(parts, dim=1)[:, None, :]
+
+
+def _one_dimensional(core, prompts, comps, image_token_id):
+    """Planted bug: 1-D text positions everywhere (the images' 3-D grid positions ignored)."""
+    parts = []
+    for p, cs in zip(prompts, comps):
+        parts.append(torch.arange(len(p.ids))[None].expand(3, -1))
+        parts.extend(vl.completion_positions(len(p.ids), len(r)) for r in cs)
+    return torch.cat(parts, dim=1)[:, None, :]
+
+
+@pytest.mark.parametrize("bug", [_cumulative, _one_dimensional])
+def test_a_wrong_position_restart_is_caught(setup, monkeypatch, bug):
+    model, prompts = setup
+    comps = _completions((3, 2, 3))
+    with torch.no_grad():
+        ref = _reference(model, prompts, comps)
+        assert _max_diff(vision_token_logprobs(model, prompts, comps), ref) < ATOL_LP
+        _planted(monkeypatch, bug)
+        assert _max_diff(vision_token_logprobs(model, prompts, comps), ref) > 1e-3
+
+
+def test_bad_inputs_say_what_is_wrong(setup):
+    model, prompts = setup
+    image = model.config.image_token_id
+    fewer = [t for i, t in enumerate(prompts[0].ids) if t != image or i % 2]  # some image tokens dropped
+    broken = type(prompts[0])(fewer, pixel_values=prompts[0].pixel_values,
+                              image_grid_thw=prompts[0].image_grid_thw)
+    with pytest.raises(ValueError, match="the prompt has 8 image tokens but its images make 16"):
+        vision_token_logprobs(model, [broken], [[[5]]])
+    with pytest.raises(ValueError, match="1 prompts but 2 completion groups"):
+        vision_token_logprobs(model, prompts[:1], [[[5]], [[6]]])
+    from grpo.models import char_tokenizer, tiny_model
+    text_model = tiny_model("qwen2", len(char_tokenizer()))
+    with pytest.raises(ValueError, match="serves qwen2_5_vl models, not 'qwen2'"):
+        vision_token_logprobs(text_model, prompts[:1], [[[5]]])

@@ -1,0 +1,149 @@
+"""grpo.vision: the tiny Qwen2.5-VL and its processor built offline, and image prompts from every image form."""
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from grpo.errors import DataError, ModelError
+from grpo.models import load_image_processor, load_tokenizer, tiny_model
+from grpo.tasks.shapes import draw
+from grpo.vision.images import encode, load_image
+
+
+def _messages(n_images, text="How many?"):
+    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def tok_proc():
+    return load_tokenizer("tiny:qwen2_5_vl"), load_image_processor("tiny:qwen2_5_vl")
+
+
+def test_tiny_vlm_is_seeded_and_has_3d_rotary(tok_proc):
+    tok, _ = tok_proc
+    a, b, c = (tiny_model("qwen2_5_vl", len(tok), seed=s) for s in (0, 0, 1))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+    assert a.config.text_config.rope_parameters["mrope_section"] == [2, 3, 3]
+    assert a.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>") < len(tok)
+    wide = tiny_model("qwen2_5_vl", len(tok), hidden_size=96, num_attention_heads=4)
+    assert sum(wide.config.text_config.rope_parameters["mrope_section"]) == 96 // 4 // 2
+    with pytest.raises(ModelError, match="tiny:llava is not a known family; choose one of: .*qwen2_5_vl"):
+        tiny_model("llava", len(tok))
+
+
+def test_image_tokens_expand_per_image_in_order(tok_proc, tmp_path):
+    tok, proc = tok_proc
+    img = Image.new("RGB", (32, 24), "red")
+    p = encode(_messages(2), [img, Image.new("RGB", (16, 16), "blue")], tok, proc)
+    assert p.image_grid_thw.tolist() == [[1, 6, 8], [1, 4, 4]]
+    text = tok.decode(p.ids)
+    assert text.startswith("user: <|vision_start|>" + "<|image_pad|>" * 12 + "<|vision_end|><|vision_start|>"
+                           + "<|image_pad|>" * 4 + "<|vision_end|>How many?")
+    assert text.endswith("\nassistant: ")
+    assert p.pixel_values.shape == (6 * 8 + 4 * 4, 3 * 2 * 4 * 4)
+
+
+def test_every_image_form_gives_the_same_pixels(tok_proc, tmp_path):
+    tok, proc = tok_proc
+    import random
+    img = draw(random.Random(0), 32, [("red", "square")])
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    path = tmp_path / "a.png"
+    path.write_bytes(buf.getvalue())
+    forms = [img, str(path), buf.getvalue(), {"bytes": buf.getvalue(), "path": None},
+             {"bytes": None, "path": str(path)}]
+    pixels = [encode(_messages(1), [f], tok, proc).pixel_values for f in forms]
+    assert all(torch.equal(pixels[0], x) for x in pixels[1:])
+    assert load_image(Image.new("L", (8, 8))).mode == "RGB"
+
+
+def test_bad_images_get_one_line(tok_proc, tmp_path):
+    tok, proc = tok_proc
+    img = Image.new("RGB", (16, 16))
+    with pytest.raises(DataError, match="row 3: image file '/nope.png' not found"):
+        encode(_messages(1), ["/nope.png"], tok, proc, where="row 3")
+    with pytest.raises(DataError, match="unreadable image"):
+        encode(_messages(1), [b"not a png"], tok, proc)
+    with pytest.raises(DataError, match="must be a PIL image, a path, bytes"):
+        encode(_messages(1), [42], tok, proc)
+    with pytest.raises(DataError, match="2 image part\\(s\\) but the row has 1 image"):
+        encode(_messages(2), [img], tok, proc)
+    tok2 = load_tokenizer("tiny:qwen2_5_vl")
+    tok2.chat_template = "{% for m in messages %}{{ m['content'][-1]['text'] }}{% endfor %}"  # drops image parts
+    with pytest.raises(DataError, match="rendered 0 image placeholder\\(s\\) for 1 image"):
+        encode(_messages(1), [img], tok2, proc)
+
+
+def test_rows_of_three_formats_from_jsonl_and_parquet(tok_proc, tmp_path):
+    """TRL's parts with image paths (JSONL), verl's <image> markers with {"bytes"} images (Parquet), a PIL column
+    (a built-in task): the same picture and question give the same prompt."""
+    import json
+
+    import datasets
+
+    from grpo.tasks import get_task
+    from grpo.vision.images import encode_row
+
+    tok, proc = tok_proc
+    row = get_task("shapes")(1, seed=0)[0]
+    question = row["prompt"][0]["content"][1]["text"]
+    path = tmp_path / "a.png"
+    row["images"][0].save(path)
+    trl = tmp_path / "trl.jsonl"
+    trl.write_text(json.dumps({"prompt": row["prompt"], "images": [str(path)], "answer": row["answer"]}) + "\n")
+    verl = tmp_path / "verl.parquet"
+    datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "<image>" + question}],
+                                 "images": [{"bytes": path.read_bytes(), "path": None}]}]).to_parquet(str(verl))
+    from_trl = dict(datasets.load_dataset("json", data_files=str(trl), split="train")[0])
+    from_verl = dict(datasets.load_dataset("parquet", data_files=str(verl), split="train")[0])
+    got = [encode_row(r, "prompt", "images", tok, proc) for r in (row, from_trl, from_verl)]
+    assert got[0].ids == got[1].ids == got[2].ids
+    assert all(torch.equal(got[0].pixel_values, g.pixel_values) for g in got[1:])
+    with pytest.raises(DataError, match="row 0 has no image column 'image'; its columns are: prompt, images, answer"):
+        encode_row(from_trl, "prompt", "image", tok, proc, where="row 0")
+
+
+def test_a_text_model_or_a_text_only_backend_given_images_is_one_line(tok_proc):
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from grpo import data
+    from grpo.config.schema import load
+    from grpo.errors import SetupError
+    from grpo.tasks import get_task
+    from grpo.trainer.build import backend_maker
+    from tests.helpers import compose_recipe
+
+    tok, proc = tok_proc
+    overrides = ["rollout.backend=server", "rollout.server.urls=[http://127.0.0.1:9]", "trainer.output_dir=unused"]
+    cfg = load(OmegaConf.to_container(compose_recipe("vlm-smoke", overrides), resolve=True))
+    rows = get_task("shapes")(2, seed=0)
+    with pytest.raises(DataError, match="data row 0 has images in data.image_column='images' but the model is a text"):
+        data.prepare(rows, cfg.data, tok, image_processor=None)
+    prepared, dropped = data.prepare(rows, cfg.data, tok, image_processor=proc)
+    assert dropped == 0 and prepared[0]["prompt_ids"].n_images == 1
+    assert prepared[0]["prompt"].startswith("user: <|vision_start|><|image_pad|><|vision_end|>How many")
+    with pytest.raises(SetupError, match="rollout.backend=server \\(server\\) does not take images yet"):
+        backend_maker(cfg, SimpleNamespace(device="cpu", is_main=True), tok, data.Splits(prepared, []))
+
+
+def test_held_out_pictures_are_told_apart_by_their_pixels(tok_proc):
+    """builtin:shapes asks 9 distinct questions: the train/held-out split compares the pictures too, so a train row
+    is dropped only when its picture and question are a held-out one's."""
+    from omegaconf import OmegaConf
+
+    from grpo import data
+    from grpo.config.schema import load
+    from tests.helpers import compose_recipe
+
+    tok, proc = tok_proc
+    cfg = load(OmegaConf.to_container(compose_recipe("vlm-smoke", ["trainer.output_dir=unused", "data.num_train=20",
+                                                                   "data.num_eval=4"]), resolve=True))
+    splits = data.build(cfg.data, tok, image_processor=proc)
+    asked = {r["prompt"] for r in splits.eval}
+    by_text = [r for r in splits.train if r["prompt"] not in asked]  # what comparing the text alone would keep
+    assert len(splits.eval) == 4 and len(splits.train) >= 18 > len(by_text)  # an empty picture may repeat

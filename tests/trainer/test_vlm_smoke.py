@@ -1,0 +1,64 @@
+"""`grpo-train recipe=vlm-smoke`, in process: a tiny Qwen2.5-VL trains on the shapes pictures, each prompt's images
+through the vision tower once per group in the rollout and in the update, and the tower's weights learn."""
+import json
+
+import torch
+from omegaconf import OmegaConf
+
+from grpo.config.schema import load
+from grpo.models import tiny_model
+from grpo.trainer.loop import train
+from tests.helpers import compose_recipe
+
+
+def test_vlm_smoke_trains_and_evaluates_with_each_prompts_images_encoded_once(tmp_path, monkeypatch):
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as q
+
+    patches = []
+    forward = q.Qwen2_5_VisionTransformerPretrainedModel.forward
+
+    def counted(self, hidden_states, *args, **kwargs):
+        patches.append(hidden_states.shape[0])
+        return forward(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(q.Qwen2_5_VisionTransformerPretrainedModel, "forward", counted)
+    out = tmp_path / "run"
+    cfg = compose_recipe("vlm-smoke", [f"trainer.output_dir={out}", "data.num_eval=2"])
+    summary = train(load(OmegaConf.to_container(cfg, resolve=True)))
+    assert summary["eval_before"]["completion_len_mean"] > 0 and "accuracy" in summary["eval_after"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["grad_norm"] > 0 and r["completion_len_mean"] > 0 for r in rows)
+    assert rows[0]["kl"] < 1e-6 < rows[1]["kl"]  # policy == reference at step 1, apart after one step
+    # one 32x32 picture is 64 patches: the rollout encodes each prompt once (64; 2 steps x 2 prompts, and the 2
+    # held-out prompts before and after), every engine forward (policy, reference) encodes both prompts of the
+    # step once (128), never G = 4 copies
+    assert set(patches) == {64, 128} and patches.count(64) == 2 * 2 + 2 * 2
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and all("How many" in s["prompt"] for s in samples)
+    # the vision tower trained: its weights moved from their seeded start
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    final = Qwen2_5_VLForConditionalGeneration.from_pretrained(out / "final")
+    start = tiny_model("qwen2_5_vl", final.config.text_config.vocab_size, seed=cfg.trainer.seed)
+    name = "model.visual.blocks.0.mlp.up_proj.weight"
+    moved = (final.state_dict()[name] - start.state_dict()[name]).abs().max().item()
+    assert 0 < moved < 0.01  # two Adam steps of lr 1e-3 from the same start
+
+
+def test_vlm_smoke_with_lora_trains_the_language_model_and_leaves_the_tower(tmp_path):
+    """model.lora.enabled=true: adapters on the language model's attention (the tower's layers are named qkv/proj),
+    the reference is the adapter switched off, and the merged model's tower is the seeded one."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    out = tmp_path / "run"
+    cfg = compose_recipe("vlm-smoke", [f"trainer.output_dir={out}", "model.lora.enabled=true"])
+    train(load(OmegaConf.to_container(cfg, resolve=True)))
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["kl"] > 0
+    final = Qwen2_5_VLForConditionalGeneration.from_pretrained(out / "final").state_dict()
+    start = tiny_model("qwen2_5_vl", 104, seed=cfg.trainer.seed).state_dict()
+    assert torch.equal(final["model.visual.blocks.0.attn.qkv.weight"], start["model.visual.blocks.0.attn.qkv.weight"])
+    assert not torch.equal(final["model.language_model.layers.0.self_attn.q_proj.weight"],
+                           start["model.language_model.layers.0.self_attn.q_proj.weight"])
