@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from grpo.config.compose import compose, find_recipe, groups, normalize
 from grpo.config.schema import open_dict_keys, schema_keys, suggest
@@ -40,6 +41,12 @@ def prepare_argv(argv: list[str]) -> list[str]:
     errors (ConfigError, SetupError, ...)."""
     argv = _drop_local_rank(argv)
     flags, overrides = _split_argv(argv[1:])
+    if {"-h", "--help"} & set(flags):
+        print(usage("grpo-train"))
+        sys.exit(0)
+    if {"-m", "--multirun"} & set(flags) and {"--cfg", "-c", "--info", "-i"} & set(flags):
+        raise ConfigError("--cfg and --info show one run: drop -m and give each swept key one value "
+                          "(e.g. algorithm.group_size=4)")
     overrides = _quote_home(overrides)
     check_argv(overrides)
     overrides = normalize(overrides)
@@ -132,6 +139,44 @@ def _sweep_dir(overrides: list[str]) -> list[str]:
         return overrides
     out = os.path.abspath(os.path.expanduser(given[0].split("=", 1)[1].strip("'\"")))
     return [o for o in overrides if o != given[0]] + [f"hydra.sweep.dir={_quote(out)}"]
+
+
+_USAGE = {
+    "grpo-train": """usage: grpo-train recipe=NAME [key=value ...]           one run
+       grpo-train -m recipe=NAME key=A,B [key=value ...]  a sweep: one run per value (Hydra multirun)
+       grpo-train recipe=NAME [key=value ...] --cfg job   print the config that would run, after its checks
+
+  grpo-train recipe=quickstart algorithm.group_size=4 trainer.output_dir=runs/a
+  grpo-train recipe=quickstart trainer.output_dir=runs/a trainer.resume=auto   # continue where it stopped
+  grpo-train recipe=./my-recipe.yaml                    # a recipe file of your own
+  (Hydra's own help: --hydra-help)""",
+    "grpo-serve": """usage: grpo-serve recipe=NAME [key=value ...] [--print] [-- VLLM_FLAGS]
+
+vLLM's OpenAI-compatible server for the run's model (the recipe and overrides grpo-train takes, plus
+rollout.server.host/port); then train with rollout.backend=server. --print: print the command instead.
+  grpo-serve recipe=quickstart rollout.server.port=8000""",
+}
+
+
+def usage(command: str) -> str:
+    """``--help``: how to run a recipe, the recipes found (built-in and ``$GRPO_RECIPE_PATH``'s), where the docs are."""
+    from grpo.config.compose import RECIPE_PATH_ENV, recipe_folders
+
+    found: dict[str, Path] = {}
+    for d in recipe_folders():
+        for p in sorted(d.glob("*.yaml")):
+            found.setdefault(p.stem, p)
+    width = max(map(len, found), default=0)
+    lines = [_USAGE[command], "", f"recipes (recipe=NAME; your own folders first with {RECIPE_PATH_ENV}):"]
+    for name, path in found.items():
+        first = next((x.lstrip("# ").strip() for x in path.read_text().splitlines()
+                      if x.startswith("#") and "@package" not in x), "")
+        first = first.split(". ")[0]
+        lines.append(f"  {name:<{width}}  {first if len(first) <= 76 else first[:75] + '…'}")
+    docs = "docs/getting-started.md, docs/recipes.md, docs/config-reference.md"
+    docs += ", docs/rollout.md#the-server-backend" if command == "grpo-serve" else ""
+    lines += ["", "every key: grpo-train recipe=NAME --cfg job; docs (in the grpo repository):", docs]
+    return "\n".join(lines)
 
 
 def _flag_value(flags: list[str], *names: str) -> str | None:

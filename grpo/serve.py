@@ -13,7 +13,13 @@ import os
 import shlex
 import sys
 
-from grpo.errors import GRPOError, SetupError
+from grpo.errors import GRPOError, SetupError, show_warnings_as_lines
+
+# what vLLM's log shows on a healthy server of ours, said once before it starts (its own lines are vLLM's to word)
+EXPECTED_IN_VLLM_LOG = ("[grpo] expected in vLLM's log below, on a healthy server: a 'Chat template warmup failed' "
+                        "traceback (the server is sent token ids and has no tokenizer) and 'RotaryEmbedding: Failed to "
+                        "load weights' after each weight push (the pushed weights hold nothing for it); the trainer's "
+                        "sync check says whether the weights arrived")
 
 
 def settings(cfg, device: str):
@@ -32,9 +38,15 @@ def settings(cfg, device: str):
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    show_warnings_as_lines()
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     ours = argv[:argv.index("--")] if "--" in argv else argv
     dry = "--print" in ours
+    if {"-h", "--help"} & set(ours):
+        from grpo.cli import usage
+
+        print(usage("grpo-serve"))
+        return
     overrides = [a for a in ours if a != "--print"]
     try:
         from grpo.cli import check_argv
@@ -54,7 +66,13 @@ def main(argv: list[str] | None = None) -> None:
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        from grpo.models import check_name
+        from grpo.rollout.registry import check_vllm_cpu
         from grpo.rollout.server.launch import serve_command
+
+        check_name(cfg.model.name_or_path)  # what the in-process vLLM backend refuses, refused before vLLM starts
+        if device == "cpu":
+            check_vllm_cpu(cfg.model.name_or_path, cfg.model.tiny, who="grpo-serve")
 
         cmd, env = serve_command(settings(cfg, device), cache_dir(), extra)
     except GRPOError as e:
@@ -65,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"[grpo] serving {cfg.model.name_or_path} at http://{cfg.rollout.server.host}:{cfg.rollout.server.port} "
           "(vLLM's OpenAI-compatible server; GET /health answers when it is ready)", file=sys.stderr, flush=True)
+    print(EXPECTED_IN_VLLM_LOG, file=sys.stderr, flush=True)
     os.execve(cmd[0], cmd, {**os.environ, **env})
 
 

@@ -33,7 +33,7 @@ HYBRID_FAMILIES: dict[str, dict] = {k: {**_HYBRID_SIZES, **v} for k, v in {
     "falcon_h1": dict(_MAMBA2, num_hidden_layers=2, mamba_d_ssm=64, mamba_d_head=16),
     "granitemoehybrid": dict(_MAMBA2, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
                              num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48),
-    "nemotron_h": dict(num_hidden_layers=4, layers_block_type=[LIN, "moe", FULL, "mlp"], ssm_state_size=8,
+    "nemotron_h": dict(num_hidden_layers=4, layers_block_type=[LIN, FULL, "moe", "mlp"], ssm_state_size=8,
                        mamba_num_heads=4, mamba_head_dim=16, n_groups=1, conv_kernel=KERNEL, chunk_size=CHUNK,
                        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=16,
                        moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1),
@@ -51,6 +51,10 @@ HYBRID_FAMILIES: dict[str, dict] = {k: {**_HYBRID_SIZES, **v} for k, v in {
     "lfm2": dict(num_hidden_layers=3, layer_types=["conv", FULL, "conv"], conv_L_cache=KERNEL, conv_bias=False,
                  block_auto_adjust_ff_dim=False),
 }.items()}
+
+# families whose SSM width (heads x head size) must equal expand x hidden size: (heads, head size, expand) keys
+_SSM_WIDTH = {f: [("mamba_n_heads", "mamba_d_head", "mamba_expand")] for f in ("bamba", "granitemoehybrid")}
+_SSM_WIDTH["mamba2"] = [("num_heads", "head_dim", "expand")]
 
 EAGER_ONLY = frozenset({"gemma2", "gpt_oss"})  # their models refuse sdpa
 
@@ -105,7 +109,10 @@ def tiny_config(family: str, vocab_size: int, *, window: int | None = None, **ov
         pattern = kwargs.get(key) if key not in overrides else None
         if pattern and "num_hidden_layers" in kwargs and len(pattern) != kwargs["num_hidden_layers"]:
             kwargs[key] = [pattern[i % len(pattern)] for i in range(kwargs["num_hidden_layers"])]
-    if family == "deepseek_v3":  # MLA: the rotary part is the head; a K/V head per query head (its code needs both)
+    for heads, dim, expand in _SSM_WIDTH.get(family, ()):  # the SSM's heads x head size follow the width
+        if dim not in overrides and heads in kwargs:
+            kwargs[dim] = kwargs.get(expand, 2) * kwargs["hidden_size"] // kwargs[heads]
+    if family in ("deepseek_v3", "kimi_linear"):  # MLA: the rotary part is the head, a K/V head per query head
         kwargs.update(head_dim=kwargs["qk_rope_head_dim"], num_key_value_heads=kwargs["num_attention_heads"])
     return transformers.AutoConfig.for_model(family, **kwargs)
 

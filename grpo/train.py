@@ -10,7 +10,7 @@ import sys
 from dataclasses import asdict
 
 from grpo.config.schema import Config, load
-from grpo.errors import GRPOError
+from grpo.errors import GRPOError, show_warnings_as_lines
 
 
 def _hydra_main():
@@ -52,6 +52,8 @@ def _hydra_main():
                 _fail(e, run_dir)
             except StopNow as e:  # a second Ctrl-C / SIGTERM: the one line it printed is all
                 sys.exit(e.exit_code)
+            except KeyboardInterrupt:  # before the loop's signal handlers (loading the model, ...)
+                _interrupted(run_dir)
         after = result.get("eval_after", {})
         return after.get("reward_mean")
 
@@ -81,6 +83,13 @@ def _fail(e: Exception, run_dir: str | None = None):
     sys.exit(2)
 
 
+def _interrupted(run_dir: str | None = None):
+    """Ctrl-C before training began (checks, imports, loading the model): one line, exit code 130 as a shell's."""
+    print("\n[grpo] interrupted (Ctrl-C) while starting; nothing was trained", file=sys.stderr, flush=True)
+    _drop_empty_run_dir(run_dir)
+    sys.exit(130)
+
+
 def _drop_empty_run_dir(run_dir: str | None) -> None:
     """Hydra creates the run directory before the run starts: an error then must not leave one holding only
     ``.hydra/`` (and Hydra's ``train.log``). Never the working directory, never one holding anything else."""
@@ -99,11 +108,14 @@ def _drop_empty_run_dir(run_dir: str | None) -> None:
 def main() -> None:
     from grpo.cli import prepare_argv
 
+    show_warnings_as_lines()
     try:
         sys.argv = prepare_argv(sys.argv)
+        _hydra_main()()
     except GRPOError as e:
         _fail(e)
-    _hydra_main()()
+    except KeyboardInterrupt:  # in the checks before Hydra or in Hydra's set-up
+        _interrupted()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ TOGETHER = {
     "server": ("tests/e2e/test_server.py::",),  # `ctx`: one grpo-serve process the walkthrough starts late
     "multinode": ("tests/e2e/test_multinode.py::",),  # `nodes`: one launch of two torchrun nodes
     "damaged_checkpoint": ("tests/e2e/test_damaged_checkpoint.py::",),  # `runs`: a three-step run and a resume of it
+    "own_project": ("tests/e2e/test_own_project.py::",),  # `installed`: a fresh venv with the wheel and torch
     "memory_cli": tuple(f"tests/engine/test_memory.py::test_{name}" for name in (  # `cli`: three commands, one process
         "impossible_fit", "auto_is")),
     "tools_cli": tuple(f"tests/e2e/test_tools_train.py::test_{name}" for name in (  # `cli`: one process

@@ -10,3 +10,30 @@ def test_every_user_error_is_a_grpo_error_and_keeps_its_builtin_kind(name):
     cls = getattr(errors, name)
     assert issubclass(cls, errors.GRPOError)
     assert issubclass(errors.ConfigError, ValueError) and issubclass(errors.RewardTimeout, TimeoutError)
+
+
+def test_our_warnings_show_as_one_line_and_others_as_python_shows_them(capsys):
+    """The top-p warning came out as `.../torch/utils/_contextlib.py:120: UserWarning: ...` (the frame of torch's
+    no_grad wrapper): ours are one `[grpo] warning:` line under the commands."""
+    import warnings
+
+    from grpo.errors import GRPOWarning, show_warnings_as_lines
+    from grpo.models import char_tokenizer, tiny_model
+    from grpo.rollout import hf as rollout
+
+    before = warnings.formatwarning
+    try:
+        show_warnings_as_lines()
+        show_warnings_as_lines()  # idempotent: grpo-train's and grpo-serve's main both call it
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rollout._warned_truncated = False
+            rollout.generate(tiny_model("llama", 100), char_tokenizer(), [[5, 6]], group_size=2, max_new_tokens=2,
+                             progress=False, top_p=0.9)
+            warnings.warn("someone else's", UserWarning)
+        shown = [warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught]
+    finally:
+        warnings.formatwarning = before
+    assert shown[0].startswith("[grpo] warning: rollout.top_p=0.9 / rollout.top_k=0: completions are sampled from")
+    assert shown[0].count("\n") == 1 and "UserWarning: someone else's" in shown[1]
+    assert not issubclass(UserWarning, GRPOWarning)

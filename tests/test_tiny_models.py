@@ -1,5 +1,6 @@
 """grpo/tiny_models.py: ``tiny:<family>`` for every family the engine serves, the same configs the engine's family
-tests use, a table the hybrid families plug into, and the smoke recipe's step for families chosen for diversity."""
+tests use, a table the hybrid families plug into, and the smoke recipe's step for every family, through the shared
+layout."""
 import pytest
 import torch
 
@@ -54,19 +55,29 @@ def test_an_unknown_family_is_one_line_listing_those_available(tmp_path, monkeyp
     assert "tiny:gpt9 is not a known family; choose one of: " + ", ".join(ATTENTION_FAMILIES) in err
 
 
-@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe", "deepseek_v3", "phi3", "qwen3_5_text"])
-def test_the_smoke_recipe_trains_a_step_of_the_family(cfg_factory, family):
-    """``grpo-train recipe=smoke model.name_or_path=tiny:<family>``, in process and scaled down to one step: eager-only
-    attention with soft-caps (gemma2), experts (qwen3_moe), latent attention (deepseek_v3), a fused QKV (phi3)."""
-    from grpo.trainer.loop import fit
-
-    cfg = cfg_factory({"model": {"name_or_path": f"tiny:{family}"}, "data": {"num_eval": 0},
-                       "rollout": {"max_new_tokens": 6}, "trainer": {"max_steps": 1}})
-    out = fit(cfg)
-    assert out["steps"] == 1
+@pytest.mark.parametrize("family", families())
+def test_the_smoke_recipe_trains_a_step_of_the_family(cfg_factory, monkeypatch, family):
+    """``grpo-train recipe=smoke model.name_or_path=tiny:<family>``, in process and scaled down to one step (6 new
+    tokens), for every served family: the step trains, and its log-probs came from the shared
+    layout (the prefix engine's forward ran, no "standard layout" fallback was warned)."""
     import json
+    import warnings
     from pathlib import Path
 
+    from grpo.engine import logprobs
+    from grpo.trainer.loop import fit
+
+    shared = []
+    forward = logprobs._forward_shared_prefix
+    monkeypatch.setattr(logprobs, "_forward_shared_prefix", lambda *a, **k: shared.append(1) or forward(*a, **k))
+    cfg = cfg_factory({"model": {"name_or_path": f"tiny:{family}"}, "data": {"num_eval": 0},
+                       "rollout": {"max_new_tokens": 6}, "trainer": {"max_steps": 1}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fit(cfg)
+    assert out["steps"] == 1
+    fallbacks = [str(w.message) for w in caught if "standard layout" in str(w.message)]
+    assert shared and not fallbacks, fallbacks
     rows = [json.loads(line) for line in (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()]
     step = [r for r in rows if "loss" in r][-1]
     assert step["grad_norm"] > 0 and torch.isfinite(torch.tensor(step["loss"]))

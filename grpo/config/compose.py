@@ -207,7 +207,8 @@ def hydra_error_line(e: Exception) -> str:
 # suffix, relative to the working directory) or a name, looked up in $GRPO_RECIPE_PATH's folders in order, then the
 # built-ins: the first NAME.yaml found wins. Hydra loads group options from its config search path only, so a recipe
 # outside the built-in folder (or one whose first line is not ``# @package _global_``: a recipe is always global) is
-# served from a folder of this process's own, as ``recipe=user/NAME`` with that folder on ``hydra.searchpath``.
+# served from a folder of this process's own, as ``recipe=NAME`` (``recipe=user/NAME`` when a built-in has that name)
+# with that folder on ``hydra.searchpath``.
 _GLOBAL = "# @package _global_\n"
 _served: dict[Path, str] = {}  # recipe file -> the option that serves it
 _overlay: list[Path] = []
@@ -225,8 +226,8 @@ def _is_path(value: str) -> bool:
 
 def find_recipe(value: str) -> Path:
     """The file ``recipe=value`` names. Raises ConfigError (one line) naming every folder searched."""
-    if value in _served.values():
-        return next(p for p, o in _served.items() if o == value)
+    if "/" in value and _served_file(value):  # user/NAME: an option this process serves (a name is looked up anew)
+        return _served_file(value)
     if _is_path(value):
         path = Path(value).expanduser().resolve()
         if not path.is_file():
@@ -244,7 +245,11 @@ def find_recipe(value: str) -> Path:
 
 def recipe_file(option: str) -> Path:
     """The file behind the recipe option Hydra chose."""
-    return find_recipe(option) if option in _served.values() else RECIPE_DIR / f"{option}.yaml"
+    return _served_file(option) or RECIPE_DIR / f"{option}.yaml"
+
+
+def _served_file(option: str) -> Path | None:
+    return next((p for p, o in _served.items() if o == option), None)
 
 
 def _is_global(text: str) -> bool:
@@ -270,8 +275,10 @@ def _option(path: Path) -> str:
         if not _overlay:
             _overlay.append(Path(tempfile.mkdtemp(prefix="grpo-recipes-")))
             atexit.register(shutil.rmtree, _overlay[0], True)
-        used = set(_served.values())  # two files of one name (a sweep over folders): user/NAME, user2/NAME
-        options = (f"user{i if i > 1 else ''}/{path.stem}" for i in range(1, len(_served) + 2))
+        # its own name when no built-in has it (job names and reports say recipe=NAME); else, or for a second file
+        # of one name (a sweep over folders): user/NAME, user2/NAME
+        used = set(_served.values()) | {p.stem for p in RECIPE_DIR.glob("*.yaml")}
+        options = (path.stem, *(f"user{i if i > 1 else ''}/{path.stem}" for i in range(1, len(_served) + 2)))
         option = next(o for o in options if o not in used)
         target = _overlay[0] / "recipe" / f"{option}.yaml"
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from grpo.config.checks import check_distributed, check_server, check_tools, check_trainer
 from grpo.config.evaluation import RANGES, AlarmsConfig, EvalConfig, check_evaluation
+from grpo.config.theirs import NOT_HERE, ours_for
 from grpo.errors import ConfigError
 
 
@@ -272,8 +273,7 @@ _RANGES = {
     "algorithm.rollout_is_cap": (lambda v: v >= 1, ">= 1"),
     "engine.max_tokens_per_micro_batch": (
         lambda v: v == "auto" or (not isinstance(v, bool) and isinstance(v, (int, str)) and str(v).isdigit()
-                                  and int(v) >= 1),
-        "auto or an integer >= 1"),
+                                  and int(v) >= 1), "auto or an integer >= 1"),
     "trainer.max_steps": (lambda v: v >= 0, ">= 0"),
     "trainer.lr": (lambda v: v > 0 and math.isfinite(v), "> 0"),
     "trainer.weight_decay": (lambda v: v >= 0, ">= 0"),
@@ -323,7 +323,7 @@ def suggest(key: str) -> str:
     candidates = schema_keys() + [f.name for f in fields(Config)]
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     close = ["algorithm.beta"] if key.split(".")[-1] == "kl_coef" else close  # the KL coefficient has one name
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    return f": {NOT_HERE[key]}" if key in NOT_HERE else f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -335,7 +335,7 @@ def validate(cfg: Config) -> Config:
     for key, allowed in _CHOICES.items():
         v = _get(cfg, key)
         if v not in allowed:
-            raise ConfigError(f"{key}={v!r} is not allowed; choose one of: {', '.join(allowed)}")
+            raise ConfigError(f"{key}={v!r} is not allowed; choose one of: {', '.join(allowed)}{ours_for(key, v)}")
     for key, (ok, allowed) in _RANGES.items():
         v = _get(cfg, key)
         if not ok(v):

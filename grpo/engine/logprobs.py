@@ -20,6 +20,7 @@ from grpo.engine.patch import check_every_layer, placeholder_mask, shared_prefix
 from grpo.engine.prefix_attention import LAYOUT_KWARG
 from grpo.engine.unwrap import unwrap_chain, unwrap_model
 from grpo.engine.vision_logprobs import VISION_FAMILIES, vision_token_logprobs
+from grpo.errors import GRPOWarning
 
 __all__ = ["token_logprobs", "ATTENTION_KERNELS"]
 
@@ -121,7 +122,7 @@ def _shared_prefix_serves(lm, prompts, comps) -> bool:
     max_len = max([len(p) + max([0] + [len(r) for r in cs]) for p, cs in zip(prompts, comps)] + [0])
     reason = shared_prefix_unsupported(lm, max_len)
     if reason is not None:
-        warnings.warn(f"shared-prefix forward disabled, using the standard layout: {reason}", stacklevel=3)
+        warnings.warn(f"shared-prefix forward disabled, using the standard layout: {reason}", GRPOWarning, stacklevel=3)
     return reason is None
 
 

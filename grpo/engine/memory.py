@@ -46,7 +46,7 @@ class Estimate:
 def _shape(config):
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     h = cfg.hidden_size
-    heads = cfg.num_attention_heads
+    heads = getattr(cfg, "num_attention_heads", None) or cfg.num_heads  # Mamba2 has no attention: its SSM heads
     d = getattr(cfg, "head_dim", None) or h // heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     inter = getattr(cfg, "intermediate_size", None) or 4 * h
@@ -164,7 +164,7 @@ def group_score_bytes(config, group_size: int, prompt: int, completion: int) -> 
     """fp32 attention scores the grouped kernel holds at once (about three copies): a chunk of at most
     grpo.engine.completion_attention.CHUNK_SCORES, or one completion's scores if that is more."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    one = cfg.num_attention_heads * completion * (prompt + completion)
+    one = getattr(cfg, "num_attention_heads", 0) * completion * (prompt + completion)  # Mamba2: no attention
     return 3 * 4 * max(min(completion_attention.CHUNK_SCORES, one * group_size), one)
 
 

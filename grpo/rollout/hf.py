@@ -17,6 +17,7 @@ from grpo.engine.decode_attention import DECODE_ATTN_NAME, DECODE_KWARG, SharedP
 from grpo.engine.patch import check_every_layer, placeholder_mask, shared_decode_unsupported, switched_attention
 from grpo.engine.state_layers import fork_states, has_recurrent_layers
 from grpo.engine.unwrap import unwrap_model
+from grpo.errors import GRPOWarning
 from grpo.rollout.base import Sampling, cut_at_eos, eos_ids
 from grpo.rollout.turn_cache import TurnCache, batched, layer_tensors, plain_layers
 
@@ -89,7 +90,7 @@ def _warn_truncated_sampling(top_p: float, top_k: int) -> None:
         warnings.warn(f"rollout.top_p={top_p} / rollout.top_k={top_k}: completions are sampled from the truncated "
                       "distribution, but the loss, old and reference log-probs use the full softmax(logits / T), so "
                       "the rollout is not exactly on-policy (as in TRL); top_p=1 and top_k=0 sample on-policy",
-                      stacklevel=3)
+                      GRPOWarning, stacklevel=3)
 
 
 def _generate(model, tokenizer, prompt_ids, sampling: Sampling, *, group_size, batch_size, desc, progress, extra,

@@ -154,17 +154,19 @@ def _check_vllm(model, device: str) -> None:
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
-def check_vllm_cpu(name_or_path: str, tiny: dict) -> None:
-    """vLLM on CPU serves only the head sizes it has kernels for: refuse another one before anything loads."""
+def check_vllm_cpu(name_or_path: str, tiny: dict, who: str = "rollout.backend=vllm") -> None:
+    """vLLM on CPU serves only the head sizes it has kernels for: refuse another one before anything loads (``who``:
+    what starts vLLM, for the message)."""
     from grpo.models import head_dim  # imports torch: only for vLLM on CPU
 
     d = head_dim(name_or_path, tiny)
     if d is not None and d not in VLLM_CPU_HEAD_DIMS:
         fix = ("'model.tiny={hidden_size: 128, num_attention_heads: 2, num_key_value_heads: 1}' (head_dim 64)"
                if name_or_path.startswith("tiny:") else "a model with one of those")
-        raise SetupError(f"rollout.backend=vllm on CPU: vLLM has no CPU attention kernel for head_dim={d} "
+        instead = "rollout.backend=hf" if who.startswith("rollout") else "another model"
+        raise SetupError(f"{who} on CPU: vLLM has no CPU attention kernel for head_dim={d} "
                          f"({name_or_path}; it supports {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}); use "
-                         f"rollout.backend=hf, or {fix}")
+                         f"{instead}, or {fix}")
 
 
 def _check_server(s) -> None:

@@ -54,6 +54,9 @@ class VLLMBackend:
         self.shares_process_group = process_group is not None
         from vllm import LLM
 
+        from grpo.rollout.vllm_log import quiet_expected
+
+        quiet_expected()  # the lines every healthy engine of ours prints (grpo/rollout/vllm_log.py)
         base = unwrap_model(model)
         family = getattr(base.config, "model_type", None)
         if family not in FAMILIES:

@@ -223,7 +223,7 @@ def restore(run: Run, cfg: Config) -> LoopState:
     changed = apply_schedule(run, cfg, saved)
     if rt.is_main:
         print(f"[grpo] resumed from {ckpt} (step {state.step})", file=sys.stderr, flush=True)
-        if changed:
+        if changed and state.step < cfg.trainer.max_steps:  # at max_steps nothing trains: nothing takes effect
             print(f"[grpo] changed since the checkpoint, in effect from step {state.step + 1}: {', '.join(changed)}",
                   file=sys.stderr, flush=True)
     return state

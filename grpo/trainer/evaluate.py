@@ -46,6 +46,11 @@ def evaluate_rows(run: Run, rows: list[dict], label: str, name: str) -> dict:
     sampling = s.sampling or Sampling(s.max_new_tokens, greedy=True)
     seed = None if s.sampling is None else set_seed(s.seed, rt.rank, name)  # the same for every model compared
     backend.desc = f"eval {label}" if name == "held-out" else f"eval {name} {label}"
+    if rt.is_main:
+        what = "held-out evaluation" if name == "held-out" else f"evaluation set {name}"
+        how = "greedy" if s.sampling is None else f"{s.n} samples each"
+        print(f"[grpo] {what} ({label}): {len(rows)} prompts, {how}, up to {sampling.max_new_tokens} new tokens",
+              file=sys.stderr, flush=True)
     extra = episode_stats = None
     if run.sampler.turn_loop is None:
         out = backend.generate([r["prompt_ids"] for r in padded], s.n, sampling, seed=seed)

@@ -140,7 +140,8 @@ class MetricsLogger:
         rows = [m for m in read_metrics(self.path) if m.get("step") == step and any(k.startswith("eval/") for k in m)]
         return {k[len("eval/"):]: v for k, v in rows[0].items() if k.startswith("eval/")} if rows else {}
 
-    def log(self, metrics: dict, console: bool = True) -> None:
+    def log(self, metrics: dict, console: bool = True, progress: str | None = None) -> None:
+        """``progress``: the console line's head in place of ``step N`` (`grpo.trainer.progress.StepClock`)."""
         if not self.enabled:
             return
         clean = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
@@ -151,7 +152,7 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(clean, step=clean.get("step"))
         if console:
-            print(format_line(clean), file=sys.stderr, flush=True)
+            print(format_line(clean, progress), file=sys.stderr, flush=True)
 
     def samples(self, step: int, rows: list[dict]) -> None:
         if not self.enabled:
@@ -184,10 +185,10 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def format_line(m: dict) -> str:
+def format_line(m: dict, progress: str | None = None) -> str:
     """The console line of a step. A ``kl`` that is logged but null (``algorithm.beta=0``: no reference model, so
     no KL is measured; metrics.jsonl holds null) reads ``kl n/a``, not 0 and not a silent gap."""
-    parts = [f"step {m.get('step', '?'):>4}"]
+    parts = [progress or f"step {m.get('step', '?'):>4}"]
     for key, label, fmt in CONSOLE_KEYS:
         if m.get(key) is not None:
             parts.append(f"{label} {fmt.format(m[key])}")
@@ -226,7 +227,7 @@ def ascii_curve(values: list[float], width: int = 60, height: int = 8, label: st
         line = "".join("█" if (p - lo) / span * height >= r - 1e-9 else " " for p in pts)
         rows.append(f"{level:7.3f} |{line}")
     rows.append(" " * 8 + "+" + "-" * len(pts))
-    rows.append(" " * 9 + f"{label} over {len(vals)} steps")
+    rows.append(" " * 9 + f"{label} over {len(vals)} step{'s' * (len(vals) != 1)}")
     return "\n".join(rows)
 
 

@@ -18,6 +18,7 @@ from grpo.trainer.alarms import Watch
 from grpo.trainer.build import build_run
 from grpo.trainer.checkpoint import abandon_after, restore, save_checkpoint, save_final
 from grpo.trainer.evaluate import evaluate
+from grpo.trainer.progress import StepClock
 from grpo.trainer.run import LoopState, Run
 from grpo.trainer.signals import StopSignals
 from grpo.update import policy_update
@@ -47,6 +48,8 @@ def _saved(cfg: Config) -> str:
 def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
     state = restore(run, cfg)  # LoopState: step, counters, rollout buffer, batches in flight (step 0 when fresh)
     start = state.step
+    if cfg.rollout.backend == "server" and not cfg.rollout.max_staleness:
+        run.rollout.ready()  # connect: a server of another model or a shorter length refused before anything runs
     log = logger.MetricsLogger(cfg.trainer.output_dir, asdict(cfg), cfg.logging.wandb, enabled=run.runtime.is_main,
                                resumed=start > 0)
     if start >= cfg.trainer.max_steps and start > 0:
@@ -58,9 +61,10 @@ def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
     summary = {"eval_before": _eval_before(run, cfg, log, start)}
     batches = pipeline.batches(run, cfg, state)  # the batch for step t: collected now, or sampled ahead (K > 0)
     watch = Watch(cfg, log, run.runtime.is_main)  # the alarms (alarms.*) over every step's metrics
+    clock = StepClock(start, cfg.trainer.max_steps)  # the console's step k/N [elapsed<remaining]
     try:
         for step in range(start + 1, cfg.trainer.max_steps + 1):
-            if (stopped := _step(run, cfg, state, batches, log, signals, step, watch)) is not None:
+            if (stopped := _step(run, cfg, state, batches, log, signals, step, watch, clock)) is not None:
                 return stopped
         return _finish(run, state, cfg, log, summary, batches)
     finally:
@@ -68,7 +72,7 @@ def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
 
 
 def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSignals, step: int,
-          watch: Watch) -> dict | None:
+          watch: Watch, clock: StepClock) -> dict | None:
     """One training step; returns the run's summary when it stops here (a signal)."""
     t0, signals.step, mu = time.time(), step, cfg.algorithm.num_iterations
     lr = run.scheduler.get_last_lr()[0]  # this step's (the update steps the scheduler on to the next one's)
@@ -90,7 +94,7 @@ def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSi
     metrics.update(watch.step(step, metrics))  # an alarm that fires or clears: one line; alarm/<name> logged
     if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.max_steps:
         metrics.update({f"eval/{k}": v for k, v in evaluate(run, f"step {step}").items()})
-    log.log(metrics, console=step % cfg.logging.log_every == 0)
+    log.log(metrics, console=step % cfg.logging.log_every == 0, progress=clock.line(step))
     if cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
         log.samples(step, experience.sample_rows(run.sampler, batch, cfg.logging.num_samples))
         log.completions(step, experience.completion_rows(run.sampler, batch))  # wandb's completions table
@@ -107,6 +111,7 @@ def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSi
         raise SetupError(f"{watch.stop}; the state after this step is checkpointed (resume with trainer.resume=auto)")
     if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or state.stop_requested:
         _save(run, state, cfg, batches)
+        signals.saved_step = step  # a second signal from here on: this step is finished and saved
     if state.stop_requested:
         _say(run, f"stopped by signal at step {step}; checkpoint written, resume with trainer.resume=auto")
         log.finish()
@@ -158,7 +163,8 @@ def _summary_line(run: Run, cfg: Config) -> str:
     """The run at a glance, the first line of its log."""
     t, r = cfg.trainer, cfg.rollout
     return (f"{cfg.model.name_or_path}: {len(run.splits.train)} train / {len(run.splits.eval)} held-out prompts, "
-            f"{r.prompts_per_step} prompts x G={cfg.algorithm.group_size} per step, {t.max_steps} steps, "
+            f"{r.prompts_per_step} prompts x G={cfg.algorithm.group_size} per step, "
+            f"{t.max_steps} step{'s' * (t.max_steps != 1)}, "
             f"lr {t.lr:g} ({t.lr_schedule}, warmup {t.warmup_steps}), beta {cfg.algorithm.beta:g}, "
             f"rewards {', '.join(rf.name for rf in run.sampler.rewards)}; output {t.output_dir}"
             + (f"; asynchronous, max_staleness {r.max_staleness}" if r.max_staleness else ""))

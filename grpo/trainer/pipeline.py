@@ -193,6 +193,7 @@ class AsyncBatches:
         n = max(self.waits["steps"], 1)
         tw, gw = self.waits["trainer"] / n, self.waits["generator"] / n
         side = "generation (sampling and rewards)" if tw > gw else "training (the update)"
+        side = "neither" if max(tw, gw) < 0.005 else side  # both 0.00 s: no side waited for the other
         return (f"async K={self.lag}: the trainer waited {tw:.2f} s per step for batches, the generator {gw:.2f} s "
                 f"for weights: {side} is the bottleneck")
 

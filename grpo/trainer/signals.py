@@ -30,6 +30,7 @@ class StopSignals:
     def __init__(self, announce: bool = True, saved: Callable[[], str] | None = None):
         self.requested = False
         self.step: int | None = None
+        self.saved_step: int | None = None  # the step whose checkpoint the stop wrote (the loop sets it)
         self._announce, self._saved = announce, saved
         self._previous: dict = {}
 
@@ -48,8 +49,12 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.requested:
-            self._say(f"second {name}: stopping now, without finishing step {self.step}; "
-                      f"{self._saved() if self._saved else 'nothing more is saved'}")
+            if self.saved_step is not None and self.saved_step == self.step:  # the stop's checkpoint is written
+                self._say(f"second {name}: stopping now; step {self.step} was finished and its checkpoint written: "
+                          f"{self._saved() if self._saved else 'it is complete'}")
+            else:
+                self._say(f"second {name}: stopping now, without finishing step {self.step}; "
+                          f"{self._saved() if self._saved else 'nothing more is saved'}")
             raise StopNow(signum)
         self.requested = True
         self._say(f"{name}: stopping after step {self.step}, then writing a checkpoint "

@@ -181,9 +181,22 @@ def test_recipe_names_are_looked_up_in_the_search_path_then_the_built_ins(monkey
     monkeypatch.setenv("GRPO_RECIPE_PATH", str(b))
     assert composed("mine").trainer.max_steps == 4
     # a sweep over recipes of both kinds
-    from grpo.config.compose import normalize
+    from grpo.config.compose import find_recipe, normalize
     swept = normalize(["recipe=mine,quickstart"])
-    assert swept[0].startswith("recipe=user") and swept[0].endswith(",quickstart")
+    assert swept[0].endswith(",quickstart") and find_recipe(swept[0][7:].split(",")[0]) == (b / "mine.yaml").resolve()
+
+
+def test_a_recipe_of_yours_goes_by_its_own_name_unless_a_built_in_has_it(monkeypatch, tmp_path):
+    """Job names, overrides.yaml and grpo-report's labels say recipe=NAME, not the option Hydra loads it as; one that
+    shadows a built-in is recipe=user/NAME (the built-in keeps its name)."""
+    from grpo.config.compose import normalize
+
+    _recipe(tmp_path / "mine" / "only-mine-x7.yaml", 3)
+    _recipe(tmp_path / "mine" / "smoke.yaml", 5)
+    monkeypatch.setenv("GRPO_RECIPE_PATH", str(tmp_path / "mine"))
+    got = [o for o in normalize(["recipe=only-mine-x7,smoke"]) if o.startswith("recipe=")]
+    assert got[0].startswith("recipe=only-mine-x7,user") and got[0].endswith("/smoke")
+    assert composed("only-mine-x7").trainer.max_steps == 3 and composed("smoke").trainer.max_steps == 5
 
 
 def test_a_recipe_not_found_names_every_folder_searched(monkeypatch, tmp_path):

@@ -80,8 +80,8 @@ def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...
               # per parameter: (elements this rank holds, elements in all); ZeRO-3 holds a partition
               "held": {n: (getattr(p, "ds_tensor", p).numel(), getattr(p, "ds_numel", p.numel()))
                        for n, p in rt.unwrap().named_parameters()}}
-    # forwards of the first attention layer in the first update: twice per micro-batch with gradient checkpointing
-    layer = unwrap_model(rt.model).model.layers[0].self_attn
+    # forwards of the first softmax-attention layer in the first update: twice per micro-batch with checkpointing
+    layer = next(m.self_attn for m in unwrap_model(rt.model).model.layers if hasattr(m, "self_attn"))  # hybrids: not 0
     calls = []
     hook = layer.register_forward_hook(lambda *_: calls.append(1))
     for k in range(3):

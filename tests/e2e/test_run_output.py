@@ -1,6 +1,7 @@
 """What a user sees and finds after a run: the run directory, the console, reward failures, resume, the
 report. One short smoke run (module fixture) serves most checks."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,10 +89,12 @@ def test_train_log_holds_what_the_console_showed(first_run):
     log = (out / "train.log").read_text()
     missing = [line for line in p.stderr.splitlines() if line not in log]
     assert not missing, missing
-    for shown in ("[grpo] tiny:llama: 64 train / 4 held-out prompts", "step    1  reward", "step    2  reward",
+    for shown in ("[grpo] tiny:llama: 64 train / 4 held-out prompts", "step 1/2 [", "step 2/2 [",
                   "  sample  reward=", "(before, 4 prompts, greedy)", "held-out format", "final model: "):
         assert shown in log, shown
-    assert log.count("step    2  reward") == 1  # each line once
+    assert log.count("step 2/2 [") == 1  # each line once
+    assert re.search(r"^step 2/2 \[\d\d:\d\d<00:00\]  reward ", log, re.M)  # the counter, elapsed<remaining
+    assert "[grpo] held-out evaluation (before): 4 prompts, greedy, up to " in log
 
 
 def test_a_reward_that_raises_shows_the_users_frames_once(first_run):

@@ -6,7 +6,7 @@ the test process): the fixed-batch update checks that the adapter's update equal
 every weight, the base's included, is partitioned over the ranks; the real command line checks the adapter-only
 checkpoints, the merged final model (gathered layer by layer, merged by peft on rank 0) against a merge computed
 here from the gathered weights, and that a resumed run loads the adapter back (the adapter it saves equals the
-one it resumed from).
+one it resumed from); a third phase runs the fixed-batch update for a hybrid family (tiny:qwen3_5_text).
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
 
 R, ALPHA = 4, 8
 LORA = ["model.lora.enabled=true", f"model.lora.r={R}", f"model.lora.alpha={ALPHA}"]
+# a hybrid family (Gated DeltaNet layers, three to one attention layer), adapters on both kinds of layer
+HYBRID = ["model.name_or_path=tiny:qwen3_5_text", "model.lora.target_modules=[q_proj,v_proj,in_proj_qkv,out_proj]"]
 
 
 def _is_lora(name: str) -> bool:
@@ -80,7 +82,8 @@ def test_zero3_lora_two_processes_equal_one_process(tmp_path):
     # checkpoint, here as the adapter alone
     p = worker("cli", tmp_path / "update", *common, f"trainer.output_dir={out}",
                THEN, "resume", out, *common, f"trainer.output_dir={resumed}", "trainer.resume=auto",
-               "model.lora.merge_on_save=false", "trainer.force_resume=true", cwd=tmp_path)
+               "model.lora.merge_on_save=false", "trainer.force_resume=true",
+               THEN, "update", tmp_path / "hybrid", *ZERO3, *LORA, *HYBRID, cwd=tmp_path)
     # the adapter's updates (gradient norm, loss, KL to the adapter-disabled reference, parameters) equal one
     # process's; the skipped NaN step leaves them put
     _check_updates(tmp_path / "update", ref)
@@ -112,6 +115,14 @@ def test_zero3_lora_two_processes_equal_one_process(tmp_path):
     adapter = load_file(str(final / "adapter_model.safetensors"))
     assert adapter.keys() == trained.keys()
     assert all(torch.equal(adapter[n], trained[n]) for n in adapter)
+
+    # the hybrid family in the same launch: ZeRO-3 + LoRA equals one process, through the shared layout (the prompt's
+    # recurrent and convolution states handed to each completion), the adapters of both layer kinds trained
+    _check_updates(tmp_path / "hybrid", one_process(tmp_path / "one-hybrid", *LORA, *HYBRID))
+    _check_update_record(tmp_path / "hybrid")
+    params = torch.load(tmp_path / "hybrid" / "update_rank0.pt", weights_only=False)["params"]
+    assert any(not torch.equal(params[2][n], params[0][n]) for n in params[0] if "linear_attn" in n and "lora_B" in n)
+    assert "standard layout" not in p.stderr  # no rank fell back from the shared layout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -77,3 +77,37 @@ def test_grpo_serve_mistakes_are_one_line():
         "error: rollout.server.port=0 is out of range; allowed: a TCP port in 1..65535"
     p = _serve("recipe=smoke", "rollout.server.prot=1", "--print")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "rollout.server.port" in p.stderr
+
+
+def test_grpo_serve_refuses_what_its_vllm_cannot_serve_before_starting_it(monkeypatch, capsys):
+    """The in-process backend's check (vLLM on CPU has no attention kernel for head_dim 16, recipe=smoke's tiny model)
+    made before vLLM starts, not as an HTTP 500 from a dead server; the fix it names is served."""
+    import importlib.util
+
+    from grpo import serve
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(serve.os, "execve", lambda *a: pytest.fail("vLLM started"))
+    with pytest.raises(SystemExit) as e:
+        serve.main(["recipe=smoke", "trainer.device=cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: grpo-serve on CPU: vLLM has no CPU attention kernel for "
+                                                "head_dim=16 (tiny:llama;") and err.count("\n") == 1
+    fix = err.split("or '")[1].split("'")[0]
+    serve.main(["recipe=smoke", "trainer.device=cpu", fix, "--print"])
+    assert "--served-model-name tiny:llama" in capsys.readouterr().out
+
+
+def test_grpo_serve_says_once_what_vllms_log_shows_on_a_healthy_server(monkeypatch, capsys):
+    import importlib.util
+
+    from grpo import serve
+
+    real, started = importlib.util.find_spec, []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(serve.os, "execve", lambda *a: started.append(a[1]))
+    serve.main(["recipe=smoke", "trainer.device=cpu", *TINY])
+    err = capsys.readouterr().err
+    assert started and started[0][1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert err.count(serve.EXPECTED_IN_VLLM_LOG) == 1 and "Chat template warmup failed" in serve.EXPECTED_IN_VLLM_LOG

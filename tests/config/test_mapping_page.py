@@ -1,0 +1,36 @@
+"""docs/coming-from-trl-verl.md, the mapping a TRL or verl user reads: every key of ours its tables name is a key of
+the schema, every `key=value` of ours is a value the schema takes, and a key's listed choices are all its choices
+(the vLLM server mode was once missing from it)."""
+import re
+
+from grpo.config.schema import _CHOICES, open_dict_keys, schema_keys
+from tests.helpers import ROOT
+
+PAGE = (ROOT / "docs" / "coming-from-trl-verl.md").read_text()
+SECTIONS = ("model", "data", "reward", "rollout", "algorithm", "engine", "trainer", "logging", "distributed")
+
+
+def ours() -> list[str]:
+    """The code spans of the tables' second column (ours) that are dotted keys of a config section."""
+    cells = [row.split("|")[2] for row in PAGE.splitlines() if row.startswith("|") and row.count("|") >= 4]
+    spans = [s for cell in cells for s in re.findall(r"`([^`]+)`", cell)]
+    return [s for s in spans if re.match(rf"({'|'.join(SECTIONS)})\.[a-z_.]+(=|$)", s)]
+
+
+def test_every_key_of_ours_the_page_names_exists_and_takes_the_value_shown():
+    keys, opens = set(schema_keys()), open_dict_keys()
+    named = ours()
+    assert len(named) > 40  # the tables were read
+    for span in named:
+        key, _, value = span.partition("=")
+        assert key in keys or any(key.startswith(d + ".") for d in opens), span
+        if value and key in _CHOICES:
+            assert value in _CHOICES[key], span
+
+
+def test_the_backend_row_lists_every_backend_and_server_mode_is_mapped():
+    row = next(r for r in PAGE.splitlines() if r.startswith("| `actor_rollout_ref.rollout.name`"))
+    listed = re.findall(r"`(\w+)`", row.split("|")[2].split("rollout.backend", 1)[1])
+    assert sorted(listed) == sorted(_CHOICES["rollout.backend"])
+    trl = next(r for r in PAGE.splitlines() if r.startswith('| `vllm_mode="server"`'))
+    assert "`rollout.backend=server`" in trl.split("|")[2] and "no server mode" not in PAGE
