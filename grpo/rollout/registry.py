@@ -33,6 +33,8 @@ class Capabilities:
     ahead_passes: bool = True      # samples ahead with algorithm.num_iterations > 1
     auto: tuple[str, ...] = ()     # the devices rollout.backend=auto picks it on (the first registered that is there)
     images: bool = False           # takes prompts with images (vision-language models)
+    remote: bool = False           # samples elsewhere (servers): made before the run starts, so a wrong one is refused
+                                   # before anything runs
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",)), "grpo
 register_backend("hf", Capabilities(live_weights=True, seeded=False, ahead="process", auto=("cpu", "cuda"),
                                     images=True),
                  "grpo.rollout.backends:make_hf")
-register_backend("server", Capabilities(ahead="thread", ahead_ranks=False, ahead_passes=False),
+register_backend("server", Capabilities(ahead="thread", ahead_ranks=False, ahead_passes=False, remote=True),
                  "grpo.rollout.server.connect:make", check=lambda r, m, device: _check_server(r.server),
                  refuse_ahead=lambda r, device: server_refusal(r.server, device))
 

@@ -13,6 +13,7 @@ from grpo import experience
 from grpo.config.schema import Config
 from grpo.errors import SetupError
 from grpo.rewards.score import first_failure
+from grpo.rollout import registry
 from grpo.trainer import checkpoint, logger, pipeline
 from grpo.trainer.alarms import Watch
 from grpo.trainer.build import build_run
@@ -48,8 +49,8 @@ def _saved(cfg: Config) -> str:
 def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
     state = restore(run, cfg)  # LoopState: step, counters, rollout buffer, batches in flight (step 0 when fresh)
     start = state.step
-    if cfg.rollout.backend == "server" and not cfg.rollout.max_staleness:
-        run.rollout.ready()  # connect: a server of another model or a shorter length refused before anything runs
+    if registry.capabilities(run.settings.sampler.backend).remote and not cfg.rollout.max_staleness:
+        run.sampler.backend.ready()  # connect: a server of another model or a shorter length refused before anything
     log = logger.MetricsLogger(cfg.trainer.output_dir, asdict(cfg), cfg.logging.wandb, enabled=run.runtime.is_main,
                                resumed=start > 0)
     if start >= cfg.trainer.max_steps and start > 0:
