@@ -64,8 +64,11 @@ def load_config(overrides: list[str]) -> Config:
     if cfg.rollout.tools or cfg.rollout.environment:
         raise SetupError("grpo-eval does not run multi-turn episodes (rollout.tools / rollout.environment); evaluate "
                          "such a model with grpo-train ... trainer.max_steps=0 (held-out before and after, no step)")
-    if cfg.rollout.backend == "server":
-        raise SetupError("grpo-eval runs the model in this process: use rollout.backend=hf or vllm")
+    from grpo.rollout import registry
+
+    if cfg.rollout.backend != "auto" and registry.capabilities(cfg.rollout.backend).remote:
+        raise SetupError(f"grpo-eval runs the model in this process, not rollout.backend={cfg.rollout.backend}: it "
+                         "samples here: use rollout.backend=hf or vllm")
     return cfg
 
 
@@ -122,19 +125,20 @@ def load_policy(cfg: Config, spec: str, device: str):
 
 def backend_for(cfg: Config, runtime, tokenizer, splits, settings):
     """The rollout backend rollout.backend names, through the backend interface (grpo.rollout.backends)."""
+    import dataclasses
+
     from grpo.rollout import registry
-    from grpo.rollout.backends import HFBackend
     from grpo.trainer.logger import interactive
 
-    kind = registry.resolve(cfg.rollout.backend, runtime.device.type)
-    if kind == "vllm":
-        from grpo.rollout.vllm import VLLMBackend
-
-        rows = [r for s in (splits.eval, *splits.sets.values()) for r in s]
-        max_len = cfg.rollout.vllm.max_model_len or max(len(r["prompt_ids"]) for r in rows) + settings.max_new_tokens
-        return VLLMBackend.for_runtime(runtime, tokenizer, cfg.rollout.vllm, max_len, cfg.evaluation.seed)
-    return HFBackend(lambda: runtime.model, tokenizer, batch_size=settings.batch_size, progress=interactive(),
-                     context=runtime.generation_context, desc="eval")
+    rows = [r for s in (splits.eval, *splits.sets.values()) for r in s]
+    # the backend as training makes it, with the evaluation's token budget and seed
+    rollout = dataclasses.replace(cfg.rollout, max_new_tokens=settings.max_new_tokens, batch_size=settings.batch_size)
+    ctx = registry.BackendContext(runtime, tokenizer, rollout, cfg.model.name_or_path, cfg.evaluation.seed,
+                                  longest_prompt=max(len(r["prompt_ids"]) for r in rows),
+                                  check_ids=list(rows[0]["prompt_ids"][:8]), progress=interactive())
+    backend = registry.make(registry.resolve(cfg.rollout.backend, runtime.device.type), ctx)
+    backend.desc = "eval"
+    return backend
 
 
 def evaluate_model(cfg: Config, spec: str, rewards: list) -> dict:
