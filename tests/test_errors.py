@@ -20,6 +20,7 @@ def test_our_warnings_show_as_one_line_and_others_as_python_shows_them(capsys):
     from grpo.errors import GRPOWarning, show_warnings_as_lines
     from grpo.models import char_tokenizer, tiny_model
     from grpo.rollout import hf as rollout
+    from grpo.rollout.base import Sampling
 
     before = warnings.formatwarning
     try:
@@ -28,8 +29,8 @@ def test_our_warnings_show_as_one_line_and_others_as_python_shows_them(capsys):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             rollout._warned_truncated = False
-            rollout.generate(tiny_model("llama", 100), char_tokenizer(), [[5, 6]], group_size=2, max_new_tokens=2,
-                             progress=False, top_p=0.9)
+            rollout.generate(tiny_model("llama", 100), char_tokenizer(), [[5, 6]], Sampling(2, top_p=0.9),
+                             group_size=2, progress=False)
             warnings.warn("someone else's", UserWarning)
         shown = [warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught]
     finally:

@@ -4,6 +4,7 @@ the schema, every `key=value` of ours is a value the schema takes, and a key's l
 import re
 
 from grpo.config.schema import _CHOICES, open_dict_keys, schema_keys
+from grpo.rollout.registry import BACKENDS
 from tests.helpers import ROOT
 
 PAGE = (ROOT / "docs" / "coming-from-trl-verl.md").read_text()
@@ -31,6 +32,6 @@ def test_every_key_of_ours_the_page_names_exists_and_takes_the_value_shown():
 def test_the_backend_row_lists_every_backend_and_server_mode_is_mapped():
     row = next(r for r in PAGE.splitlines() if r.startswith("| `actor_rollout_ref.rollout.name`"))
     listed = re.findall(r"`(\w+)`", row.split("|")[2].split("rollout.backend", 1)[1])
-    assert sorted(listed) == sorted(_CHOICES["rollout.backend"])
+    assert sorted(listed) == sorted(["auto", *BACKENDS])  # every registered backend (grpo.rollout.registry)
     trl = next(r for r in PAGE.splitlines() if r.startswith('| `vllm_mode="server"`'))
     assert "`rollout.backend=server`" in trl.split("|")[2] and "no server mode" not in PAGE

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import grpo.rollout.hf as rollout
+from grpo.rollout.base import Sampling
 from tests.hybrid_families import FAMILIES, tiny_model
 
 torch.set_num_threads(1)
@@ -32,7 +33,7 @@ def _run(model, share, monkeypatch):
     monkeypatch.setattr(rollout, "decode", spy)
     monkeypatch.setattr(rollout, "sample_tokens", sample)
     torch.manual_seed(3)
-    out = rollout.generate(model, TOKENIZER, PROMPTS, group_size=3, max_new_tokens=NEW, batch_size=3,
+    out = rollout.generate(model, TOKENIZER, PROMPTS, Sampling(NEW), group_size=3, batch_size=3,
                            progress=False, share_prompt=share, min_new_tokens=NEW)
     return out, shared[0], logits
 
@@ -63,7 +64,7 @@ def test_hybrid_suffixes_match_whole_contexts(family):
     out = []
     for share in (True, False):
         torch.manual_seed(4)
-        out.append(REAL_GENERATE(model, TOKENIZER, PROMPTS, group_size=1, max_new_tokens=NEW, batch_size=2,
+        out.append(REAL_GENERATE(model, TOKENIZER, PROMPTS, Sampling(NEW), group_size=1, batch_size=2,
                                  progress=False, share_prompt=share, min_new_tokens=NEW, suffixes=suffixes))
     assert out[0] == out[1]
     assert [len(g) for g in out[0][0]] == [3, 1, 2]

@@ -72,7 +72,8 @@ def test_hermes_shows_the_schemas_in_the_system_prompt(schemas):
     tok = _tok(GENERIC)
     row = {"prompt": "What is 20 + 22?"}
     dcfg = type("D", (), {"prompt_column": "prompt", "prompt_template": "{prompt}", "system_prompt": "Be brief.",
-                          "chat_template": True, "max_prompt_tokens": 10_000, "answer_column": "answer"})()
+                          "chat_template": True, "max_prompt_tokens": 10_000, "answer_column": "answer",
+                          "image_column": "images"})()
     (out,), _ = prepare([row], dcfg, tok, keep_turns=True, system_text=text)
     assert out["prompt"] == f"[system]Be brief.\n\n{text}<eos>[user]What is 20 + 22?<eos>[assistant]"
     assert out["prompt_turns"][0]["content"].endswith("</tool_response> tags.")  # reset(row) text keeps it
