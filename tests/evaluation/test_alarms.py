@@ -80,11 +80,10 @@ def test_empty_batch_is_not_non_finite():
 
 def test_quiet_on_the_quickstart():
     """The quickstart (`make train`) raises no alarm, even at patience 1 (no single step looks broken): its
-    metrics.jsonl as recorded on 2026-12-03, the held-out evaluation and the first 4 of its 15 steps (the machine's
-    load, ~12 minutes a step, let no more finish in the time there was)."""
+    metrics.jsonl, the held-out evaluations before and after and all 15 steps (the run itself printed no alarm)."""
     rows = [json.loads(line) for line in (ROOT / "tests/fixtures/quickstart_metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward_mean" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [r["step"] for r in steps] == list(range(1, 16))
     a = alarms(**{n: {"patience": 1} for n in RULES})
     events = run(a, steps)
     assert events == [], [e.line for _, e in events]
