@@ -39,6 +39,7 @@ from grpo.trainer.resume import (  # noqa: F401  (the directory's layout and tra
     damage,
     later_than,
     latest,
+    move_aside,
     resolve_resume,
     set_aside,
     step_of,
@@ -341,10 +342,4 @@ def final_damage(output_dir: str | Path) -> str | None:
 
 def set_final_aside(output_dir: str | Path) -> Path:
     """A damaged ``final/`` moved to ``damaged-final`` (kept) before it is saved again."""
-    final = Path(output_dir) / "final"
-    to, n = final.with_name(DAMAGED + "final"), 1
-    while to.exists():
-        n += 1
-        to = final.with_name(f"{DAMAGED}{n}-final")
-    final.rename(to)
-    return to
+    return move_aside(Path(output_dir) / "final")

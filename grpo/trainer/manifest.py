@@ -27,6 +27,12 @@ def crc32(path: Path) -> str:
     return f"{crc:08x}"
 
 
+def crc32s(directory: Path, names: list[str]) -> dict[str, str]:
+    """{name: `crc32`} of the files ``names`` under ``directory``, hashed on `THREADS` threads."""
+    with ThreadPoolExecutor(THREADS) as pool:
+        return dict(zip(names, pool.map(lambda n: crc32(directory / n), names)))
+
+
 def files_of(directory: Path) -> list[str]:
     """Every file under ``directory`` (its manifest apart), as sorted POSIX paths relative to it."""
     return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
@@ -38,9 +44,8 @@ def write(directory: str | Path) -> dict:
     ``MANIFEST.json``, written after every other file (the caller flushes the directory). Returns the manifest."""
     directory = Path(directory)
     names = files_of(directory)
-    with ThreadPoolExecutor(THREADS) as pool:
-        sums = list(pool.map(lambda n: crc32(directory / n), names))
-    manifest = {"files": {n: {"size": (directory / n).stat().st_size, "crc32": c} for n, c in zip(names, sums)}}
+    sums = crc32s(directory, names)
+    manifest = {"files": {n: {"size": (directory / n).stat().st_size, "crc32": sums[n]} for n in names}}
     (directory / NAME).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -79,8 +84,7 @@ def problem(directory: str | Path, checksums: bool = True) -> str | None:
         if size != want["size"]:
             return f"{name} has {size} bytes, the manifest says {want['size']}"
     if checksums:
-        with ThreadPoolExecutor(THREADS) as pool:
-            sums = dict(zip(files, pool.map(lambda n: crc32(directory / n), files)))
+        sums = crc32s(directory, list(files))
         bad = next((n for n in files if sums[n] != files[n]["crc32"]), None)
         if bad is not None:
             return f"{bad} does not match its checksum (crc32 {sums[bad]}, the manifest says {files[bad]['crc32']})"

@@ -28,11 +28,7 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
-    root = checkpoints_dir(output_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and (p / MARKER).exists()]
-    return [p for _, p in sorted(found)]
+    return [p for p in reversed(step_dirs(checkpoints_dir(output_dir))) if (p / MARKER).exists()]
 
 
 def latest(output_dir: str | Path) -> Path | None:
@@ -47,7 +43,6 @@ def step_of(ckpt: Path) -> int:
 def later_than(output_dir: str | Path, step: int) -> list[Path]:
     """Complete checkpoints newer than ``step``, oldest first."""
     return [p for p in complete_checkpoints(output_dir) if step_of(p) > step]
-
 
 
 def damage(ckpt: Path, checksums: bool = True) -> str | None:
@@ -124,12 +119,18 @@ def set_aside(skipped: list[tuple[Path, str]], resumed: Path, say: bool) -> None
     """The damaged checkpoints a resume passed over are moved to ``damaged-step_<N>`` next to them (kept, never
     deleted, and no longer in the way of the steps trained again); one line each says so."""
     for ckpt, why in skipped:
-        to = ckpt.with_name(DAMAGED + ckpt.name)
-        n = 1
-        while to.exists():
-            n += 1
-            to = ckpt.with_name(f"{DAMAGED}{n}-{ckpt.name}")
-        ckpt.rename(to)
+        to = move_aside(ckpt)
         if say:
             print(f"[grpo] checkpoint {ckpt.name} is damaged ({why}): resuming from {resumed.name}; it is kept as "
                   f"{to}", file=sys.stderr, flush=True)
+
+
+def move_aside(path: Path) -> Path:
+    """``path`` renamed to ``damaged-<name>`` beside it (``damaged-<n>-<name>`` when that is taken): kept, out of
+    the way. Returns where it went."""
+    to, n = path.with_name(DAMAGED + path.name), 1
+    while to.exists():
+        n += 1
+        to = path.with_name(f"{DAMAGED}{n}-{path.name}")
+    path.rename(to)
+    return to
