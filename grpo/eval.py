@@ -128,6 +128,7 @@ def backend_for(cfg: Config, runtime, tokenizer, splits, settings):
     import dataclasses
 
     from grpo.rollout import registry
+    from grpo.sampler import SYNC_CHECK_TOKENS
     from grpo.trainer.logger import interactive
 
     rows = [r for s in (splits.eval, *splits.sets.values()) for r in s]
@@ -135,7 +136,7 @@ def backend_for(cfg: Config, runtime, tokenizer, splits, settings):
     rollout = dataclasses.replace(cfg.rollout, max_new_tokens=settings.max_new_tokens, batch_size=settings.batch_size)
     ctx = registry.BackendContext(runtime, tokenizer, rollout, cfg.model.name_or_path, cfg.evaluation.seed,
                                   longest_prompt=max(len(r["prompt_ids"]) for r in rows),
-                                  check_ids=list(rows[0]["prompt_ids"][:8]), progress=interactive())
+                                  check_ids=list(rows[0]["prompt_ids"][:SYNC_CHECK_TOKENS]), progress=interactive())
     backend = registry.make(registry.resolve(cfg.rollout.backend, runtime.device.type), ctx)
     backend.desc = "eval"
     return backend
