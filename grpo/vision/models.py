@@ -1,8 +1,9 @@
-"""``tiny:qwen2_5_vl``: a tiny random Qwen2.5-VL and its processor, with no download.
+"""``tiny:qwen2_5_vl``, ``tiny:qwen2_vl``: tiny random Qwen-VL models and their processor, with no download.
 
 The language model has the shapes of ``tiny:qwen2`` (grpo/models.py: hidden 64, 2 layers, 4 heads) with
 Qwen2.5-VL's 3-D multimodal rotary positions (``mrope_section`` [2, 3, 3] of the 8 rotary frequencies); the
-vision tower is 2 blocks of width 32 on 4x4 patches merged 2x2, so a 32x32 image is 16 image tokens. The
+vision tower is 2 blocks of width 32 on 4x4 patches merged 2x2, so a 32x32 image is 16 image tokens (Qwen2-VL's
+tower: full attention in every block, no windows; Qwen2.5-VL's: windowed blocks and one full one). The
 tokenizer is the character tokenizer of the text tiny models plus Qwen's vision tokens. grpo/models.py builds
 both (``tiny:qwen2_5_vl``); this module imports nothing of it.
 """
@@ -13,7 +14,7 @@ import torch
 from grpo.errors import ModelError
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
-TINY_VLM_FAMILIES = ("qwen2_5_vl",)
+TINY_VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
 
 # The prompt as the chat template renders it: an image part becomes <|vision_start|><|image_pad|><|vision_end|>,
 # and the processor repeats <|image_pad|> once per image token (grpo/vision/images.py).
@@ -24,8 +25,16 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
-VISION_DEFAULTS = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
-                       spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1])
+_PATCHES = dict(patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+# family -> (config class, model class, vision config kwargs; the tower's output width is the language model's)
+_FAMILIES = {
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
+                   dict(_PATCHES, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, window_size=16,
+                        fullatt_block_indexes=[1])),
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
+                 dict(_PATCHES, depth=2, embed_dim=32, mlp_ratio=2, num_heads=2)),
+}
+_OUT_WIDTH = {"qwen2_5_vl": "out_hidden_size", "qwen2_vl": "hidden_size"}
 
 
 def with_vision_tokens(tok):
@@ -40,7 +49,7 @@ def image_processor(min_pixels: int = 16 * 16, max_pixels: int = 64 * 64):
     is resized to a multiple of 8 pixels a side with between ``min_pixels`` and ``max_pixels`` pixels."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    v = VISION_DEFAULTS
+    v = _PATCHES
     return Qwen2VLImageProcessorPil(patch_size=v["patch_size"], merge_size=v["spatial_merge_size"],
                                     temporal_patch_size=v["temporal_patch_size"], min_pixels=min_pixels,
                                     max_pixels=max_pixels)
@@ -61,12 +70,22 @@ def tiny_vlm(family: str, tokenizer, text: dict, seed: int = 0):
     half = text["hidden_size"] // text["num_attention_heads"] // 2  # rotary frequencies, split over (t, h, w)
     hw = half * 3 // 8  # as Qwen2.5-VL's [16, 24, 24] of 64
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * hw, hw, hw]}
-    vision = {**VISION_DEFAULTS, "out_hidden_size": text["hidden_size"]}
+    config_cls, model_cls, vision = _FAMILIES[family]
+    vision = {**vision, _OUT_WIDTH[family]: text["hidden_size"]}
     try:
-        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+        config = getattr(transformers, config_cls)(text_config=text, vision_config=vision, **ids)
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            return transformers.Qwen2_5_VLForConditionalGeneration(config)
+            return getattr(transformers, model_cls)(config)
     except (ValueError, TypeError) as e:
         raise ModelError(f"model.tiny={text} does not make a valid {family} model: "
                          f"{str(e).strip().splitlines()[0][:200]}") from None
+
+
+def freeze_vision_tower(model, name: str = "the model") -> None:
+    """``model.freeze_vision_tower``: the vision tower's parameters get no gradient (the optimizer skips them)."""
+    tower = getattr(getattr(model, "model", None), "visual", None)
+    if tower is None:
+        raise ModelError(f"model.freeze_vision_tower=true but {name} has no vision tower (a text model); "
+                         "set model.freeze_vision_tower=false")
+    tower.requires_grad_(False)
