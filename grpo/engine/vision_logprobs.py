@@ -1,4 +1,4 @@
-"""``vision_token_logprobs``: per-token log-probs of GRPO completions whose prompts hold images (Qwen2-VL, Qwen2.5-VL).
+"""``vision_token_logprobs``: per-token log-probs of GRPO completions whose prompts hold images (the Qwen-VL families).
 
 The shared layout (the default) packs a micro-batch as the text engine does (grpo/engine/layout.py)::
 
@@ -34,10 +34,10 @@ from grpo.vision.images import ImagePrompt
 
 __all__ = ["vision_token_logprobs", "VISION_FAMILIES"]
 
-VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl")  # the model types served here (grpo.token_logprobs hands them over)
+# the model types served here (grpo.token_logprobs hands them over)
+VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 # vision-language families of transformers not served (yet), and why: refused in one line, not computed inexactly
 NOT_SERVED = {
-    "qwen3_vl": "its deepstack features enter the first language layers, which this engine does not pass yet",
     "qwen3_5": "its deepstack features and gated-delta-net layers are not wired into the image engine yet",
     "gemma3": "its image tokens attend to each other bidirectionally, which the causal shared-prefix kernel does not",
     "idefics3": "its image splitting and pixel masks are not wired into the image engine yet",
@@ -113,27 +113,36 @@ def _forward_shared(vlm, core, prompts, comps, temperature, want_entropy):
         return torch.zeros(0, device=device), torch.zeros(0, device=device)
     text = core.language_model
     layout = build_layout([p.ids for p in prompts], comps, device)
-    embeds = _embeddings(vlm, core, prompts, layout)  # steps 1-2
+    embeds, extra = _embeddings(vlm, core, prompts, layout)  # steps 1-2
     positions = packed_positions(core, prompts, comps, vlm.config.image_token_id).to(device)  # step 3
     with switched_attention(text, state=layout):  # step 4: the vision tower ran outside, with its own attention
         out = text(inputs_embeds=embeds, position_ids=positions, attention_mask=placeholder_mask(device),
-                   use_cache=False, **{LAYOUT_KWARG: layout})
+                   use_cache=False, **extra, **{LAYOUT_KWARG: layout})
     check_every_layer(layout.calls, text)
     h = out.last_hidden_state[0].index_select(0, layout.pred_idx)  # step 5
     return head_logprobs(h, vlm.get_output_embeddings(), text.config, layout.targets, temperature, want_entropy)
 
 
-def _embeddings(vlm, core, prompts, layout) -> torch.Tensor:
-    """(1, T, hidden): the packed row's token embeddings with every prompt's image features in its image tokens."""
+def _embeddings(vlm, core, prompts, layout) -> tuple[torch.Tensor, dict]:
+    """(1, T, hidden): the packed row's token embeddings with every prompt's image features in its image tokens, and
+    the language model's extra inputs: Qwen3-VL's deepstack features (the tower's intermediate features, added to
+    the image tokens' hidden states after the first language layers) with the mask of their slots."""
     embeds = core.get_input_embeddings()(layout.input_ids)
     with_images = [p for p in prompts if p.n_images]
     if not with_images:
-        return embeds
+        return embeds, {}
     pixels = torch.cat([p.pixel_values for p in with_images]).to(embeds.device)
     grids = torch.cat([p.image_grid_thw for p in with_images]).to(embeds.device)
-    feats = torch.cat(core.get_image_features(pixels, grids, return_dict=True).pooler_output).to(embeds.dtype)
+    out = core.get_image_features(pixels, grids, return_dict=True)
+    feats = torch.cat(out.pooler_output).to(embeds.dtype)
     slots = image_slots(layout, prompts, vlm.config.image_token_id)
-    return embeds.index_put((torch.zeros_like(slots), slots), feats)
+    extra = {}
+    if getattr(out, "deepstack_features", None):
+        mask = torch.zeros_like(layout.input_ids, dtype=torch.bool)
+        mask[0, slots] = True  # the model adds the features at the mask's True slots, in order: slots ascend
+        extra = {"visual_pos_masks": mask,
+                 "deepstack_visual_embeds": [torch.cat(f).to(embeds.dtype) for f in out.deepstack_features]}
+    return embeds.index_put((torch.zeros_like(slots), slots), feats), extra
 
 
 def image_slots(layout, prompts, image_token_id: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from grpo.errors import ModelError
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
-TINY_VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
+TINY_VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 
 # The prompt as the chat template renders it: an image part becomes <|vision_start|><|image_pad|><|vision_end|>,
 # and the processor repeats <|image_pad|> once per image token (grpo/vision/images.py).
@@ -33,8 +33,13 @@ _FAMILIES = {
                         fullatt_block_indexes=[1])),
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
                  dict(_PATCHES, depth=2, embed_dim=32, mlp_ratio=2, num_heads=2)),
+    # deepstack: the features after tower block 0 are added to the image tokens after language layer 0
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
+                 dict(_PATCHES, depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0])),
 }
-_OUT_WIDTH = {"qwen2_5_vl": "out_hidden_size", "qwen2_vl": "hidden_size"}
+_OUT_WIDTH = {"qwen2_5_vl": "out_hidden_size", "qwen2_vl": "hidden_size", "qwen3_vl": "out_hidden_size"}
+_INTERLEAVED = {"qwen3_vl"}  # (t, h, w) frequencies interleaved, not in three blocks
 
 
 def with_vision_tokens(tok):
@@ -69,7 +74,10 @@ def tiny_vlm(family: str, tokenizer, text: dict, seed: int = 0):
     text = dict(text)
     half = text["hidden_size"] // text["num_attention_heads"] // 2  # rotary frequencies, split over (t, h, w)
     hw = half * 3 // 8  # as Qwen2.5-VL's [16, 24, 24] of 64
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * hw, hw, hw]}
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * hw, hw, hw],
+                               **({"mrope_interleaved": True} if family in _INTERLEAVED else {})}
+    if family == "qwen3_vl":
+        text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
     config_cls, model_cls, vision = _FAMILIES[family]
     vision = {**vision, _OUT_WIDTH[family]: text["hidden_size"]}
     try:

@@ -1,6 +1,5 @@
-"""generate_with_images on every served family (tiny:qwen2_5_vl, tiny:qwen2_vl): each prompt prefilled once with
-its images, G rows decoded from the
-forked cache at the right 3-D positions: its log-probs are the trainer's, its greedy tokens HF generate's."""
+"""generate_with_images on every served family: each prompt prefilled once with its images, G rows decoded from
+the forked cache at the right 3-D positions: its log-probs are the trainer's, its greedy tokens HF generate's."""
 import pytest
 import torch
 
