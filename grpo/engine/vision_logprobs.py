@@ -35,10 +35,9 @@ from grpo.vision.images import ImagePrompt
 __all__ = ["vision_token_logprobs", "VISION_FAMILIES"]
 
 # the model types served here (grpo.token_logprobs hands them over)
-VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5")
 # vision-language families of transformers not served (yet), and why: refused in one line, not computed inexactly
 NOT_SERVED = {
-    "qwen3_5": "its deepstack features and gated-delta-net layers are not wired into the image engine yet",
     "gemma3": "its image tokens attend to each other bidirectionally, which the causal shared-prefix kernel does not",
     "idefics3": "its image splitting and pixel masks are not wired into the image engine yet",
     "smolvlm": "its image splitting and pixel masks are not wired into the image engine yet",

@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 from grpo.errors import ModelError
+from grpo.tiny_models import HYBRID_FAMILIES
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
-TINY_VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+TINY_VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5")
 
 # The prompt as the chat template renders it: an image part becomes <|vision_start|><|image_pad|><|vision_end|>,
 # and the processor repeats <|image_pad|> once per image token (grpo/vision/images.py).
@@ -37,9 +38,16 @@ _FAMILIES = {
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
                  dict(_PATCHES, depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
                       num_position_embeddings=64, deepstack_visual_indexes=[0])),
+    # Qwen3.5: Qwen3-VL's tower without deepstack, a hybrid language model (Gated DeltaNet and attention layers)
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration",
+                dict(_PATCHES, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, num_position_embeddings=64)),
 }
-_OUT_WIDTH = {"qwen2_5_vl": "out_hidden_size", "qwen2_vl": "hidden_size", "qwen3_vl": "out_hidden_size"}
-_INTERLEAVED = {"qwen3_vl"}  # (t, h, w) frequencies interleaved, not in three blocks
+_OUT_WIDTH = {"qwen2_5_vl": "out_hidden_size", "qwen2_vl": "hidden_size", "qwen3_vl": "out_hidden_size",
+              "qwen3_5": "out_hidden_size"}
+_INTERLEAVED = {"qwen3_vl", "qwen3_5"}  # (t, h, w) frequencies interleaved, not in three blocks
+_EXPLICIT_HEAD_DIM = {"qwen3_vl", "qwen3_5"}  # configs whose head size is a key of its own
+# the language model's recurrent layers at a tiny size (grpo/tiny_models.py's qwen3_5_text), attention every 2nd
+_HYBRID_TEXT = {"qwen3_5": "qwen3_5_text"}
 
 
 def with_vision_tokens(tok):
@@ -76,8 +84,13 @@ def tiny_vlm(family: str, tokenizer, text: dict, seed: int = 0):
     hw = half * 3 // 8  # as Qwen2.5-VL's [16, 24, 24] of 64
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * hw, hw, hw],
                                **({"mrope_interleaved": True} if family in _INTERLEAVED else {})}
-    if family == "qwen3_vl":
+    if family in _EXPLICIT_HEAD_DIM:
         text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
+    if family in _HYBRID_TEXT:
+        own = {k: v for k, v in HYBRID_FAMILIES[_HYBRID_TEXT[family]].items() if k.startswith("linear_")}
+        text = {**own, **text}
+        text.setdefault("layer_types", [("linear_attention", "full_attention")[i % 2]
+                                        for i in range(text["num_hidden_layers"])])
     config_cls, model_cls, vision = _FAMILIES[family]
     vision = {**vision, _OUT_WIDTH[family]: text["hidden_size"]}
     try:

@@ -214,7 +214,7 @@ def test_bad_inputs_say_what_is_wrong(setup):
         vision_token_logprobs(model, prompts[:1], [[[5]], [[6]]])
     from grpo.models import char_tokenizer, tiny_model
     text_model = tiny_model("qwen2", len(char_tokenizer()))
-    with pytest.raises(ValueError, match="serves qwen2_5_vl, qwen2_vl, qwen3_vl models, not 'qwen2'"):
+    with pytest.raises(ValueError, match="serves qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_5 models, not 'qwen2'"):
         vision_token_logprobs(text_model, prompts[:1], [[[5]]])
 
 
@@ -223,7 +223,7 @@ def test_a_family_the_engine_cannot_serve_exactly_is_refused_in_one_line(setup):
     model.config.model_type = "gemma3"  # what the check reads: the family's name
     try:
         with pytest.raises(ValueError, match="gemma3 is not served: its image tokens attend to each other "
-                                             "bidirectionally.*; served: qwen2_5_vl, qwen2_vl, qwen3_vl$"):
+                                             "bidirectionally.*; served: qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_5$"):
             vision_token_logprobs(model, prompts[:1], [[[5]]])
     finally:
         model.config.model_type = type(model.config).model_type
