@@ -1,11 +1,13 @@
-"""``tiny:qwen2_5_vl``, ``tiny:qwen2_vl``: tiny random Qwen-VL models and their processor, with no download.
+"""``tiny:qwen2_5_vl``, ``tiny:qwen2_vl``, ``tiny:qwen3_vl``, ``tiny:qwen3_5``: tiny random Qwen-VL models and
+their processor, with no download.
 
 The language model has the shapes of ``tiny:qwen2`` (grpo/models.py: hidden 64, 2 layers, 4 heads) with
-Qwen2.5-VL's 3-D multimodal rotary positions (``mrope_section`` [2, 3, 3] of the 8 rotary frequencies); the
-vision tower is 2 blocks of width 32 on 4x4 patches merged 2x2, so a 32x32 image is 16 image tokens (Qwen2-VL's
-tower: full attention in every block, no windows; Qwen2.5-VL's: windowed blocks and one full one). The
-tokenizer is the character tokenizer of the text tiny models plus Qwen's vision tokens. grpo/models.py builds
-both (``tiny:qwen2_5_vl``); this module imports nothing of it.
+3-D multimodal rotary positions (``mrope_section`` [2, 3, 3] of the 8 rotary frequencies, interleaved for Qwen3-VL
+and Qwen3.5; Qwen3.5's layers alternate Gated DeltaNet and attention); the vision tower is 2 blocks of width 32 on
+4x4 patches merged 2x2, so a 32x32 image is 16 image tokens, in each family's own tower (Qwen2-VL: full attention in
+every block; Qwen2.5-VL: windowed blocks and one full one; Qwen3-VL: learned position embeddings and deepstack
+features from block 0; Qwen3.5: the same without deepstack). The tokenizer is the character tokenizer of the text
+tiny models plus Qwen's vision tokens. grpo/models.py builds both; this module imports nothing of it.
 """
 from __future__ import annotations
 
