@@ -35,7 +35,7 @@ from grpo.vision.images import ImagePrompt
 __all__ = ["vision_token_logprobs", "VISION_FAMILIES"]
 
 # the model types served here (grpo.token_logprobs hands them over)
-VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5")
+VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
 # vision-language families of transformers not served (yet), and why: refused in one line, not computed inexactly
 NOT_SERVED = {
     "gemma3": "its image tokens attend to each other bidirectionally, which the causal shared-prefix kernel does not",

@@ -1,12 +1,13 @@
-"""``tiny:qwen2_5_vl``, ``tiny:qwen2_vl``, ``tiny:qwen3_vl``, ``tiny:qwen3_5``: tiny random Qwen-VL models and
-their processor, with no download.
+"""``tiny:qwen2_5_vl``, ``tiny:qwen2_vl``, ``tiny:qwen3_vl``, ``tiny:qwen3_vl_moe``, ``tiny:qwen3_5``: tiny
+random Qwen-VL models and their processor, with no download.
 
 The language model has the shapes of ``tiny:qwen2`` (grpo/models.py: hidden 64, 2 layers, 4 heads) with
 3-D multimodal rotary positions (``mrope_section`` [2, 3, 3] of the 8 rotary frequencies, interleaved for Qwen3-VL
 and Qwen3.5; Qwen3.5's layers alternate Gated DeltaNet and attention); the vision tower is 2 blocks of width 32 on
 4x4 patches merged 2x2, so a 32x32 image is 16 image tokens, in each family's own tower (Qwen2-VL: full attention in
 every block; Qwen2.5-VL: windowed blocks and one full one; Qwen3-VL: learned position embeddings and deepstack
-features from block 0; Qwen3.5: the same without deepstack). The tokenizer is the character tokenizer of the text
+features from block 0, and its mixture-of-experts form, 4 experts of which 2 per token; Qwen3.5: Qwen3-VL's without
+deepstack). The tokenizer is the character tokenizer of the text
 tiny models plus Qwen's vision tokens. grpo/models.py builds both; this module imports nothing of it.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from grpo.errors import ModelError
 from grpo.tiny_models import HYBRID_FAMILIES
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
-TINY_VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5")
+TINY_VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
 
 # The prompt as the chat template renders it: an image part becomes <|vision_start|><|image_pad|><|vision_end|>,
 # and the processor repeats <|image_pad|> once per image token (grpo/vision/images.py).
@@ -40,14 +41,17 @@ _FAMILIES = {
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
                  dict(_PATCHES, depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
                       num_position_embeddings=64, deepstack_visual_indexes=[0])),
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration",
+                     dict(_PATCHES, depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                          num_position_embeddings=64, deepstack_visual_indexes=[0])),
     # Qwen3.5: Qwen3-VL's tower without deepstack, a hybrid language model (Gated DeltaNet and attention layers)
     "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration",
                 dict(_PATCHES, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, num_position_embeddings=64)),
 }
-_OUT_WIDTH = {"qwen2_5_vl": "out_hidden_size", "qwen2_vl": "hidden_size", "qwen3_vl": "out_hidden_size",
-              "qwen3_5": "out_hidden_size"}
-_INTERLEAVED = {"qwen3_vl", "qwen3_5"}  # (t, h, w) frequencies interleaved, not in three blocks
-_EXPLICIT_HEAD_DIM = {"qwen3_vl", "qwen3_5"}  # configs whose head size is a key of its own
+_OUT_WIDTH = {f: "hidden_size" if f == "qwen2_vl" else "out_hidden_size" for f in _FAMILIES}
+_INTERLEAVED = {"qwen3_vl", "qwen3_vl_moe", "qwen3_5"}  # (t, h, w) frequencies interleaved, not in three blocks
+_EXPLICIT_HEAD_DIM = _INTERLEAVED  # configs whose head size is a key of its own
+_MOE_TEXT = {"qwen3_vl_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)}
 # the language model's recurrent layers at a tiny size (grpo/tiny_models.py's qwen3_5_text), attention every 2nd
 _HYBRID_TEXT = {"qwen3_5": "qwen3_5_text"}
 
@@ -88,6 +92,7 @@ def tiny_vlm(family: str, tokenizer, text: dict, seed: int = 0):
                                **({"mrope_interleaved": True} if family in _INTERLEAVED else {})}
     if family in _EXPLICIT_HEAD_DIM:
         text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
+    text = {**_MOE_TEXT.get(family, {}), **text}
     if family in _HYBRID_TEXT:
         own = {k: v for k, v in HYBRID_FAMILIES[_HYBRID_TEXT[family]].items() if k.startswith("linear_")}
         text = {**own, **text}

@@ -1,4 +1,4 @@
-"""vision_token_logprobs on every served family (tiny:qwen2_5_vl, tiny:qwen2_vl, tiny:qwen3_vl): log-probs and
+"""vision_token_logprobs on every served family (vision_logprobs.VISION_FAMILIES, each a tiny: model): log-probs and
 gradients (vision tower included, trainable or frozen; LoRA on the language model) equal the model's own
 per-sequence forward, in the shared layout (each prompt's images encoded once) and the standard one; planted bugs
 (completion positions not restarting, 1-D positions, image features at per-row slots, deepstack dropped) fail."""
@@ -214,7 +214,8 @@ def test_bad_inputs_say_what_is_wrong(setup):
         vision_token_logprobs(model, prompts[:1], [[[5]], [[6]]])
     from grpo.models import char_tokenizer, tiny_model
     text_model = tiny_model("qwen2", len(char_tokenizer()))
-    with pytest.raises(ValueError, match="serves qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_5 models, not 'qwen2'"):
+    served = ", ".join(FAMILIES)
+    with pytest.raises(ValueError, match=f"serves {served} models, not 'qwen2'"):
         vision_token_logprobs(text_model, prompts[:1], [[[5]]])
 
 
@@ -223,7 +224,7 @@ def test_a_family_the_engine_cannot_serve_exactly_is_refused_in_one_line(setup):
     model.config.model_type = "gemma3"  # what the check reads: the family's name
     try:
         with pytest.raises(ValueError, match="gemma3 is not served: its image tokens attend to each other "
-                                             "bidirectionally.*; served: qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_5$"):
+                                             f"bidirectionally.*; served: {', '.join(FAMILIES)}$"):
             vision_token_logprobs(model, prompts[:1], [[[5]]])
     finally:
         model.config.model_type = type(model.config).model_type
