@@ -206,6 +206,11 @@ class DeepSpeedRuntime(Runtime):
     def barrier(self) -> None:
         torch.distributed.barrier()
 
+    def thread_view(self):
+        from grpo.runtime.thread_view import ThreadView
+
+        return ThreadView(self, torch.distributed.new_group(backend="gloo", timeout=self.timeout))
+
     def peer_failure(self, error: Exception) -> Exception | None:
         text = str(error).strip()
         if isinstance(error, GRPOError) or not isinstance(error, RuntimeError):
