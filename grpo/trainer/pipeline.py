@@ -151,10 +151,13 @@ class AsyncBatches:
         steps = [s for s in later if s not in self.submitted]
         if not steps:
             return
-        full = self.published is None  # a new generator gets every weight; after that only the trained ones
-        params = {n: p for n, p in self.run.policy.named_parameters() if full or p.requires_grad}
-        with self.run.runtime.full_weights(list(params.values())):  # ZeRO-3: gathered on every rank, then copied
-            self.gen.publish(version, params)
+        if getattr(self.gen, "reads_model", False):  # the servers' snapshot: each weight gathered on its own
+            self.gen.publish(version, None)
+        else:
+            full = self.published is None  # a new generator gets every weight; after that only the trained ones
+            params = {n: p for n, p in self.run.policy.named_parameters() if full or p.requires_grad}
+            with self.run.runtime.full_weights(list(params.values())):  # ZeRO-3: gathered on every rank, then copied
+                self.gen.publish(version, params)
         self.published = version
         for s in steps:
             self.gen.submit(s, version)

@@ -47,6 +47,8 @@ class ServerGenerator:
     """``backend``: the connected `ServerBackend`; ``model``: the trainer's model (read only in ``publish``);
     ``sample(step, version) -> Generated``: one step's batch from the servers, run on the worker thread."""
 
+    reads_model = True  # `publish` reads the model a weight at a time (`grpo.rollout.generator_process.Generator`)
+
     def __init__(self, backend: ServerBackend, model, sample: Callable[[int, int], Generated], full_weights=None,
                  closers: list[Callable[[], None]] = ()):
         """``full_weights``: the runtime's (`grpo.rollout.vllm.hf_weights`); ``closers``: called at `close`, after
@@ -62,9 +64,9 @@ class ServerGenerator:
     # ------------------------------------------------------------------------------------ the trainer's side
     @torch.no_grad()
     def publish(self, version: int, weights=None) -> None:
-        """Snapshot version ``version`` (the trainer's model now) for the worker to push. ``weights`` (the
-        trainer's parameters, as the hf generator takes them) is not used: the servers need every weight under
-        its Hugging Face name, LoRA merged, each time."""
+        """Snapshot version ``version`` (the trainer's model now) for the worker to push. ``weights`` is None
+        (`reads_model`): the servers need every weight under its Hugging Face name, LoRA merged, each time, read
+        here one at a time (under ZeRO-3 each gathered on its own, never the whole model on a rank's device)."""
         keep = self.backend.transfer is not None  # the rank that sends (rank 0); the others only gather (ZeRO-3)
         try:
             snapshot = self.free.get_nowait()
