@@ -93,11 +93,13 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="distributed tests need deepspeed (pip install 'grpo[deepspeed]')")
 
 
-def doc_command() -> dict[str, str]:
-    """The overrides of the torchrun command of docs/async.md (2 processes)."""
+def doc_command(server: bool = False) -> dict[str, str]:
+    """The overrides of the torchrun command of docs/async.md (2 processes) with the hf generators, or (``server``)
+    with the rollout servers as the generator."""
     text = (ROOT / "docs" / "async.md").read_text()
-    lines = [line.strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()
-             if line.strip().startswith("torchrun")]
+    lines = [line.strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for line in block.replace("\\\n", " ").splitlines()
+             if line.strip().startswith("torchrun") and ("rollout.backend=server" in line) == server]
     assert len(lines) == 1, lines
     words = shlex.split(lines[0], comments=True)
     assert words[:5] == ["torchrun", "--nproc_per_node", "2", "-m", "grpo.train"], words

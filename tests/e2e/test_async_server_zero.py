@@ -126,28 +126,37 @@ def test_zero3_and_zero2_on_two_processes_with_the_server_as_the_generator(tmp_p
     batches in flight: the uninterrupted run's metrics."""
     from grpo.config.schema import load
     from grpo.models import load_model, load_tokenizer
+    from tests.e2e.test_async_distributed import doc_command
+    from tests.e2e.test_docs_commands import SCALE
     from tests.helpers import compose_recipe
     from tests.rollout.server.fake_server import FakeServer
 
-    cfg = load(compose_recipe("smoke", [f"trainer.output_dir={tmp_path / 'unused'}"]))
+    # docs/async.md's command (ZeRO-3, K = 1 against a server), scaled down: the tiny model, 5 steps, refill rounds
+    given, T = doc_command(server=True), 5
+    assert given["distributed"] == "zero3" and given["rollout.backend"] == "server"
+    assert given["rollout.max_staleness"] == "1"
+    cfg = load(compose_recipe(given["recipe"], ["model=tiny", f"trainer.output_dir={tmp_path / 'unused'}"]))
     vocab = len(load_tokenizer(cfg.model.name_or_path))
     server = FakeServer(model=load_model(cfg.model, vocab, seed=5), name=cfg.model.name_or_path, max_model_len=1024,
                         vocab=vocab).start()
     try:
-        T = 5
-        common = ["rollout.backend=server", f"rollout.server.urls=[{server.url}]", "rollout.server.connect_timeout_s=30",
+        common = [f"rollout.server.urls=[{server.url}]", "rollout.server.connect_timeout_s=30",
                   "rollout.prompts_per_step=4", "data.num_eval=0", "logging.sample_every=0", "logging.plot=false"]
-        refill = ["recipe=smoke", *common, "reward.functions.accuracy.weight=0.0", "reward.functions.format.weight=0.0",
+        scaled = {**given, **SCALE, "rollout.prompts_per_step": "4", "rollout.server.urls": f"[{server.url}]",
+                  "algorithm.group_size": "4", "trainer.max_steps": str(T), "trainer.save_every": "2",
+                  "trainer.keep_last": "3", "logging.sample_every": "0", "logging.plot": "false"}
+        refill = [*(f"{k}={v}" for k, v in scaled.items() if k not in ("distributed", "rollout.max_staleness")),
+                  "reward.functions.accuracy.weight=0.0", "reward.functions.format.weight=0.0",
                   f"+reward.functions.first.fn=tests.e2e.{Path(__file__).stem}:flat_or_first",
-                  "algorithm.filter_zero_std_groups=true", "algorithm.resample_zero_std=2", f"trainer.max_steps={T}",
-                  "trainer.save_every=2", "trainer.keep_last=3"]
-        z2 = ["distributed=zero2"]
+                  "algorithm.filter_zero_std_groups=true", "algorithm.resample_zero_std=2"]
+        z2, z3 = ["distributed=zero2"], [f"distributed={given['distributed']}", *ZERO3[1:]]
         run = {name: tmp_path / name for name in ("sync", "k1", "k1r", "k2", "k2r")}
-        launch(Path(__file__), "pipeline", tmp_path / "pipe", *ZERO3, *common, "rollout.max_staleness=2",
-               "trainer.max_steps=3",
-               THEN, "train", run["sync"], *ZERO3, *refill, f"trainer.output_dir={run['sync']}",
-               THEN, "train", run["k1"], *ZERO3, *refill, "rollout.max_staleness=1", f"trainer.output_dir={run['k1']}",
-               THEN, "resume", run["k1"], *ZERO3, *refill, "rollout.max_staleness=1",
+        launch(Path(__file__), "pipeline", tmp_path / "pipe", *ZERO3, "rollout.backend=server", *common,
+               "rollout.max_staleness=2", "trainer.max_steps=3",
+               THEN, "train", run["sync"], *z3, *refill, f"trainer.output_dir={run['sync']}",
+               THEN, "train", run["k1"], *z3, *refill, f"rollout.max_staleness={given['rollout.max_staleness']}",
+               f"trainer.output_dir={run['k1']}",
+               THEN, "resume", run["k1"], *z3, *refill, "rollout.max_staleness=1",
                f"trainer.output_dir={run['k1r']}", f"trainer.resume={run['k1r'] / 'checkpoints' / 'step_2'}",
                THEN, "train", run["k2"], *z2, *refill, "rollout.max_staleness=2", f"trainer.output_dir={run['k2']}",
                THEN, "resume", run["k2"], *z2, *refill, "rollout.max_staleness=2",
