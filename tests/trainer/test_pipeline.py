@@ -162,13 +162,13 @@ def test_zero_and_several_passes_run_asynchronously(cfg_factory):
     """What async now composes with: ZeRO-2/3 (one generator per rank), the zero-std filter on many ranks,
     num_iterations > 1; the server generator also with ZeRO, several passes and refill rounds together."""
     server = {"backend": "server", "server": {"urls": ["http://127.0.0.1:9"]}}
-    for rollout, change in (({}, {"distributed": {"backend": "deepspeed", "zero_stage": 3}}),
-                            ({}, {"distributed": {"backend": "deepspeed"}, "algorithm": {"filter_zero_std_groups": True}}),
+    refill, ds = {"filter_zero_std_groups": True, "resample_zero_std": 2}, {"backend": "deepspeed"}
+    for rollout, change in (({}, {"distributed": {**ds, "zero_stage": 3}}),
+                            ({}, {"distributed": ds, "algorithm": {"filter_zero_std_groups": True}}),
                             ({}, {"algorithm": {"num_iterations": 3}}),
-                            ({}, {"algorithm": {"filter_zero_std_groups": True, "resample_zero_std": 2}}),
-                            (server, {"distributed": {"backend": "deepspeed", "zero_stage": 3},
-                                      "algorithm": {"num_iterations": 2, "filter_zero_std_groups": True,
-                                                    "resample_zero_std": 2}})):
+                            ({}, {"algorithm": refill}),  # one process: refills
+                            (server, {"distributed": {**ds, "zero_stage": 3},
+                                      "algorithm": {"num_iterations": 2, **refill}})):
         pipeline.check(cfg_factory({"rollout": {"max_staleness": 2, **rollout}, **change}))
 
 
