@@ -28,10 +28,7 @@ class ThreadView:
         return self._reduce(values, torch.distributed.ReduceOp.MAX)
 
     def _reduce(self, values: dict[str, float], op) -> dict[str, float]:
-        names = sorted(values)
-        t = torch.tensor([float(values[k]) for k in names], dtype=torch.float64)
-        torch.distributed.all_reduce(t, op=op, group=self._group)
-        return dict(zip(names, t.tolist()))
+        return self._runtime._reduce(values, op, group=self._group, device="cpu")  # gloo: CPU tensors
 
     def any_rank(self, flag: bool) -> bool:
         return self.all_reduce({"flag": float(flag)})["flag"] > 0

@@ -44,32 +44,10 @@ def _mark(args: list[str], out: Path) -> None:
 
 
 def pipeline_steps(args: list[str], out: Path) -> None:
-    from omegaconf import OmegaConf
-
-    from grpo.config.schema import load
-    from grpo.trainer import pipeline
-    from grpo.trainer.build import build_run
-    from grpo.trainer.run import LoopState
-    from grpo.update import policy_update
-    from tests.helpers import compose_recipe
+    from tests.e2e.test_async_distributed import pipeline_steps as steps_of
 
     _mark(args, out)
-    cfg = load(OmegaConf.to_container(compose_recipe("smoke", [f"trainer.output_dir={out / 'run'}", *args]),
-                                      resolve=True))
-    run = build_run(cfg)
-    src, record = pipeline.batches(run, cfg, LoopState()), []
-    try:
-        for step in (1, 2, 3):
-            batch = src.batch(step)
-            stats = policy_update(run.runtime, batch, run.settings.update)
-            record.append({"versions": batch.versions, "rewards": batch.rewards.tolist(),
-                           "prompts": [r["prompt"] for r in batch.rows], "stats": dict(batch.stats),
-                           "grad_norm": stats["grad_norm"]})
-    finally:
-        src.close()
-        run.close()
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save(record, out / f"pipeline_rank{run.runtime.rank}.pt")
+    steps_of(args, out, process=None)
 
 
 def marked(phase):
@@ -141,7 +119,7 @@ def test_zero3_and_zero2_on_two_processes_with_the_server_as_the_generator(tmp_p
                         vocab=vocab).start()
     try:
         common = [f"rollout.server.urls=[{server.url}]", "rollout.server.connect_timeout_s=30",
-                  "rollout.prompts_per_step=4", "data.num_eval=0", "logging.sample_every=0", "logging.plot=false"]
+                  "rollout.prompts_per_step=4", "logging.sample_every=0", "logging.plot=false"]
         scaled = {**given, **SCALE, "rollout.prompts_per_step": "4", "rollout.server.urls": f"[{server.url}]",
                   "algorithm.group_size": "4", "trainer.max_steps": str(T), "trainer.save_every": "2",
                   "trainer.keep_last": "3", "logging.sample_every": "0", "logging.plot": "false"}
@@ -152,7 +130,7 @@ def test_zero3_and_zero2_on_two_processes_with_the_server_as_the_generator(tmp_p
         z2, z3 = ["distributed=zero2"], [f"distributed={given['distributed']}", *ZERO3[1:]]
         run = {name: tmp_path / name for name in ("sync", "k1", "k1r", "k2", "k2r")}
         launch(Path(__file__), "pipeline", tmp_path / "pipe", *ZERO3, "rollout.backend=server", *common,
-               "rollout.max_staleness=2", "trainer.max_steps=3",
+               "rollout.max_staleness=2",
                THEN, "train", run["sync"], *z3, *refill, f"trainer.output_dir={run['sync']}",
                THEN, "train", run["k1"], *z3, *refill, f"rollout.max_staleness={given['rollout.max_staleness']}",
                f"trainer.output_dir={run['k1']}",
