@@ -9,7 +9,9 @@ it is killed and restarted once, by the fault test that needs it. The tests run 
 4. two training processes (ZeRO-2, ZeRO-3) against the one server: one push per step;
 5. a server killed mid-run ends the run with one line naming it, no traceback, the last checkpoint intact; after
    the server's restart `trainer.resume=auto` completes the run;
-6. asynchronous GRPO (``rollout.max_staleness=1``, docs/async.md) with the server as the generator.
+6. asynchronous GRPO (``rollout.max_staleness=1``, docs/async.md) with the server as the generator;
+7. the same from two ZeRO-3 training processes (docs/async.md's torchrun command), resumed from a checkpoint with
+   each rank's batch in flight.
 
 Runs where vLLM imports (``make test-vllm``); elsewhere skipped, saying why.
 """
