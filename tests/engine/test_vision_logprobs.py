@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from grpo.engine import plan_micro_batches
+from grpo.engine import plan_micro_batches, token_logprobs
 from grpo.engine import vision_logprobs as vl
 from grpo.engine.vision_logprobs import vision_token_logprobs
 from grpo.models import load_image_processor, load_tokenizer, tiny_model
@@ -226,6 +226,8 @@ def test_a_family_the_engine_cannot_serve_exactly_is_refused_in_one_line(setup):
         with pytest.raises(ValueError, match="gemma3 is not served: its image tokens attend to each other "
                                              f"bidirectionally.*; served: {', '.join(FAMILIES)}$"):
             vision_token_logprobs(model, prompts[:1], [[[5]]])
+        with pytest.raises(ValueError, match="gemma3 is not served"):  # the trainer's entry point refuses it too
+            token_logprobs(model, prompts[:1], [[[5]]])
     finally:
         model.config.model_type = type(model.config).model_type
 
