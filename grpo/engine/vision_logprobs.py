@@ -39,9 +39,9 @@ VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_
 # vision-language families of transformers not served (yet), and why: refused in one line, not computed inexactly
 NOT_SERVED = {
     "gemma3": "its image tokens attend to each other bidirectionally, which the causal shared-prefix kernel does not",
-    "idefics3": "its image splitting and pixel masks are not wired into the image engine yet",
-    "smolvlm": "its image splitting and pixel masks are not wired into the image engine yet",
-    "lfm2_vl": "its NaViT tower's pixel masks and the hybrid conv layers are not wired into the image engine yet",
+    "idefics3": "its images are split into tiles with pixel masks, which image prompts (Qwen's patches) do not carry",
+    "smolvlm": "its images are split into tiles with pixel masks, which image prompts (Qwen's patches) do not carry",
+    "lfm2_vl": "its NaViT tower takes pixel masks and spatial shapes, which image prompts (Qwen's patches) do not carry",
 }
 
 
