@@ -41,7 +41,7 @@ NOT_SERVED = {
     "gemma3": "its image tokens attend to each other bidirectionally, which the causal shared-prefix kernel does not",
     "idefics3": "its images are split into tiles with pixel masks, which image prompts (Qwen's patches) do not carry",
     "smolvlm": "its images are split into tiles with pixel masks, which image prompts (Qwen's patches) do not carry",
-    "lfm2_vl": "its NaViT tower takes pixel masks and spatial shapes, which image prompts (Qwen's patches) do not carry",
+    "lfm2_vl": "its NaViT tower takes pixel masks and spatial shapes, which image prompts (Qwen's patches) lack",
 }
 
 
