@@ -126,7 +126,8 @@ def test_a_text_model_or_a_text_only_backend_given_images_is_one_line(tok_proc):
     prepared, dropped = data.prepare(rows, cfg.data, tok, image_processor=proc)
     assert dropped == 0 and prepared[0]["prompt_ids"].n_images == 1
     assert prepared[0]["prompt"].startswith("user: <|vision_start|><|image_pad|><|vision_end|>How many")
-    with pytest.raises(SetupError, match="rollout.backend=server \\(server\\) does not take images yet"):
+    with pytest.raises(SetupError, match="rollout.backend=server \\(server\\) does not take images yet; .* need "
+                                         "rollout.backend=vllm or hf "):
         registry.check_images(cfg.rollout.backend, registry.resolve(cfg.rollout.backend, "cpu"), prepared)
 
 

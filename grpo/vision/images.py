@@ -22,11 +22,13 @@ if TYPE_CHECKING:  # no torch at import: grpo/data.py imports this module, and t
 class ImagePrompt(list):
     """One prompt's token ids (image tokens expanded), a list like any prompt's, carrying the pixels of its images in
     order (``(patches, channels * patch area)``, Qwen-VL's flattened patches) and their ``(t, h, w)`` patch grids.
-    Everything that handles token lists handles it; the engine and the rollout read its images."""
+    Everything that handles token lists handles it; the engine and the rollout read its images. ``images``: the
+    RGB images themselves (PIL), what a vLLM rollout sends (vLLM runs its own processor on them)."""
 
-    def __init__(self, ids, pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None):
+    def __init__(self, ids, pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+                 images: list | None = None):
         super().__init__(ids)
-        self.pixel_values, self.image_grid_thw = pixel_values, image_grid_thw
+        self.pixel_values, self.image_grid_thw, self.images = pixel_values, image_grid_thw, images
 
     @property
     def ids(self) -> list[int]:
@@ -37,7 +39,7 @@ class ImagePrompt(list):
         return 0 if self.image_grid_thw is None else len(self.image_grid_thw)
 
     def __reduce__(self):  # pickled with its images (checkpoints of in-flight batches, spawned generators)
-        return type(self), (list(self), self.pixel_values, self.image_grid_thw)
+        return type(self), (list(self), self.pixel_values, self.image_grid_thw, self.images)
 
 
 def load_image(value, where: str = "data row"):
@@ -90,7 +92,7 @@ def encode(messages: list[dict], images: list, tokenizer, image_processor, where
         text = pieces[0] + "".join(image_token * (int(g.prod()) // per_token) + rest
                                    for g, rest in zip(grid, pieces[1:]))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ImagePrompt(ids=ids, pixel_values=pixel_values, image_grid_thw=grid)
+    return ImagePrompt(ids=ids, pixel_values=pixel_values, image_grid_thw=grid, images=images or None)
 
 
 def as_parts(messages: list[dict]) -> list[dict]:

