@@ -55,10 +55,10 @@ class VLLMBackend:
                  process_group: tuple[int, int] | None = None, tokenizer=None, image_processor=None):
         """``tokenizer`` and ``image_processor``: a vision-language model's, which vLLM's input processing loads; a
         text model needs neither. ``full_weights(params)``: the runtime's context manager in which ``params`` hold
-        their full values (`grpo.runtime.base.Runtime.full_weights`; ZeRO-3 gathers them). ``process_group``: (rank, local_rank) when
-        this process is one of several training processes (DeepSpeed): vLLM then joins the runtime's process group
-        as an external launcher (one engine per rank, tensor-parallel 1, each sampling its own prompts) and
-        leaves that group alone when it closes."""
+        their full values (`grpo.runtime.base.Runtime.full_weights`; ZeRO-3 gathers them). ``process_group``:
+        (rank, local_rank) when this process is one of several training processes (DeepSpeed): vLLM then joins the
+        runtime's process group as an external launcher (one engine per rank, tensor-parallel 1, each sampling its
+        own prompts) and leaves that group alone when it closes."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model must live in this process for the sync
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
