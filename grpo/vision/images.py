@@ -95,6 +95,16 @@ def encode(messages: list[dict], images: list, tokenizer, image_processor, where
     return ImagePrompt(ids=ids, pixel_values=pixel_values, image_grid_thw=grid, images=images or None)
 
 
+def asks_for_images(prompt) -> int:
+    """How many images a row's prompt (a string, or messages) places: ``{"type": "image"}`` parts and ``<image>``
+    markers."""
+    if isinstance(prompt, str):
+        return prompt.count("<image>")
+    if not isinstance(prompt, (list, tuple)) or not all(isinstance(m, dict) and "content" in m for m in prompt):
+        return 0
+    return image_parts(as_parts(list(prompt)))
+
+
 def as_parts(messages: list[dict]) -> list[dict]:
     """Messages with verl's ``<image>`` markers in text content turned into TRL's ``{"type": "image"}`` parts (content
     already in parts is kept)."""
@@ -124,7 +134,22 @@ def encode_row(row: dict, prompt_column: str, image_column: str, tokenizer, imag
         messages = [{"role": "user", "content": messages}]
     images = row[image_column]
     images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
-    return encode(as_parts(messages), images, tokenizer, image_processor, where)
+    messages = as_parts(messages)
+    if images and image_parts(messages) == 0:  # a plain-text prompt: its images first
+        messages = images_first(messages, len(images))
+    return encode(messages, images, tokenizer, image_processor, where)
+
+
+def images_first(messages: list[dict], n: int) -> list[dict]:
+    """A prompt that places no image (plain text): its ``n`` images go before the first user turn's text, as TRL
+    places them."""
+    out, placed = [], False
+    for m in messages:
+        if m["role"] == "user" and not placed:
+            text = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
+            m, placed = {**m, "content": [{"type": "image"}] * n + text}, True
+        out.append(m)
+    return out
 
 
 def image_row(row: dict, dcfg, tokenizer, image_processor, where: str = "data row") -> dict:
@@ -136,6 +161,9 @@ def image_row(row: dict, dcfg, tokenizer, image_processor, where: str = "data ro
                         "(no image processor); use a vision-language model such as tiny:qwen2_5_vl, or drop the column")
     messages = row[dcfg.prompt_column]
     messages = as_parts([{"role": "user", "content": messages}] if isinstance(messages, str) else list(messages))
+    images = row[dcfg.image_column]
+    if image_parts(messages) == 0:  # a plain-text prompt: its images first
+        messages = images_first(messages, len(images) if isinstance(images, (list, tuple)) else 1)
     if dcfg.system_prompt and not any(m["role"] == "system" for m in messages):
         messages = [{"role": "system", "content": dcfg.system_prompt}, *messages]
     prompt = encode_row({**row, dcfg.prompt_column: messages}, dcfg.prompt_column, dcfg.image_column, tokenizer,
