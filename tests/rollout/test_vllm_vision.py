@@ -80,3 +80,28 @@ def test_the_vision_towers_updates_reach_the_rollout(setup):
     engine.sync_weights(model)
     out = engine.generate(prompts[:2], 2, Sampling(max_new_tokens=6), seed=2)
     assert _worst(model, prompts[:2], out) < 1e-4
+
+
+VLM_VLLM = ["rollout.backend=vllm", "model.tiny={hidden_size: 128, intermediate_size: 256, num_attention_heads: 2, "
+            "num_key_value_heads: 1}"]  # vLLM's CPU attention needs head_dim >= 32
+
+
+def test_vlm_smoke_trains_with_vllm(setup, tmp_path):
+    """docs/vision-language.md's command: vlm-smoke with rollout.backend=vllm; each step's sampled log-probs are the
+    trainer's (the weights synced into vLLM and the images given as its inputs). Last in this module: it closes the
+    module's engine first (one vLLM engine alive at a time)."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from grpo.config.schema import load
+    from grpo.trainer.loop import fit
+    from tests.helpers import compose_recipe
+
+    setup[2].close()
+    out = tmp_path / "run"
+    cfg = compose_recipe("vlm-smoke", [f"trainer.output_dir={out}", *VLM_VLLM])
+    fit(load(OmegaConf.to_container(cfg, resolve=True)))
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["grad_norm"] > 0 for r in rows)
+    assert all(r["rollout_is/logp_diff_abs_max"] < 1e-4 for r in rows)

@@ -62,3 +62,17 @@ def test_vlm_smoke_with_lora_trains_the_language_model_and_leaves_the_tower(tmp_
     assert torch.equal(final["model.visual.blocks.0.attn.qkv.weight"], start["model.visual.blocks.0.attn.qkv.weight"])
     assert not torch.equal(final["model.language_model.layers.0.self_attn.q_proj.weight"],
                            start["model.language_model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_vlm_smoke_samples_ahead_with_images(tmp_path):
+    """rollout.max_staleness=1 with images on the hf backend: the generator process receives the image prompts
+    (pickled with their pixels) and samples one version behind from step 2 on; at step 1 (the same version) its
+    log-probs are the trainer's, so the images reached it."""
+    out = tmp_path / "run"
+    cfg = compose_recipe("vlm-smoke", [f"trainer.output_dir={out}", "rollout.max_staleness=1", "trainer.max_steps=3"])
+    fit(load(OmegaConf.to_container(cfg, resolve=True)))
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1]
+    assert rows[0]["rollout_is/logp_diff_abs_max"] < 1e-4 < rows[1]["rollout_is/logp_diff_abs_max"]
+    assert all(r["grad_norm"] > 0 for r in rows)
