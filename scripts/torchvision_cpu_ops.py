@@ -8,8 +8,6 @@ CPU torch, and its import then fails registering fake kernels for two ops it nev
 vision-language model needs that import. The two op schemas are defined here, without kernels: the transforms
 import, and a call of those ops still fails loudly.
 """
-import sys
-
 import torch
 
 for _op in ("nms", "qnms"):
@@ -19,11 +17,16 @@ for _op in ("nms", "qnms"):
         pass
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--install"]:
+if __name__ == "__main__":
+    import argparse
     import shutil
     import sysconfig
     from pathlib import Path
 
+    ap = argparse.ArgumentParser(description="torchvision's Python code importable on a CPU torch (.venv-vllm)")
+    ap.add_argument("--install", action="store_true", required=True,
+                    help="copy this file and a .pth file that imports it into this interpreter's site-packages")
+    ap.parse_args()
     site = Path(sysconfig.get_paths()["purelib"])
     shutil.copy(__file__, site / "torchvision_cpu_ops.py")
     (site / "torchvision_cpu_ops.pth").write_text("import torchvision_cpu_ops\n")
