@@ -13,7 +13,7 @@ from grpo.config.schema import load
 from grpo.errors import DataError
 from grpo.tasks import get_task
 from grpo.trainer.loop import fit
-from tests.helpers import compose_recipe
+from tests.helpers import compose_recipe, count_tower_patches
 
 
 def _rows():
@@ -67,16 +67,7 @@ def _cfg(tmp_path, path, extra):
 
 @pytest.mark.parametrize("make", [_hf, _trl, _verl], ids=["hf-datasets-image", "trl-parts", "verl-images"])
 def test_an_image_dataset_in_each_format_trains(tmp_path, make, monkeypatch):
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as q
-
-    patches = []
-    forward = q.Qwen2_5_VisionTransformerPretrainedModel.forward
-
-    def counted(self, hidden_states, *args, **kwargs):
-        patches.append(hidden_states.shape[0])
-        return forward(self, hidden_states, *args, **kwargs)
-
-    monkeypatch.setattr(q.Qwen2_5_VisionTransformerPretrainedModel, "forward", counted)
+    patches = count_tower_patches(monkeypatch)
     path, extra = make(tmp_path)
     fit(_cfg(tmp_path, path, extra))
     rows = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]

@@ -8,20 +8,11 @@ from omegaconf import OmegaConf
 from grpo.config.schema import load
 from grpo.models import tiny_model
 from grpo.trainer.loop import fit
-from tests.helpers import compose_recipe
+from tests.helpers import compose_recipe, count_tower_patches
 
 
 def test_vlm_smoke_trains_and_evaluates_with_each_prompts_images_encoded_once(tmp_path, monkeypatch):
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as q
-
-    patches = []
-    forward = q.Qwen2_5_VisionTransformerPretrainedModel.forward
-
-    def counted(self, hidden_states, *args, **kwargs):
-        patches.append(hidden_states.shape[0])
-        return forward(self, hidden_states, *args, **kwargs)
-
-    monkeypatch.setattr(q.Qwen2_5_VisionTransformerPretrainedModel, "forward", counted)
+    patches = count_tower_patches(monkeypatch)
     out = tmp_path / "run"
     cfg = compose_recipe("vlm-smoke", [f"trainer.output_dir={out}", "data.num_eval=2"])
     summary = fit(load(OmegaConf.to_container(cfg, resolve=True)))
