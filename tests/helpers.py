@@ -139,3 +139,18 @@ def train_cli_error(tmp_path, monkeypatch, capsys, *args: str) -> tuple[int, str
     with pytest.raises(SystemExit) as e:
         train.main()
     return e.value.code, capsys.readouterr().err
+
+
+def count_tower_patches(monkeypatch) -> list[int]:
+    """The patches of every Qwen2.5-VL vision tower forward from now on (one entry per call)."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as q
+
+    patches: list[int] = []
+    forward = q.Qwen2_5_VisionTransformerPretrainedModel.forward
+
+    def counted(self, hidden_states, *args, **kwargs):
+        patches.append(hidden_states.shape[0])
+        return forward(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(q.Qwen2_5_VisionTransformerPretrainedModel, "forward", counted)
+    return patches

