@@ -79,6 +79,10 @@ class VLLMConfig:
     enforce_eager: bool = True       # no graph capture / compilation (fast start; false: CUDA graphs, faster decode)
     enable_prefix_caching: bool = True  # a group's prompt prefilled once, its KV blocks shared by the G samples
     sleep: bool = False              # CUDA: free the KV cache and offload the weights while the policy updates
+    # LoRA (model.lora.enabled): what a sync sends to vLLM (in-process or grpo-serve). auto = the adapters where vLLM
+    # serves them as LoRA (else the merged weights, said once); adapters = the adapters or a one-line refusal;
+    # merged = W + scale * B A per layer, every weight each sync (docs/rollout.md#lora)
+    lora_sync: str = "auto"
 
 
 @dataclass
@@ -237,6 +241,7 @@ _CHOICES = {
     "trainer.device": ("auto", "cpu", "cuda"),
     "distributed.backend": ("none", "deepspeed"),
     "engine.attention_kernel": ("auto", "grouped", "flex"),
+    "rollout.vllm.lora_sync": ("auto", "adapters", "merged"),
     "reward.completion_format": ("auto", "text", "messages"),
 }
 

