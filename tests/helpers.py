@@ -75,7 +75,8 @@ def vllm_logprobs_of(backend, prompt: list[int], completion: list[int]):
     from vllm.inputs import TokensPrompt
 
     out = backend.llm.generate([TokensPrompt(prompt_token_ids=prompt + completion)],
-                               SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)[0]
+                               SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False,
+                               lora_request=backend.lora_request())[0]  # LoRA: the newest adapter synced
     plp = out.prompt_logprobs[len(prompt):]
     return torch.tensor([d[t].logprob for d, t in zip(plp, completion)])
 

@@ -187,10 +187,11 @@ class VLLMBackend:
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         out = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False,
-                                lora_request=self._lora(version))[0]
+                                lora_request=self.lora_request(version))[0]
         return torch.tensor([row[t].logprob for t, row in zip(ids[1:], out.prompt_logprobs[1:])])
 
-    def _lora(self, version: int | None = None):
+    def lora_request(self, version: int | None = None):
+        """The vLLM LoRARequest of the adapter of ``version`` (default: the newest); None with merged weights."""
         return self.adapters.request(version) if self.adapters is not None else None
 
     # ------------------------------------------------------------------------------------ sampling
@@ -222,7 +223,7 @@ class VLLMBackend:
         params = [self.sampling_params(sampling, group_size, None if seed is None else seed + i * group_size)
                   for i in range(len(prompt_ids))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
-                                 use_tqdm=False, lora_request=self._lora())
+                                 use_tqdm=False, lora_request=self.lora_request())
         ids, truncated, logps = [], [], []
         for out in outs:
             gi, gt, gl = [], [], []
