@@ -118,11 +118,12 @@ def choose(mode: str, model, say=None) -> bool:
         return True
     if mode == "adapters":
         raise SetupError(f"rollout.vllm.lora_sync=adapters: {why}; use rollout.vllm.lora_sync=auto or merged")
-    (say or _say)(f"LoRA: the merged weights go to vLLM at every sync, not the adapters: {why}")
+    (say or say_once)(f"LoRA: the merged weights go to vLLM at every sync, not the adapters: {why}")
     return False
 
 
-def _say(msg: str) -> None:
+def say_once(msg: str) -> None:
+    """The line a LoRA run prints once when it syncs merged weights."""
     print(f"[grpo] {msg}", file=sys.stderr, flush=True)
 
 

@@ -18,8 +18,10 @@ trainer's thread runs the update.
 Publishing must not race with the optimizer: ``publish`` runs in the trainer's thread between two steps and copies
 the weights of version v (under their Hugging Face names, LoRA merged: `grpo.rollout.vllm.hf_weights`) into a
 snapshot, and takes the trainer's log-probs of the sync check's sequence on them; the worker pushes the snapshot
-later. A snapshot costs one copy of the weights in host memory while it waits (at most K of them, usually one);
-its buffers are reused once pushed, so a publication is a plain copy.
+later. LoRA with adapters (`grpo.rollout.server.adapters`): the base weights are pushed at the first publication
+(nothing is in flight yet), and each snapshot is that version's A and B only. A snapshot costs one copy of the
+weights in host memory while it waits (at most K of them, usually one); its buffers are reused once pushed, so a
+publication is a plain copy.
 """
 from __future__ import annotations
 
@@ -57,7 +59,12 @@ class ServerGenerator:
     def publish(self, version: int, weights=None) -> None:
         """Snapshot version ``version`` (the trainer's model now) for the worker to push. ``weights`` (the
         trainer's parameters, as the hf generator takes them) is not used: the servers need every weight under
-        its Hugging Face name, LoRA merged, each time."""
+        its Hugging Face name, LoRA merged, each time (or, syncing adapters, that version's A and B)."""
+        if getattr(self.backend, "adapters", None) is not None:  # LoRA: the base weights once, then A and B
+            snapshot = self.backend.weights(self.model)
+            self.todo.put(("push", version, snapshot, trainer_logprobs(self.model, self.backend.check_ids,
+                                                                       self.backend.device)))
+            return
         try:
             snapshot = self.free.get_nowait()
         except queue.Empty:
@@ -121,9 +128,11 @@ class ServerGenerator:
                 if task[0] == "push":
                     t = time.time()
                     _, version, snapshot, check = task
-                    self.backend.push(iter(snapshot.items()), version)
+                    adapter = not isinstance(snapshot, dict)  # an `Adapter` (LoRA), or every weight by name
+                    self.backend.push(snapshot if adapter else iter(snapshot.items()), version)
                     self.backend.check(mine=check)
-                    self.free.put(snapshot)
+                    if not adapter:
+                        self.free.put(snapshot)
                     load_s += time.time() - t
                     continue
                 _, step, version = task
