@@ -68,8 +68,7 @@ def test_each_backend_that_syncs_adapters_refuses_them_in_its_config_check(name,
     rollout = RolloutConfig(backend=name, vllm=VLLMConfig(lora_sync="adapters"),
                             server=ServerConfig(urls=["http://h:1"]))
     model = ModelConfig(name_or_path="tiny:llama", lora=LoraConfig(enabled=True, target_modules=["embed_tokens"]))
-    model = ModelConfig(name_or_path="tiny:llama",
-                        lora=LoraConfig(enabled=True, target_modules=["embed_tokens"]))
+    monkeypatch.setattr(registry, "resolve", lambda n, device: n)  # as if vLLM were installed (the check needs none)
     with pytest.raises(SetupError, match="embed_tokens, which vLLM does not serve as LoRA"):
         registry.check(rollout, model, "cuda")
     registry.check(rollout, ModelConfig(name_or_path="tiny:llama"), "cuda")  # no LoRA: nothing to refuse
