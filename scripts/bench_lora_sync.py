@@ -10,7 +10,7 @@ For the model (``--model``): the same LoRA policy (``--rank``, q/k/v/o, ``--dtyp
 ``rollout.vllm.lora_sync=merged`` and once with ``adapters``, the engines alternating, one alive at a time. Each
 step's sync reports its bytes and seconds (`VLLMBackend.stats`: time/sync_s, sync/bytes) and the sync check's gap
 (vllm/sync_logprob_gap: the engine's log-probs of the sequence against the trainer's); the first sync (the base
-weights) is reported apart. For a Llama-2-7B-shaped model (its config alone, built on the meta device: no memory)
+weights, B = 0: its gap is the engine-against-trainer noise floor of the dtype) is reported apart. For a Llama-2-7B-shaped model (its config alone, built on the meta device: no memory)
 the bytes per sync of both paths are counted; its seconds are the embedded model's measured GB/s applied to them
 (an extrapolation, labelled so). Prints one JSON line per row; ``--json`` writes them all.
 """
@@ -69,8 +69,8 @@ def run_mode(mode: str, args, ids) -> dict:
     from grpo.rollout.server.backend import trainer_logprobs
     from grpo.rollout.vllm import VLLMBackend
 
+    torch.manual_seed(0)  # the same A for both modes
     model, tok = policy(args.model, args.dtype, args.rank)
-    torch.manual_seed(0)
     backend = VLLMBackend(model, eos_ids=[tok.eos_token_id], max_model_len=256, seed=0, lora_sync=mode,
                           check_ids=ids)
     first = backend.stats()
@@ -93,6 +93,7 @@ def run_mode(mode: str, args, ids) -> dict:
     t = [r["time/sync_s"] for r in rows]
     return {"model": args.model, "dtype": args.dtype, "rank": args.rank, "mode": mode, "steps": args.steps,
             "first_sync_bytes": first["sync/bytes"], "first_sync_s": round(first["time/sync_s"], 4),
+            "logprob_gap_first": round(first["vllm/sync_logprob_gap"], 5),
             "sync_bytes": rows[-1]["sync/bytes"], "sync_s_median": round(statistics.median(t), 4),
             "logprob_gap_last": round(rows[-1]["vllm/sync_logprob_gap"], 5),
             "logprob_gap_max": round(max(r["vllm/sync_logprob_gap"] for r in rows), 5),
