@@ -10,9 +10,10 @@ For the model (``--model``): the same LoRA policy (``--rank``, q/k/v/o, ``--dtyp
 ``rollout.vllm.lora_sync=merged`` and once with ``adapters``, the engines alternating, one alive at a time. Each
 step's sync reports its bytes and seconds (`VLLMBackend.stats`: time/sync_s, sync/bytes) and the sync check's gap
 (vllm/sync_logprob_gap: the engine's log-probs of the sequence against the trainer's); the first sync (the base
-weights, B = 0: its gap is the engine-against-trainer noise floor of the dtype) is reported apart. For a Llama-2-7B-shaped model (its config alone, built on the meta device: no memory)
-the bytes per sync of both paths are counted; its seconds are the embedded model's measured GB/s applied to them
-(an extrapolation, labelled so). Prints one JSON line per row; ``--json`` writes them all.
+weights, B = 0: its gap is the engine-against-trainer noise floor of the dtype) is reported apart. For a
+Llama-2-7B-shaped model (its config alone, built on the meta device: no memory) the bytes per sync of both paths
+are counted; its seconds are the embedded model's measured bytes/s of the same path applied to them (an
+extrapolation, labelled so). Prints one JSON line per row; ``--json`` writes them all.
 """
 from __future__ import annotations
 

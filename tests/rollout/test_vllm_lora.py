@@ -157,3 +157,24 @@ def test_merged_weights_lose_the_update_and_auto_merges_what_adapters_cannot_exp
                  if ".lora_" not in k)
     assert stats["sync/bytes"] == n_base
     assert stats["vllm/sync_logprob_gap"] > effect / 2 > 2 * floor  # the sampler stayed on the base model
+
+
+def test_the_sync_benchmark_runs_both_paths_side_by_side(tmp_path):
+    """scripts/bench_lora_sync.py scaled down (docs/benchmarks.md#lora-weight-syncs): merged and adapters each
+    sync every step; merged sends the whole model each time, adapters their A and B after the base weights once."""
+    import importlib.util
+    import json
+
+    from tests.helpers import ROOT
+
+    _close()  # the script makes its own engines
+    spec = importlib.util.spec_from_file_location("bench_lora_sync", ROOT / "scripts" / "bench_lora_sync.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--model", "tiny", "--steps", "2", "--rank", "8", "--json", str(tmp_path / "r.json")]) == 0
+    rows = {(r["model"], r["mode"]): r for r in json.loads((tmp_path / "r.json").read_text())}
+    merged, adapters = rows["tiny", "merged"], rows["tiny", "adapters"]
+    assert merged["sync_bytes"] == merged["first_sync_bytes"] > 5 * adapters["sync_bytes"]
+    assert adapters["first_sync_bytes"] == merged["first_sync_bytes"] + adapters["sync_bytes"]  # base + adapter
+    assert adapters["trainer_moved_from_base"] > 0 and rows["llama-2-7b-shaped (config only)", "merged"][
+        "sync_s_extrapolated"] > 0
