@@ -11,7 +11,7 @@ from grpo.config.schema import LoraConfig
 from grpo.models import apply_lora, char_tokenizer, tiny_model
 from grpo.rollout.base import Sampling
 from grpo.rollout.server.backend import trainer_logprobs
-from tests.helpers import VLLM_TINY, vllm_problem
+from tests.helpers import VLLM_TINY, OneEngine, vllm_problem
 
 pytestmark = pytest.mark.skipif(vllm_problem() is not None, reason=str(vllm_problem()))
 
@@ -58,26 +58,13 @@ def _below_spacing_update(policy, ids) -> None:
             assert torch.equal(_merged(layer), w)  # merging loses the whole update
 
 
-_LIVE: dict = {}  # vLLM keeps process-wide state: one engine alive at a time
-
-
-def _engine(key, make):
-    if key not in _LIVE:
-        _close()
-        _LIVE[key] = make()
-    return _LIVE[key]
-
-
-def _close():
-    for b in _LIVE.values():
-        b.close()
-    _LIVE.clear()
+ENGINES = OneEngine()
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _close_at_end():
     yield
-    _close()
+    ENGINES.close()
 
 
 def _backend(policy, tok, ids, **kw):
@@ -90,7 +77,7 @@ def _backend(policy, tok, ids, **kw):
 def adapters(tok, ids):
     """(policy, engine syncing adapters, three versions resident)."""
     policy = _policy(tok)
-    return policy, _engine("adapters", lambda: _backend(policy, tok, ids, lora_sync="adapters", lora_keep=3))
+    return policy, ENGINES.get("adapters", lambda: _backend(policy, tok, ids, lora_sync="adapters", lora_keep=3))
 
 
 def _gap(backend, policy, ids) -> float:
@@ -143,7 +130,7 @@ def test_merged_weights_lose_the_update_and_auto_merges_what_adapters_cannot_exp
     weights, every byte of the model each time; and the merged sync loses the below-spacing update."""
     policy = _policy(tok)
     policy.get_base_model().lm_head.weight.requires_grad_(True)
-    backend = _engine("merged", lambda: _backend(policy, tok, ids, lora_sync="auto"))
+    backend = ENGINES.get("merged", lambda: _backend(policy, tok, ids, lora_sync="auto"))
     err = capsys.readouterr().err
     assert err.count("the merged weights go to vLLM") == 1 and "lm_head.weight" in err
     floor = backend.stats()["vllm/sync_logprob_gap"]
@@ -167,7 +154,7 @@ def test_the_sync_benchmark_runs_both_paths_side_by_side(tmp_path):
 
     from tests.helpers import ROOT
 
-    _close()  # the script makes its own engines
+    ENGINES.close()  # the script makes its own engines
     spec = importlib.util.spec_from_file_location("bench_lora_sync", ROOT / "scripts" / "bench_lora_sync.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
