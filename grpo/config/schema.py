@@ -79,10 +79,7 @@ class VLLMConfig:
     enforce_eager: bool = True       # no graph capture / compilation (fast start; false: CUDA graphs, faster decode)
     enable_prefix_caching: bool = True  # a group's prompt prefilled once, its KV blocks shared by the G samples
     sleep: bool = False              # CUDA: free the KV cache and offload the weights while the policy updates
-    # LoRA (model.lora.enabled): what a sync sends to vLLM (in-process or grpo-serve). auto = the adapters where vLLM
-    # serves them as LoRA (else the merged weights, said once); adapters = the adapters or a one-line refusal;
-    # merged = W + scale * B A per layer, every weight each sync (docs/rollout.md#lora)
-    lora_sync: str = "auto"
+    lora_sync: str = "auto"          # LoRA: auto | adapters | merged, what syncs send vLLM (docs/rollout.md#lora)
 
 
 @dataclass

@@ -32,7 +32,7 @@ import torch
 
 from grpo.engine.unwrap import unwrap_model
 from grpo.errors import SetupError
-from grpo.rollout.base import Completions, Sampling, cut_at_eos, eos_ids
+from grpo.rollout.base import Completions, Sampling, cut_at_eos, eos_ids, trainer_logprobs
 from grpo.rollout.lora_sync import AdapterSlots, active_adapter, adapter_state, choose, served_rank
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # the model_types tested against our decode loop
@@ -172,8 +172,6 @@ class VLLMBackend:
     def check(self, model) -> float:
         """The sync check: the largest |log p_engine - log p_trainer| over ``check_ids`` (temperature 1), in the
         metrics as vllm/sync_logprob_gap (every rank: the trainer's forward is a collective under ZeRO-3)."""
-        from grpo.rollout.server.backend import trainer_logprobs
-
         mine = trainer_logprobs(model, self.check_ids, next(model.parameters()).device)
         gap = float((self.prompt_logprobs(self.check_ids) - mine).abs().max()) if len(mine) else 0.0
         self.metrics["vllm/sync_logprob_gap"] = gap

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from grpo.rollout.base import Completions, Sampling, cut_at_eos
+from grpo.rollout.base import Completions, Sampling, cut_at_eos, trainer_logprobs
 from grpo.rollout.lora_sync import Adapter, adapter_state
 from grpo.rollout.server.adapters import ServerAdapters, connect_adapters
 from grpo.rollout.server.client import ServerError, ServerPool, group_request, parse_group, prompt_logprobs
@@ -212,15 +212,6 @@ def check_server(server, model_name: str, facts: dict, max_model_len: int) -> No
         raise ServerError(f"rollout server {server.url} has max_model_len={length}, the run needs {max_model_len} "
                           "(its longest prompt + rollout.max_new_tokens); start it with grpo-serve and the run's "
                           "recipe or a larger rollout.vllm.max_model_len")
-
-
-@torch.no_grad()
-def trainer_logprobs(model, ids: list[int], device="cpu") -> torch.Tensor:
-    """The trainer's log-prob of each token of ``ids`` after the first, at temperature 1 (every rank: a ZeRO-3
-    forward is a collective)."""
-    x = torch.tensor([ids], device=device)
-    logits = model(input_ids=x).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].cpu()
 
 
 class GlooTransfer:
