@@ -147,8 +147,7 @@ register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",), lora_a
 register_backend("hf", Capabilities(live_weights=True, seeded=False, ahead="process", auto=("cpu", "cuda"),
                                     images=True),
                  "grpo.rollout.backends:make_hf")
-register_backend("server", Capabilities(ahead="thread", ahead_ranks=False, ahead_passes=False, remote=True,
-                                        lora_adapters=True),
+register_backend("server", Capabilities(ahead="thread", remote=True, lora_adapters=True),
                  "grpo.rollout.server.connect:make", check=lambda r, m, device: _check_server(r.server),
                  refuse_ahead=lambda r, device: server_refusal(r.server, device))
 
