@@ -7,6 +7,7 @@ Runs where vLLM imports (``make test-vllm``); elsewhere skipped, saying why."""
 from __future__ import annotations
 
 import json
+import shutil
 import urllib.request
 
 import pytest
@@ -28,7 +29,10 @@ def ctx(tmp_path_factory):
     server = Server(port, tmp / "server.log", ["recipe=quickstart", f"rollout.server.port={port}", *SCALE, *LORA])
     state = {"tmp": tmp, "server": server.start()}
     yield state
-    server.kill()
+    folder = server.info().get("lora_dir") if server.up() else None
+    server.kill()  # a killed server leaves its adapter folder behind
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _adapters(server) -> list[str]:

@@ -28,13 +28,17 @@ class GRPOWorkerExtension:
                 "lora_dir": self._grpo_lora_dir() if lora else None}
 
     def _grpo_lora_dir(self) -> str:
-        """Where this server writes the adapters it receives (a RAM-backed /dev/shm where there is one)."""
+        """Where this server writes the adapters it receives (a RAM-backed /dev/shm where there is one), removed
+        when the server exits (a killed server leaves it: grpo-serve-lora-* in /dev/shm or the temp folder)."""
+        import atexit
+        import shutil
         import tempfile
         from pathlib import Path
 
         if getattr(self, "_grpo_lora", None) is None:
             self._grpo_lora = tempfile.mkdtemp(prefix="grpo-serve-lora-",
                                                dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+            atexit.register(shutil.rmtree, self._grpo_lora, True)
         return self._grpo_lora
 
     def grpo_receive_adapter(self, spec: str) -> dict:
