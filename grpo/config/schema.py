@@ -238,8 +238,7 @@ _CHOICES = {
     "trainer.lr_schedule": ("constant", "cosine", "linear"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "distributed.backend": ("none", "deepspeed"),
-    "engine.attention_kernel": ("auto", "grouped", "flex"),
-    "rollout.vllm.lora_sync": ("auto", "adapters", "merged"),
+    "engine.attention_kernel": ("auto", "grouped", "flex"), "rollout.vllm.lora_sync": ("auto", "adapters", "merged"),
     "reward.completion_format": ("auto", "text", "messages"),
 }
 
