@@ -33,7 +33,21 @@ def settings(cfg, device: str):
                          host=s.host, port=s.port, seed=cfg.trainer.seed, device=device,
                          kv_cache_gib=r.vllm.kv_cache_gib, enforce_eager=r.vllm.enforce_eager,
                          tensor_parallel_size=s.tensor_parallel_size,
-                         weight_transfer=transfer_kind(s.weight_transfer, device))
+                         weight_transfer=transfer_kind(s.weight_transfer, device), **lora_settings(cfg, device))
+
+
+def lora_settings(cfg, device: str) -> dict:
+    """LoRA enabled on the server (its rank, its adapter slots) when the run syncs adapters
+    (`grpo.rollout.server.adapters`): model.lora.enabled, rollout.vllm.lora_sync not merged, an adapter vLLM serves,
+    the gloo weight channel."""
+    from grpo.rollout.lora_sync import config_refusal, served_rank
+    from grpo.rollout.server.connect import transfer_kind
+
+    lora, r = cfg.model.lora, cfg.rollout
+    if not lora.enabled or r.vllm.lora_sync == "merged" or config_refusal(lora) is not None or \
+            transfer_kind(r.server.weight_transfer, device) != "gloo":
+        return {}
+    return {"lora_rank": served_rank(lora.r), "max_loras": r.max_staleness + 1}
 
 
 def main(argv: list[str] | None = None) -> None:

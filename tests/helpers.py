@@ -68,6 +68,25 @@ VLLM_TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, nu
                  num_key_value_heads=1)
 
 
+class OneEngine:
+    """vLLM keeps process-wide state (its parallel groups): one engine alive at a time in a test process.
+    ``get(key, make)`` gives the engine of ``key``, closing another one first; ``close()`` at the module's end."""
+
+    def __init__(self):
+        self.live: dict = {}
+
+    def get(self, key, make):
+        if key not in self.live:
+            self.close()
+            self.live[key] = make()
+        return self.live[key]
+
+    def close(self) -> None:
+        for backend in self.live.values():
+            backend.close()
+        self.live.clear()
+
+
 def vllm_logprobs_of(backend, prompt: list[int], completion: list[int]):
     """vLLM's log-prob of every token of a fixed completion (prompt log-probs: softmax(logits), temperature 1)."""
     import torch
@@ -75,7 +94,8 @@ def vllm_logprobs_of(backend, prompt: list[int], completion: list[int]):
     from vllm.inputs import TokensPrompt
 
     out = backend.llm.generate([TokensPrompt(prompt_token_ids=prompt + completion)],
-                               SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)[0]
+                               SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False,
+                               lora_request=backend.lora_request())[0]  # LoRA: the newest adapter synced
     plp = out.prompt_logprobs[len(prompt):]
     return torch.tensor([d[t].logprob for d, t in zip(plp, completion)])
 

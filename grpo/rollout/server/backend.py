@@ -7,7 +7,8 @@
    ids), sent concurrently, a whole group on one server (`ServerPool.pick`); token ids and the sampler's
    log-probs come back. Every group records the weight version that produced it (`Completions.versions`).
 3. **Sync** after every optimizer step (or every ``sync_every``): rank 0 streams the weights (each gathered on
-   its own under ZeRO-3, LoRA merged: `grpo.rollout.vllm.hf_weights`) through the gloo channel
+   its own under ZeRO-3, LoRA merged: `grpo.rollout.weights.hf_weights`; or the base weights once and then each
+   version's adapters: `grpo.rollout.server.adapters`) through the gloo channel
    (`grpo.runtime.transfer`) into the server's in-place ``reload_weights`` (``grpo_receive``), or vLLM's nccl
    transfer on GPUs (`grpo.rollout.server.nccl`); then ``/reset_prefix_cache`` and ``/update_weight_version``.
 4. **Check** the sync: the server's prompt log-probs of a fixed sequence against the trainer's own; a gap above
@@ -15,15 +16,18 @@
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from grpo.rollout.base import Completions, Sampling, cut_at_eos
+from grpo.rollout.base import Completions, Sampling, cut_at_eos, trainer_logprobs
+from grpo.rollout.lora_sync import Adapter, adapter_state
+from grpo.rollout.server.adapters import ServerAdapters, connect_adapters
 from grpo.rollout.server.client import ServerError, ServerPool, group_request, parse_group, prompt_logprobs
-from grpo.rollout.vllm import hf_weights
+from grpo.rollout.weights import hf_weights
 
 MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "intermediate_size")
@@ -37,10 +41,12 @@ def model_facts(config) -> dict:
 class ServerBackend:
     def __init__(self, model, pool: ServerPool, *, model_name: str, facts: dict, eos_ids: list[int],
                  max_model_len: int, check_ids: list[int], tol: float = 1e-3, sync_every: int = 1,
-                 transfer=None, full_weights=None, rank: int = 0, barrier=None, all_max=None, device="cpu"):
+                 transfer=None, full_weights=None, rank: int = 0, barrier=None, all_max=None, device="cpu",
+                 lora_sync: str = "auto", lora_keep: int = 1):
         """``transfer``: the weight sender (`GlooTransfer`, `grpo.rollout.server.nccl.NCCLTransfer`), None on a
         rank that does not send. ``barrier``/``all_max``: the runtime's collectives (several training processes:
-        every rank syncs, rank 0 sends); ``facts``: `model_facts` of the trainer's model."""
+        every rank syncs, rank 0 sends); ``facts``: `model_facts` of the trainer's model; ``lora_sync``,
+        ``lora_keep``: LoRA's sync (rollout.vllm.lora_sync) and the adapter versions kept resident."""
         self.pool, self.model_name, self.eos_ids = pool, model_name, list(eos_ids)
         self.check_ids, self.tol, self.sync_every = list(check_ids), tol, sync_every
         self.transfer, self.full_weights, self.rank = transfer, full_weights, rank
@@ -50,6 +56,9 @@ class ServerBackend:
         pool.wait_until_up()
         for s in pool.servers:
             check_server(s, model_name, facts, max_model_len)
+        self.adapters: ServerAdapters | None = connect_adapters(
+            model, pool.servers, lora_sync, lora_keep, gloo=isinstance(transfer, GlooTransfer) or transfer is None,
+            say=pool.say)
         if transfer is not None:
             transfer.connect(pool.servers)
 
@@ -65,9 +74,26 @@ class ServerBackend:
             self.metrics["time/sync_s"] = 0.0
             return
         t0 = time.time()
-        self.push(hf_weights(model, self.full_weights) if self.full_weights else hf_weights(model), v)
+        self.push(self.weights(model), v)
         self.metrics.update({"time/sync_s": time.time() - t0, "server/version_lag": 0.0})
         self.check(model)
+
+    def weights(self, model):
+        """What a push of ``model`` sends: its adapter (`Adapter`), after the base weights have gone once (pushed
+        here), or every weight (LoRA merged) as a stream."""
+        kw = {"full_weights": self.full_weights} if self.full_weights else {}
+        if self.adapters is None:
+            return hf_weights(model, **kw)
+        if not self.adapters.base_loaded:
+            self.push(hf_weights(model, merge=False, **kw), self.version if self.version is not None else -1)
+            self.adapters.base_loaded = True
+        return adapter_state(model, self.full_weights or _whole)
+
+    def served(self) -> str:
+        """The model name requests give: the adapter of the version the servers hold, or the base model."""
+        if self.adapters is None or self.version is None:
+            return self.model_name
+        return self.adapters.served(self.model_name, self.version)
 
     def stats(self) -> dict[str, float]:
         """This step's sync (`sync_weights`: its time and version lag) and the last sync check's gap."""
@@ -77,6 +103,16 @@ class ServerBackend:
         """Stream ``weights`` ((HF name, tensor) pairs) into every server and label them ``version``. The
         asynchronous generator (`grpo.rollout.server.generator_thread`) calls it with a snapshot, then `check` with the
         trainer's log-probs of that snapshot."""
+        if isinstance(weights, Adapter):
+            self.metrics.update({"sync/bytes": float(weights.nbytes), "sync/adapters": 1.0})
+            if self.transfer is not None:
+                self.adapters.push(weights, version, self.transfer, self.pool.servers, self.model_name)
+                for s in self.pool.servers:
+                    s.post("/update_weight_version", {"new_version": str(version)})
+            self.barrier()
+            self.version = version
+            return
+        weights = _counted(weights, self.metrics)
         try:
             if self.transfer is not None:
                 self.transfer.send(weights, self.pool.servers)
@@ -100,7 +136,7 @@ class ServerBackend:
         mine = trainer_logprobs(model, ids, self.device) if mine is None else mine
         gap, worst = 0.0, self.pool.servers[0].url
         for s in self.pool.servers:
-            body = {"model": self.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
+            body = {"model": self.served(), "prompt": ids, "max_tokens": 1, "temperature": 1.0,
                     "prompt_logprobs": 0, "return_token_ids": True}
             theirs = torch.tensor(prompt_logprobs(s.post("/v1/completions", body), ids))
             g = float((theirs - mine).abs().max()) if len(theirs) else 0.0
@@ -125,7 +161,7 @@ class ServerBackend:
             flat = [[g[0] for g in x] for x in (out.ids, out.truncated, out.logprobs)]
             return Completions(*(regroup(x, suffixes) for x in flat), versions=[self.version] * len(prompt_ids))
         # one seed per group: the server seeds a group's G samples seed, seed + 1, ...
-        bodies = [group_request(self.model_name, p, group_size, sampling, self.eos_ids,
+        bodies = [group_request(self.served(), p, group_size, sampling, self.eos_ids,
                                 None if seed is None else seed + i * group_size) for i, p in enumerate(prompt_ids)]
         with ThreadPoolExecutor(max_workers=max(1, min(len(bodies), 64))) as ex:
             answers = list(ex.map(self._one_group, bodies))
@@ -178,15 +214,6 @@ def check_server(server, model_name: str, facts: dict, max_model_len: int) -> No
                           "recipe or a larger rollout.vllm.max_model_len")
 
 
-@torch.no_grad()
-def trainer_logprobs(model, ids: list[int], device="cpu") -> torch.Tensor:
-    """The trainer's log-prob of each token of ``ids`` after the first, at temperature 1 (every rank: a ZeRO-3
-    forward is a collective)."""
-    x = torch.tensor([ids], device=device)
-    logits = model(input_ids=x).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].cpu()
-
-
 class GlooTransfer:
     """The CPU path: rank 0's gloo channel with every server's worker (`grpo.runtime.transfer.WeightChannel`);
     ``host``: the address the servers reach this process at."""
@@ -221,9 +248,10 @@ class GlooTransfer:
                               "rollout.server.trainer_host to an address they reach") from None
         _join(threads, errors)
 
-    def send(self, weights, servers) -> None:
-        threads, errors = self._all(servers, lambda s: _received(s.post("/collective_rpc",
-                                                                         {"method": "grpo_receive"}), s.url))
+    def send(self, weights, servers, method: str = "grpo_receive", args: list[str] = ()) -> None:
+        """``weights`` into every server's ``method`` (the worker extension's; ``args``: its string arguments)."""
+        body = {"method": method, "args": list(args)}
+        threads, errors = self._all(servers, lambda s: _received(s.post("/collective_rpc", body), s.url))
         try:
             self.channel.send(weights)
         except RuntimeError as e:
@@ -260,3 +288,20 @@ def _received(answer, url: str) -> None:
                           f"{r['missing'][0][:200]}")
     if not r.get("received"):
         raise ServerError(f"rollout server {url} received no weights from the trainer")
+
+
+def _counted(weights, metrics: dict):
+    """``weights`` streamed on, their bytes counted into ``metrics`` (sync/bytes) as they pass."""
+    metrics.update({"sync/bytes": 0.0, "sync/adapters": 0.0})
+    try:
+        for name, t in weights:
+            metrics["sync/bytes"] += t.numel() * t.element_size()
+            yield name, t
+    finally:
+        if hasattr(weights, "close"):
+            weights.close()
+
+
+@contextlib.contextmanager
+def _whole(params):
+    yield False

@@ -35,6 +35,16 @@ def _short(e: Exception) -> str:
     return " ".join(str(reason).split())[:200] or type(e).__name__
 
 
+def _decoded(raw: bytes):
+    """An answer's JSON, its text where it is not JSON (vLLM's LoRA endpoints answer plain text), None if empty."""
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
 class Server:
     def __init__(self, url: str, timeout_s: float = 600.0, retries: int = 2, retry_wait_s: float = 1.0):
         self.url = url.rstrip("/")
@@ -53,7 +63,7 @@ class Server:
             try:
                 with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as r:
                     raw = r.read()
-                return json.loads(raw) if raw else None
+                return _decoded(raw)
             except urllib.error.HTTPError as e:
                 raise ServerError(f"rollout server {self.url} answered {path} with {_short(e)}") from None
             except (OSError, urllib.error.URLError) as e:  # refused, reset, timed out

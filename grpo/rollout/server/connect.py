@@ -31,9 +31,11 @@ def transfer_kind(given: str, device: str) -> str:
     return ("nccl" if device == "cuda" else "gloo") if given == "auto" else given
 
 
-def for_runtime(runtime, tokenizer, s, model_name: str, max_model_len: int, check_ids: list[int]) -> ServerBackend:
+def for_runtime(runtime, tokenizer, s, model_name: str, max_model_len: int, check_ids: list[int],
+                lora_sync: str = "auto", lora_keep: int = 1) -> ServerBackend:
     """The backend for this run: ``s`` is its `ServerConfig` (rollout.server); rank 0 sends the weights, every rank
-    samples its own prompts from the servers."""
+    samples its own prompts from the servers. ``lora_sync``/``lora_keep``: rollout.vllm.lora_sync and
+    rollout.max_staleness + 1 (`grpo.rollout.server.adapters`)."""
     rt = runtime
     base = unwrap_model(rt.model)
     device = torch.device(rt.device).type
@@ -55,7 +57,8 @@ def for_runtime(runtime, tokenizer, s, model_name: str, max_model_len: int, chec
                          eos_ids=eos_ids(base, tokenizer), max_model_len=max_model_len, check_ids=check_ids,
                          tol=s.sync_check_tol, sync_every=s.sync_every, transfer=transfer,
                          full_weights=rt.full_weights, rank=rt.rank, barrier=rt.barrier if many else None,
-                         all_max=rt.all_max if many else None, device=rt.device)
+                         all_max=rt.all_max if many else None, device=rt.device, lora_sync=lora_sync,
+                         lora_keep=lora_keep)
 
 
 def make(ctx) -> ServerBackend:
@@ -63,4 +66,4 @@ def make(ctx) -> ServerBackend:
     data's longest prompt + rollout.max_new_tokens."""
     r = ctx.rollout
     return for_runtime(ctx.runtime, ctx.tokenizer, r.server, ctx.model_name, ctx.longest_prompt + r.max_new_tokens,
-                       ctx.check_ids)
+                       ctx.check_ids, lora_sync=r.vllm.lora_sync, lora_keep=r.max_staleness + 1)

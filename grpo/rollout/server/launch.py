@@ -33,6 +33,8 @@ class ServeSettings:
     enforce_eager: bool
     tensor_parallel_size: int = 1
     weight_transfer: str = "gloo"  # gloo (the extension) | nccl (vLLM's own engine)
+    lora_rank: int = 0           # > 0: LoRA enabled up to this rank (the run's adapters are synced, not merged)
+    max_loras: int = 1           # the adapter versions it holds at once (rollout.max_staleness + 1)
 
 
 def model_dir(s: ServeSettings, cache: Path) -> tuple[str, bool]:
@@ -77,4 +79,7 @@ def serve_command(s: ServeSettings, cache: Path, extra: list[str] = ()) -> tuple
         argv += ["--gpu-memory-utilization", "0.9"]  # the server's GPUs are its own (CUDA_VISIBLE_DEVICES)
     if s.weight_transfer == "nccl":
         argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    if s.lora_rank:  # the trainer loads each version's adapter through vLLM's runtime LoRA endpoints
+        argv += ["--enable-lora", "--max-lora-rank", str(s.lora_rank), "--max-loras", str(s.max_loras)]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     return argv + list(extra), env

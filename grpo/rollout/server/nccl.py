@@ -3,7 +3,7 @@
 Nothing here is ours but the glue: vLLM's trainer-side `NCCLTrainerWeightTransferEngine` does the rendezvous and
 the (packed) broadcast; `HTTPWeightSyncClient` is the four-call control plane it expects
 (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``), and
-`HFSource` hands it the trainer's weights under the Hugging Face names (`grpo.rollout.vllm.hf_weights`: ZeRO-3
+`HFSource` hands it the trainer's weights under the Hugging Face names (`grpo.rollout.weights.hf_weights`: ZeRO-3
 gathered one at a time, LoRA merged). The server must be started with ``--weight-transfer-config
 '{"backend": "nccl"}'`` (grpo-serve does so on CUDA). NOT RUN on this project's machines (no GPU): written
 against vLLM 0.32's interfaces, to be exercised by ``scripts/bench_gpu.sh``'s server case.
@@ -34,7 +34,7 @@ def hf_source(model, full_weights):
     """A vLLM `WeightSource` over the trainer's weights; its metadata comes from one pass, made once."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-    from grpo.rollout.vllm import hf_weights
+    from grpo.rollout.weights import hf_weights
 
     class HFSource(WeightSource):
         def __init__(self):
