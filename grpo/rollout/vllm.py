@@ -86,18 +86,9 @@ class VLLMBackend:
                              f"(this model is {family!r}); use rollout.backend=hf")
         self.eos_ids = list(eos_ids)
         self.sleep_enabled = bool(sleep) and device == "cuda"
-        self._dir = tempfile.mkdtemp(prefix="grpo-vllm-")
-        config = copy.deepcopy(base.config)  # config only: the weights are copied from memory below
-        # the class vLLM must build; a model made from a config (not a checkpoint) has none recorded, and vLLM
-        # would then guess (a tiny qwen3 became a pooling model)
-        config.architectures = [type(base).__name__]
-        config.save_pretrained(self._dir)
         vision = family in VLLM_VISION_FAMILIES
         self.image_token_id = base.config.image_token_id if vision else None
-        if vision:
-            if tokenizer is None or image_processor is None:
-                raise ValueError(f"a {family} model needs its tokenizer and image processor for vLLM")
-            save_processor(self._dir, tokenizer, image_processor)
+        self._dir = _engine_dir(base, vision, tokenizer, image_processor)
         dtype = str(next(base.parameters()).dtype).replace("torch.", "")
         kwargs = dict(model=self._dir, load_format="dummy", skip_tokenizer_init=not vision, dtype=dtype,
                       max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
@@ -307,6 +298,22 @@ def make(ctx) -> VLLMBackend:
     return VLLMBackend.for_runtime(ctx.runtime, ctx.tokenizer, r.vllm, max_len, ctx.seed,
                                    image_processor=load_image_processor(ctx.model_name),
                                    lora_keep=r.max_staleness + 1, check_ids=ctx.check_ids)
+
+
+def _engine_dir(base, vision: bool, tokenizer, image_processor) -> str:
+    """A new folder vLLM builds its engine from: ``base``'s config (the weights are copied from memory), and for a
+    vision-language model its tokenizer and image processor, which vLLM's input processing loads."""
+    path = tempfile.mkdtemp(prefix="grpo-vllm-")
+    config = copy.deepcopy(base.config)
+    # the class vLLM must build; a model made from a config (not a checkpoint) has none recorded, and vLLM
+    # would then guess (a tiny qwen3 became a pooling model)
+    config.architectures = [type(base).__name__]
+    config.save_pretrained(path)
+    if vision:
+        if tokenizer is None or image_processor is None:
+            raise ValueError(f"a {base.config.model_type} model needs its tokenizer and image processor for vLLM")
+        save_processor(path, tokenizer, image_processor)
+    return path
 
 
 def _shutdown(llm, keep_process_group: bool) -> None:
