@@ -8,7 +8,8 @@ import torch
 
 from grpo.engine.unwrap import unwrap_model
 from grpo.rollout.base import eos_ids
-from grpo.rollout.server.backend import GlooTransfer, ServerBackend, model_facts
+from grpo.rollout.server.backend import ServerBackend, model_facts
+from grpo.rollout.server.gloo import GlooTransfer
 from grpo.rollout.server.client import ServerPool
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

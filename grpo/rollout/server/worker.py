@@ -10,6 +10,7 @@ nccl path is vLLM's own (``/init_weight_transfer_engine``, ``/update_weights``) 
 from __future__ import annotations
 
 import json
+import os
 
 
 class GRPOWorkerExtension:
@@ -25,8 +26,9 @@ class GRPOWorkerExtension:
                 "dtype": str(cfg.dtype).replace("torch.", ""), "pushes": getattr(self, "_grpo_pushes", 0)}
 
     def grpo_join(self, spec: str) -> dict:
-        """Join the trainer's weight channel: ``spec`` is JSON {host, port, rank, world_size, timeout_s}. A channel
-        of an earlier trainer (one that died, or ended) is dropped first: a new trainer takes the server over."""
+        """Join the trainer's weight channel (two ends: the trainer, this worker): ``spec`` is JSON {host, port, rank,
+        world_size, timeout_s}; both ends prove they hold the API key before any weight. A channel of an earlier
+        trainer (one that died, or ended) is dropped first: a new trainer takes the server over."""
         from grpo.runtime.transfer import WeightChannel
 
         s = json.loads(spec)
@@ -34,8 +36,13 @@ class GRPOWorkerExtension:
         if old is not None:
             old.close()
         self._grpo_channel = None
-        self._grpo_channel = WeightChannel(s["host"], int(s["port"]), int(s["rank"]), int(s["world_size"]),
-                                           float(s["timeout_s"]))
+        channel = WeightChannel(s["host"], int(s["port"]), int(s["rank"]), int(s["world_size"]), float(s["timeout_s"]))
+        # the server's key (grpo-serve hands it to vLLM as VLLM_API_KEY): a trainer that cannot prove it holds the
+        # same pushes nothing
+        if not channel.handshake(os.environ.get("VLLM_API_KEY") or ""):
+            channel.close()
+            raise PermissionError("the trainer on the weight channel did not present this server's API key")
+        self._grpo_channel = channel
         return {"joined": True}
 
     def grpo_receive(self) -> dict:
