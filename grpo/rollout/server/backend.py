@@ -28,8 +28,15 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from grpo.rollout.base import Completions, Sampling, cut_at_eos
-from grpo.rollout.server.client import (RESUME, ServerDown, ServerError, ServerPool, group_request, parse_group,
-                                        prompt_logprobs)
+from grpo.rollout.server.client import (
+    RESUME,
+    ServerDown,
+    ServerError,
+    ServerPool,
+    group_request,
+    parse_group,
+    prompt_logprobs,
+)
 from grpo.rollout.vllm import hf_weights
 
 MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

@@ -11,8 +11,9 @@ answered request in ``spans`` as (path, body, start, end, the weight version hel
 
 Faults: ``kill()`` (the process gone: no answers, its weight channel closed), ``restart()`` (up again at the same
 URL with other weights, no channel and no weight label, as a fresh vLLM), ``die_after`` tensors of a push (the
-server dies half way through receiving), ``api_key`` (every path but ``/health`` wants it as a bearer token, as
-grpo-serve's server does, and the weight channel's handshake proves it).
+server dies half way through receiving), ``kill_after`` generation requests (it dies mid-run), ``api_key``
+(every path but ``/health`` wants it as a bearer token, as grpo-serve's server does, and the weight channel's
+handshake proves it; ``channel_key``: another key for the channel only).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ import torch
 class FakeServer:
     def __init__(self, model=None, name: str = "tiny:llama", max_model_len: int = 256, stale: bool = False,
                  tokens=(5, 6, 7), delay_s: float = 0.0, drop_first: int = 0, facts: dict | None = None,
-                 vocab: int | None = None, api_key: str | None = None, die_after: int | None = None):
+                 vocab: int | None = None, api_key: str | None = None, die_after: int | None = None,
+                 kill_after: int | None = None, channel_key: str | None = None):
         self.model, self.name, self.max_model_len, self.stale = model, name, max_model_len, stale
         self.tokens, self.delay_s, self.drop_first = list(tokens), delay_s, drop_first
         self.facts, self.vocab = facts, vocab  # vocab: the first token is taken modulo it (a training run's seeds)
@@ -35,7 +37,9 @@ class FakeServer:
         self.spans: list[tuple[str, dict, float, float, str]] = []
         self.version, self.channel, self.received = "default", None, 0
         self.lock = threading.Lock()
-        self.api_key, self.die_after, self.dead = api_key, die_after, False
+        self.api_key, self.die_after, self.dead, self.stopped = api_key, die_after, False, False
+        self.kill_after = kill_after  # generation requests answered before the server dies
+        self.channel_key = api_key if channel_key is None else channel_key  # what its weight channel proves
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -59,10 +63,10 @@ class FakeServer:
         return self
 
     def stop(self) -> None:
-        if not self.dead:
+        if not self.stopped:
+            self.stopped = self.dead = True
             self.httpd.shutdown()
             self.httpd.server_close()
-        self.dead = True
 
     def kill(self) -> None:
         """The server's process gone: the port refuses, its channel's sockets close."""
@@ -89,6 +93,14 @@ class FakeServer:
             h.end_headers()
             return
         with self.lock:
+            if self.kill_after is not None and h.path == "/v1/completions" and "n" in (body or {}):
+                if self.kill_after == 0:
+                    self.dead = True
+                self.kill_after -= 1
+            if self.dead:  # gone: the connection drops unanswered
+                h.close_connection = True
+                threading.Thread(target=self.kill, daemon=True).start()
+                return
             self.requests.append((h.path, body))
             if self.drop_first > 0:  # a connection reset before any answer
                 self.drop_first -= 1
@@ -146,7 +158,7 @@ class FakeServer:
 
         s = json.loads(spec)
         channel = WeightChannel(s["host"], s["port"], s["rank"], s["world_size"], s["timeout_s"])
-        if not channel.handshake(self.api_key or ""):
+        if not channel.handshake(self.channel_key or ""):
             raise PermissionError("the trainer did not present this server's API key")
         self.channel = channel
         return {"joined": True}

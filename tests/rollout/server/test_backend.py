@@ -9,8 +9,8 @@ import torch
 from grpo.models import char_tokenizer, tiny_model
 from grpo.rollout.base import Sampling
 from grpo.rollout.server.backend import ServerBackend, model_facts
-from grpo.rollout.server.gloo import GlooTransfer
 from grpo.rollout.server.client import ServerError, ServerPool
+from grpo.rollout.server.gloo import GlooTransfer
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
 CHECK = [1, 40, 41, 42, 43, 44, 45]
