@@ -5,8 +5,9 @@
   then raises `ServerDown` naming the URL: one line, no traceback.
 - `ServerPool`: the run's servers. `drop` takes a server that died, hung or restarted out of the pool, saying so
   once; the last one's loss stops the run (`ServerDown`, one line: which server, what happened, what to do).
-  `wait_until_up` polls ``GET /health`` up to ``connect_timeout_s`` (saying once that it waits); `pick` chooses the server of the next group (``round_robin``: in turn; ``least_loaded``: the one
-  with the fewest requests in flight); `group_request` / `parse_group` build one ``POST /v1/completions`` for a
+  `wait_until_up` polls ``GET /health`` up to ``connect_timeout_s`` (saying once that it waits); `pick` chooses
+  the server of the next group (``round_robin``: in turn; ``least_loaded``: the one with the fewest requests in
+  flight); `group_request` / `parse_group` build one ``POST /v1/completions`` for a
   whole group (``n = G`` samples from one prompt given as token ids, so the server's prefix cache holds the prompt
   once) and read back token ids and sampling log-probs (no text, no re-tokenization).
 """
