@@ -45,8 +45,8 @@ def test_a_server_killed_between_steps_is_dropped_and_the_other_answers_the_same
     both = _generate(b)
     a.kill()
     out = _generate(b)  # every group of the dead one asked again of the other, with its seed
-    assert out.ids == both.ids and [torch.equal(x, y) for g, h in zip(out.logprobs, both.logprobs)
-                                    for x, y in zip(g, h)]
+    assert out.ids == both.ids and all(torch.equal(x, y) for g, h in zip(out.logprobs, both.logprobs)
+                                       for x, y in zip(g, h))
     assert [s.url for s in b.pool.servers] == [b_.url] and b.stats()["server/servers_up"] == 1
     assert len(said) == 1 and said[0].startswith(f"rollout server {a.url} stopped answering")
     assert said[0].endswith(f"carrying on with 1 of 2 rollout servers ({b_.url})")
@@ -101,7 +101,7 @@ def test_a_hung_server_is_dropped_after_its_timeout(fakes, trainer):
 def test_a_restarted_server_is_never_trained_against(fakes, trainer):
     """It answers again at its URL, with other weights and no label: the groups it answered are thrown away."""
     said = []
-    a, b_ = _two(fakes, trainer)
+    a, b_ = _two(fakes, trainer, vocab=len(char_tokenizer()))  # log-probs of the weights each holds
     b = _backend(trainer, [a, b_], said=said)
     b.sync_weights(trainer, 0)
     both = _generate(b)
@@ -110,6 +110,7 @@ def test_a_restarted_server_is_never_trained_against(fakes, trainer):
     out = _generate(b)
     assert len([p for p, body in a.requests if p == "/v1/completions"]) > before  # it did answer some groups
     assert out.ids == both.ids and [s.url for s in b.pool.servers] == [b_.url]
+    assert all(torch.equal(x, y) for g, h in zip(out.logprobs, both.logprobs) for x, y in zip(g, h))
     assert said[0].startswith(f"rollout server {a.url} restarted or was taken over: it holds weights None")
     (alone,) = [fakes(model=copy.deepcopy(trainer))]
     one = _backend(trainer, [alone])
