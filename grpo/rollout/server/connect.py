@@ -54,7 +54,6 @@ def for_runtime(runtime, tokenizer, s, model_name: str, max_model_len: int, chec
             from grpo.rollout.server.nccl import NCCLTransfer
 
             transfer = NCCLTransfer(host, s.tensor_parallel_size, device=rt.device)
-            transfer.bind(rt.model, rt.full_weights)
         else:
             transfer = GlooTransfer(host, timeout_s=s.request_timeout_s, api_key=api_key(s))
     many = rt.world_size > 1
