@@ -224,7 +224,8 @@ def test_each_refusal_of_check_is_its_own_whole_line(kw, says):
                                 {"filter_zero": True, "resample": 2}, {"dist": "deepspeed", "resample": 2},
                                 {"passes": 3}, {"backend": "server"}, {"backend": "server", "device": "auto"},
                                 {"backend": "server", "device": "cuda", "weight_transfer": "gloo"},
-                                {"backend": "server", "device": "cuda"}, {"backend": "server", "weight_transfer": "nccl"}])
+                                {"backend": "server", "device": "cuda"},
+                                {"backend": "server", "weight_transfer": "nccl"}])
 def test_what_check_lets_through(kw):
     pipeline.check(_cfg(**kw))
 

@@ -108,8 +108,8 @@ class NCCLTransfer:
                 if isinstance(e, ServerError):
                     raise
                 raise ServerError(f"rollout server {s.url} could not join the trainer's nccl weight transfer at "
-                                  f"{self.host}:{port} ({_line(e)}); start it with grpo-serve on CUDA and set rollout.server.trainer_host to an address "
-                                  "it reaches") from None
+                                  f"{self.host}:{port} ({_line(e)}); start it with grpo-serve on CUDA and set "
+                                  "rollout.server.trainer_host to an address it reaches") from None
             self.engines[s.url] = (engine, source)
 
     def send(self, weights, servers) -> dict[str, str]:
