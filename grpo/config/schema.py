@@ -95,9 +95,7 @@ class ServerConfig:
     connect_timeout_s: float = 300.0  # how long the trainer waits for a server that is not up yet
     request_timeout_s: float = 600.0  # one generation request (a whole group) at most
     retries: int = 2                 # extra tries of a request that failed to connect or timed out
-    # the environment variable holding the servers' API key (vLLM's --api-key), read by grpo-serve and the trainer;
-    # the key itself is never a config value, so it is in no config dump or log; unset: no key
-    api_key_env: str = "GRPO_SERVER_API_KEY"
+    api_key_env: str = "GRPO_SERVER_API_KEY"  # the variable holding the servers' API key (never a config value)
 
 
 @dataclass
@@ -273,8 +271,7 @@ _RANGES = {
     **{f"rollout.server.{k}_timeout_s": (lambda v: v > 0 and math.isfinite(v), "> 0 (seconds)")
        for k in ("connect", "request")},
     "rollout.server.retries": (lambda v: v >= 0, ">= 0"),
-    "rollout.server.api_key_env": (lambda v: v.isidentifier() and v.isascii(),
-                                   "the NAME of an environment variable (put the key itself in that variable)"),
+    "rollout.server.api_key_env": (lambda v: v.isidentifier() and v.isascii(), "an environment variable's NAME"),
     "algorithm.rollout_is_cap": (lambda v: v >= 1, ">= 1"),
     "engine.max_tokens_per_micro_batch": (
         lambda v: v == "auto" or (not isinstance(v, bool) and isinstance(v, (int, str)) and str(v).isdigit()
