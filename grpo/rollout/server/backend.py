@@ -61,7 +61,9 @@ class ServerBackend:
         self.barrier, self.all_max, self.device = barrier or (lambda: None), all_max, device
         self.version: int | None = None     # the weight version the servers hold (None: not pushed yet)
         self.urls = [s.url for s in pool.servers]  # the run's servers, dropped or not (every rank names them all)
-        self.run_id = secrets.token_hex(4)  # in every label: weights another trainer pushed never pass as ours
+        # in every label, so weights another trainer pushed never pass as ours; one id for all ranks (the largest draw)
+        token = float(secrets.randbelow(2 ** 48))
+        self.run_id = f"{int(all_max({'run_id': token})['run_id'] if all_max else token):012x}"
         self.metrics: dict[str, float] = {"server/servers_up": float(len(pool.servers))}
         pool.wait_until_up()
         for s in pool.servers:
