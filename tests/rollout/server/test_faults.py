@@ -134,3 +134,14 @@ def test_the_api_key_is_sent_and_a_server_or_channel_without_it_is_refused(fakes
                                           "trainer's API key: refused"):
         _backend(trainer, [peer], key=None)
     assert peer.channel is None  # the server side refused the trainer too
+
+
+def test_every_rank_labels_with_one_run_id_the_largest_draw(fakes, trainer):
+    """Each training process has a backend of its own; rank 1 checks the label rank 0 pushed, so their ids agree:
+    the largest of every rank's draw (here the collective answers 7 to each)."""
+    fake = fakes(model=copy.deepcopy(trainer))
+    ranks = [ServerBackend(trainer, ServerPool([fake.url], retries=0), model_name="tiny:llama",
+                           facts=model_facts(trainer.config), eos_ids=[2], max_model_len=128, check_ids=CHECK,
+                           all_max=lambda d: {k: 7.0 if k == "run_id" else v for k, v in d.items()})
+             for _ in range(2)]
+    assert ranks[0].label(3) == ranks[1].label(3) == "3@000000000007"
