@@ -39,6 +39,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
     tiny: dict = field(default_factory=dict)  # config overrides for tiny:<family> models (hidden_size, ...)
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA settings (model.lora.*)
+    freeze_vision_tower: bool = False  # a vision-language model's vision tower is not trained (docs/vision-language.md)
 
 
 @dataclass

@@ -142,7 +142,7 @@ register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",)), "grpo
 register_backend("hf", Capabilities(live_weights=True, seeded=False, ahead="process", auto=("cpu", "cuda"),
                                     images=True),
                  "grpo.rollout.backends:make_hf")
-register_backend("server", Capabilities(ahead="thread", ahead_ranks=False, ahead_passes=False, remote=True),
+register_backend("server", Capabilities(ahead="thread", remote=True),
                  "grpo.rollout.server.connect:make", check=lambda r, m, device: _check_server(r.server),
                  refuse_ahead=lambda r, device: server_refusal(r.server, device))
 

@@ -62,3 +62,22 @@ def test_vlm_smoke_with_lora_trains_the_language_model_and_leaves_the_tower(tmp_
     assert torch.equal(final["model.visual.blocks.0.attn.qkv.weight"], start["model.visual.blocks.0.attn.qkv.weight"])
     assert not torch.equal(final["model.language_model.layers.0.self_attn.q_proj.weight"],
                            start["model.language_model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_vlm_smoke_trains_qwen3_5_with_a_frozen_tower(tmp_path):
+    """`grpo-train recipe=vlm-smoke model.name_or_path=tiny:qwen3_5 model.freeze_vision_tower=true`: Qwen3.5 with
+    vision (a hybrid language model) trains through the image rollout and engine; the tower stays as seeded."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    out = tmp_path / "run"
+    cfg = compose_recipe("vlm-smoke", [f"trainer.output_dir={out}", "model.name_or_path=tiny:qwen3_5",
+                                       "model.freeze_vision_tower=true", "trainer.max_steps=1"])
+    fit(load(OmegaConf.to_container(cfg, resolve=True)))
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in rows] == [1] and rows[0]["grad_norm"] > 0
+    final = Qwen3_5ForConditionalGeneration.from_pretrained(out / "final").state_dict()
+    start = tiny_model("qwen3_5", 104, seed=cfg.trainer.seed).state_dict()
+    tower = [n for n in start if ".visual." in n]
+    assert tower and all(torch.equal(final[n], start[n]) for n in tower)
+    assert not torch.equal(final["model.language_model.layers.1.self_attn.q_proj.weight"],
+                           start["model.language_model.layers.1.self_attn.q_proj.weight"])
