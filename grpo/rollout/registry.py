@@ -195,7 +195,4 @@ def server_refusal(s, device: str) -> str | None:
     if s.sync_every != 1:
         return f"pushes every version the schedule samples with (rollout.server.sync_every={s.sync_every}); the lag " \
                "is rollout.max_staleness: use rollout.server.sync_every=1"
-    if s.weight_transfer == "nccl" or (s.weight_transfer == "auto" and device == "cuda"):
-        return "pushes a snapshot of each version through the gloo channel (vLLM's nccl engine reads the live " \
-               "model); use rollout.server.weight_transfer=gloo"
     return None

@@ -11,7 +11,9 @@ it is killed and restarted once, by the fault test that needs it. The tests run 
    the server's restart `trainer.resume=auto` completes the run;
 6. asynchronous GRPO (``rollout.max_staleness=1``, docs/async.md) with the server as the generator;
 7. the same from two ZeRO-3 training processes (docs/async.md's torchrun command), resumed from a checkpoint with
-   each rank's batch in flight.
+   each rank's batch in flight;
+8. two servers (a second one started for it), one killed mid-run at K = 1: the run goes on with the other, says so,
+   and its last steps log one server up (docs/async.md#faults).
 
 Runs where vLLM imports (``make test-vllm``); elsewhere skipped, saying why.
 """
@@ -286,3 +288,28 @@ def test_two_zero3_processes_with_the_server_as_the_generator_resume_exactly(ctx
     p = launch(again, f"trainer.resume={again / 'checkpoints' / 'step_2'}")
     assert "resumed from" in p.stderr
     same_numbers(by_step(run), by_step(again))
+
+
+def test_two_servers_one_killed_mid_run_and_the_run_goes_on_with_the_other(ctx):
+    first = ctx["server"].serving()
+    port = _free_port()
+    second = Server(port, ctx["tmp"] / "second.log", [w if not w.startswith("rollout.server.port=") else
+                                                      f"rollout.server.port={port}" for w in first.args]).start()
+    try:
+        second.wait()
+        run, last_step = ctx["tmp"] / "two", 40
+        trainer = subprocess.Popen([sys.executable, "-m", "grpo.train", "recipe=quickstart", *SCALE,
+                                    "rollout.backend=server", f"rollout.server.urls=[{first.url},{second.url}]", WAIT,
+                                    f"trainer.output_dir={run}", f"trainer.max_steps={last_step}",
+                                    "rollout.max_staleness=1", "rollout.server.retries=0"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        _wait_for(lambda: len(steps(run)) >= 2 or trainer.poll() is not None, 900, "no second step")
+        second.kill()
+        _, err = trainer.communicate(timeout=900)
+        assert trainer.returncode == 0, err[-4000:]
+        assert f"carrying on with 1 of 2 rollout servers ({first.url})" in err, err[-3000:]
+        rows = steps(run)
+        assert rows[-1]["step"] == last_step and rows[0]["server/servers_up"] == 2
+        assert rows[-1]["server/servers_up"] == 1 and all(r["server/sync_logprob_gap"] < 1e-3 for r in rows)
+    finally:
+        second.kill()

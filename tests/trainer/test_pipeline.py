@@ -174,7 +174,6 @@ def test_zero_and_several_passes_run_asynchronously(cfg_factory):
 
 @pytest.mark.parametrize("server,match", [
     ({"sync_every": 2}, "rollout.server.sync_every=1"),
-    ({"weight_transfer": "nccl"}, "rollout.server.weight_transfer=gloo"),
 ])
 def test_the_server_generator_refuses_what_it_does_not_run_with_in_one_line(cfg_factory, server, match):
     cfg = cfg_factory({"rollout": {"max_staleness": 1, "backend": "server",
@@ -210,9 +209,6 @@ def _cfg(K=1, backend="hf", dist="none", device="cpu", filter_zero=False, resamp
      "once for now (algorithm.num_iterations=2); use algorithm.num_iterations=1, or rollout.backend=hf"),
     ({"backend": "server", "sync_every": 2}, "rollout.max_staleness=1 pushes every version the schedule samples with "
      "(rollout.server.sync_every=2); the lag is rollout.max_staleness: use rollout.server.sync_every=1"),
-    ({"backend": "server", "device": "cuda"}, "rollout.max_staleness=1 pushes a snapshot of each version through the "
-     "gloo channel (vLLM's nccl engine reads the live model); use rollout.server.weight_transfer=gloo"),
-    ({"backend": "server", "weight_transfer": "nccl"}, "gloo channel"),
 ])
 def test_each_refusal_of_check_is_its_own_whole_line(kw, says, monkeypatch):
     # a backend of one's own that samples ahead from one trainer process, one pass per batch (no built-in one does)
@@ -230,20 +226,22 @@ def test_each_refusal_of_check_is_its_own_whole_line(kw, says, monkeypatch):
                                 {"passes": 3}, {"backend": "server"}, {"backend": "server", "device": "auto"},
                                 {"backend": "server", "dist": "deepspeed", "filter_zero": True, "resample": 2,
                                  "passes": 2},
-                                {"backend": "server", "device": "cuda", "weight_transfer": "gloo"}])
+                                {"backend": "server", "device": "cuda", "weight_transfer": "gloo"},
+                                {"backend": "server", "device": "cuda"},
+                                {"backend": "server", "weight_transfer": "nccl"}])
 def test_what_check_lets_through(kw):
     pipeline.check(_cfg(**kw))
 
 
 def test_the_server_refusals_follow_the_device_and_auto_is_resolved(cfg_factory):
-    """``weight_transfer=auto`` means nccl on a CUDA trainer (refused) and gloo on a CPU one; ``rollout.backend=auto``
-    resolves to hf on the CPU (runs asynchronously) and the device ``auto`` to the CPU here."""
+    """Both weight paths push snapshots (nccl: `grpo.rollout.server.nccl.StreamSource`), so neither device is
+    refused; ``rollout.backend=auto`` resolves to hf on the CPU (runs asynchronously) and the device ``auto`` to the
+    CPU here."""
     base = cfg_factory({"rollout": {"max_staleness": 1, "backend": "server", "server": {"urls": ["http://h:1"]}}})
     on = lambda device, **server: dataclasses.replace(base, trainer=dataclasses.replace(  # noqa: E731
         base.trainer, device=device), rollout=dataclasses.replace(base.rollout, server=dataclasses.replace(
             base.rollout.server, **server)))
-    with pytest.raises(SetupError, match="weight_transfer=gloo"):
-        pipeline.check(on("cuda"))
+    pipeline.check(on("cuda"))
     pipeline.check(on("cuda", weight_transfer="gloo"))
     pipeline.check(on("cpu"))
     pipeline.check(on("auto"))  # no CUDA on these machines: the CPU, gloo
@@ -255,12 +253,11 @@ def test_the_server_refusals_follow_the_device_and_auto_is_resolved(cfg_factory)
 
 
 def test_the_device_auto_is_cuda_where_there_is_one_and_auto_backend_follows_it(monkeypatch):
-    """``trainer.device=auto`` with CUDA is the CUDA device (``weight_transfer=auto`` then means nccl: refused), and
-    ``rollout.backend=auto`` resolves with that device (vllm on CUDA where vLLM is installed: refused)."""
+    """``trainer.device=auto`` with CUDA is the CUDA device (``weight_transfer=auto`` then means nccl, with
+    snapshots: let through), and ``rollout.backend=auto`` resolves with that device (vllm on CUDA where vLLM is
+    installed: refused)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(SetupError, match="weight_transfer=gloo"):
-        pipeline.check(_cfg(backend="server", device="auto"))
-    pipeline.check(_cfg(backend="server", device="auto", weight_transfer="gloo"))
+    pipeline.check(_cfg(backend="server", device="auto"))
     monkeypatch.setattr(registry, "vllm_available", lambda: True)
     with pytest.raises(SetupError, match=r"\(rollout.backend=auto\); use rollout.backend=hf or server"):
         pipeline.check(_cfg(backend="auto", device="auto"))

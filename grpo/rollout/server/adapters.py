@@ -50,7 +50,7 @@ def connect_adapters(model, servers, mode: str, keep: int, gloo: bool, say=None)
     infos = [lora_info(s) for s in servers]
     why = why or next((w for s, i in zip(servers, infos) if (w := refusal(s, i, rank, keep))), None)
     if why is None:
-        return ServerAdapters(keep, [i.get("lora_dir") for i in infos])
+        return ServerAdapters(keep, {s.url: i.get("lora_dir") for s, i in zip(servers, infos)})
     if mode == "adapters":
         raise SetupError(f"rollout.vllm.lora_sync=adapters: {why}; or rollout.vllm.lora_sync=auto (merged weights)")
     (say or say_once)(f"LoRA: the merged weights go to the rollout servers at every sync, not the adapters: {why}")
@@ -60,7 +60,7 @@ def connect_adapters(model, servers, mode: str, keep: int, gloo: bool, say=None)
 class ServerAdapters:
     """The adapter versions the servers hold (``keep`` newest), loaded by name through vLLM's runtime LoRA API."""
 
-    def __init__(self, keep: int, dirs: list[str | None]):
+    def __init__(self, keep: int, dirs: dict[str, str | None]):
         self.keep, self.dirs = keep, dirs
         self.base_loaded = False
         self.resident: list[int] = []
@@ -69,12 +69,16 @@ class ServerAdapters:
     def served(model_name: str, version: int) -> str:
         return f"{model_name}@v{version}"
 
-    def push(self, adapter: Adapter, version: int, transfer, servers, model_name: str) -> None:
-        """``adapter`` into every server as ``MODEL@v{version}``; the versions beyond the newest ``keep`` unloaded."""
+    def push(self, adapter: Adapter, version: int, transfer, servers, model_name: str) -> dict[str, str]:
+        """``adapter`` into every server as ``MODEL@v{version}``; the versions beyond the newest ``keep`` unloaded.
+        Returns {url: why} of the servers that lost the push (the caller drops them)."""
         spec = json.dumps({"version": int(version), "config": adapter.config, "keep": self.keep})
-        transfer.send(iter(adapter.tensors.items()), servers, method="grpo_receive_adapter", args=[spec])
+        failed = dict(transfer.send(iter(adapter.tensors.items()), servers, method="grpo_receive_adapter",
+                                    args=[spec]))
+        servers = [s for s in servers if s.url not in failed]
         name = self.served(model_name, version)
-        for s, folder in zip(servers, self.dirs):
+        for s in servers:
+            folder = self.dirs[s.url]
             if version in self.resident:
                 s.post("/v1/unload_lora_adapter", {"lora_name": name})
             s.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": f"{folder}/v{version}"})
@@ -83,3 +87,4 @@ class ServerAdapters:
             for s in servers:
                 s.post("/v1/unload_lora_adapter", {"lora_name": self.served(model_name, old)})
         self.resident = self.resident[-self.keep:]
+        return failed

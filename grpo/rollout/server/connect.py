@@ -1,6 +1,7 @@
 """Building the run's `ServerBackend` from its ``rollout.server`` section and runtime."""
 from __future__ import annotations
 
+import os
 import socket
 import urllib.parse
 
@@ -8,8 +9,9 @@ import torch
 
 from grpo.engine.unwrap import unwrap_model
 from grpo.rollout.base import eos_ids
-from grpo.rollout.server.backend import GlooTransfer, ServerBackend, model_facts
+from grpo.rollout.server.backend import ServerBackend, model_facts
 from grpo.rollout.server.client import ServerPool
+from grpo.rollout.server.gloo import GlooTransfer
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -27,6 +29,11 @@ def trainer_host(urls: list[str], given: str | None) -> str:
         return s.getsockname()[0]
 
 
+def api_key(s) -> str | None:
+    """The servers' API key: the environment variable ``rollout.server.api_key_env`` names (None: unset or empty)."""
+    return os.environ.get(s.api_key_env) or None
+
+
 def transfer_kind(given: str, device: str) -> str:
     return ("nccl" if device == "cuda" else "gloo") if given == "auto" else given
 
@@ -40,7 +47,7 @@ def for_runtime(runtime, tokenizer, s, model_name: str, max_model_len: int, chec
     base = unwrap_model(rt.model)
     device = torch.device(rt.device).type
     pool = ServerPool(list(s.urls), balance=s.balance, timeout_s=s.request_timeout_s, retries=s.retries,
-                      connect_timeout_s=s.connect_timeout_s,
+                      connect_timeout_s=s.connect_timeout_s, api_key=api_key(s),
                       say=None if rt.is_main else (lambda msg: None))
     transfer = None
     if rt.is_main:
@@ -48,10 +55,9 @@ def for_runtime(runtime, tokenizer, s, model_name: str, max_model_len: int, chec
         if transfer_kind(s.weight_transfer, device) == "nccl":
             from grpo.rollout.server.nccl import NCCLTransfer
 
-            transfer = NCCLTransfer(host, s.tensor_parallel_size)
-            transfer.bind(rt.model, rt.full_weights)
+            transfer = NCCLTransfer(host, s.tensor_parallel_size, device=rt.device)
         else:
-            transfer = GlooTransfer(host, timeout_s=s.request_timeout_s)
+            transfer = GlooTransfer(host, timeout_s=s.request_timeout_s, api_key=api_key(s))
     many = rt.world_size > 1
     return ServerBackend(rt.model, pool, model_name=model_name, facts=model_facts(base.config),
                          eos_ids=eos_ids(base, tokenizer), max_model_len=max_model_len, check_ids=check_ids,

@@ -10,6 +10,7 @@ nccl path is vLLM's own (``/init_weight_transfer_engine``, ``/update_weights``) 
 from __future__ import annotations
 
 import json
+import os
 
 
 class GRPOWorkerExtension:
@@ -51,6 +52,8 @@ class GRPOWorkerExtension:
         from grpo.rollout.lora_sync import Adapter, write_peft_dir
 
         s = json.loads(spec)
+        if getattr(self, "_grpo_channel", None) is None:
+            raise RuntimeError("no trainer has joined this server's weight channel (grpo_join)")
         received = dict(self._grpo_channel.receive())
         root = Path(self._grpo_lora_dir())
         write_peft_dir(Adapter(received, s["config"]), root / f"v{int(s['version'])}")
@@ -61,8 +64,9 @@ class GRPOWorkerExtension:
         return {"received": len(received), "missing": []}
 
     def grpo_join(self, spec: str) -> dict:
-        """Join the trainer's weight channel: ``spec`` is JSON {host, port, rank, world_size, timeout_s}. A channel
-        of an earlier trainer (one that died, or ended) is dropped first: a new trainer takes the server over."""
+        """Join the trainer's weight channel (two ends: the trainer, this worker): ``spec`` is JSON {host, port, rank,
+        world_size, timeout_s}; both ends prove they hold the API key before any weight. A channel of an earlier
+        trainer (one that died, or ended) is dropped first: a new trainer takes the server over."""
         from grpo.runtime.transfer import WeightChannel
 
         s = json.loads(spec)
@@ -70,8 +74,13 @@ class GRPOWorkerExtension:
         if old is not None:
             old.close()
         self._grpo_channel = None
-        self._grpo_channel = WeightChannel(s["host"], int(s["port"]), int(s["rank"]), int(s["world_size"]),
-                                           float(s["timeout_s"]))
+        channel = WeightChannel(s["host"], int(s["port"]), int(s["rank"]), int(s["world_size"]), float(s["timeout_s"]))
+        # the server's key (grpo-serve hands it to vLLM as VLLM_API_KEY): a trainer that cannot prove it holds the
+        # same pushes nothing
+        if not channel.handshake(os.environ.get("VLLM_API_KEY") or ""):
+            channel.close()
+            raise PermissionError("the trainer on the weight channel did not present this server's API key")
+        self._grpo_channel = channel
         return {"joined": True}
 
     def grpo_receive(self) -> dict:
