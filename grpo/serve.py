@@ -2,7 +2,9 @@
 
 Takes the recipe and overrides `grpo-train` takes, so the model, its dtype, the max length and the sampling limits
 agree with the trainer's by construction, plus ``rollout.server.host``/``port`` (on GPUs ``tensor_parallel_size``;
-its devices are ``CUDA_VISIBLE_DEVICES``'s). It then replaces itself with vLLM's OpenAI-compatible server
+its devices are ``CUDA_VISIBLE_DEVICES``'s). The API key comes from the environment variable
+``rollout.server.api_key_env`` names (``$GRPO_SERVER_API_KEY``); listening beyond loopback without one is warned
+about. It then replaces itself with vLLM's OpenAI-compatible server
 (`grpo.rollout.server.launch`); ``GET /health`` answers once it is ready. ``--print``: print the command instead.
 Runs in the environment that has vLLM (``.venv-vllm/bin/grpo-serve``; docs/rollout.md#the-server-backend).
 """
@@ -14,6 +16,7 @@ import shlex
 import sys
 
 from grpo.errors import GRPOError, SetupError, show_warnings_as_lines
+from grpo.rollout.server.launch import LOOPBACK
 
 # what vLLM's log shows on a healthy server of ours, said once before it starts (its own lines are vLLM's to word)
 EXPECTED_IN_VLLM_LOG = ("[grpo] expected in vLLM's log below, on a healthy server: a 'Chat template warmup failed' "
@@ -24,7 +27,7 @@ EXPECTED_IN_VLLM_LOG = ("[grpo] expected in vLLM's log below, on a healthy serve
 
 def settings(cfg, device: str):
     from grpo.rollout.episodes.spec import max_completion_tokens
-    from grpo.rollout.server.connect import transfer_kind
+    from grpo.rollout.server.connect import api_key, transfer_kind
     from grpo.rollout.server.launch import ServeSettings
 
     r, s = cfg.rollout, cfg.rollout.server
@@ -33,7 +36,22 @@ def settings(cfg, device: str):
                          host=s.host, port=s.port, seed=cfg.trainer.seed, device=device,
                          kv_cache_gib=r.vllm.kv_cache_gib, enforce_eager=r.vllm.enforce_eager,
                          tensor_parallel_size=s.tensor_parallel_size,
-                         weight_transfer=transfer_kind(s.weight_transfer, device))
+                         weight_transfer=transfer_kind(s.weight_transfer, device), api_key=api_key(s),
+                         **lora_settings(cfg, device))
+
+
+def lora_settings(cfg, device: str) -> dict:
+    """LoRA enabled on the server (its rank, its adapter slots) when the run syncs adapters
+    (`grpo.rollout.server.adapters`): model.lora.enabled, rollout.vllm.lora_sync not merged, an adapter vLLM serves,
+    the gloo weight channel."""
+    from grpo.rollout.lora_sync import config_refusal, served_rank
+    from grpo.rollout.server.connect import transfer_kind
+
+    lora, r = cfg.model.lora, cfg.rollout
+    if not lora.enabled or r.vllm.lora_sync == "merged" or config_refusal(lora) is not None or \
+            transfer_kind(r.server.weight_transfer, device) != "gloo":
+        return {}
+    return {"lora_rank": served_rank(lora.r), "max_loras": r.max_staleness + 1}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,12 +92,23 @@ def main(argv: list[str] | None = None) -> None:
         if device == "cpu":
             check_vllm_cpu(cfg.model.name_or_path, cfg.model.tiny, who="grpo-serve")
 
-        cmd, env = serve_command(settings(cfg, device), cache_dir(), extra)
+        if "--api-key" in extra:
+            raise SetupError("grpo-serve: give the API key in the environment variable rollout.server.api_key_env "
+                             f"names (${cfg.rollout.server.api_key_env}), not as vLLM's --api-key: the trainer reads "
+                             "it there, and a command line is visible to every user of the machine")
+        run = settings(cfg, device)
+        cmd, env = serve_command(run, cache_dir(), extra)
     except GRPOError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    if run.api_key is None and run.host not in LOOPBACK:
+        print(f"[grpo] warning: grpo-serve listens on {run.host}, beyond this machine, without an API key: anyone who "
+              "reaches the port can sample from the model and push weights into it; set "
+              f"${cfg.rollout.server.api_key_env} (rollout.server.api_key_env) here and on the trainers",
+              file=sys.stderr, flush=True)
     if dry:
-        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
+        shown = {k: ("***" if k == "VLLM_API_KEY" else v) for k, v in env.items()}
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items()), shlex.join(cmd))
         return
     print(f"[grpo] serving {cfg.model.name_or_path} at http://{cfg.rollout.server.host}:{cfg.rollout.server.port} "
           "(vLLM's OpenAI-compatible server; GET /health answers when it is ready)", file=sys.stderr, flush=True)

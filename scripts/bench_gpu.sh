@@ -7,6 +7,7 @@
 #   scripts/bench_gpu.sh [--dry-run] dist     # dist: the NCCL + bf16 + ZeRO-3 smoke, under 4 minutes
 #   scripts/bench_gpu.sh [--dry-run] server   # server: the step with rollout.backend=server/vllm/hf, < 8 minutes
 #   scripts/bench_gpu.sh [--dry-run] async    # async: rollout.max_staleness K=0/1/2 vs the inline loop, < 6 minutes
+#   scripts/bench_gpu.sh [--dry-run] cluster  # cluster: grpo-serve on some GPUs, ZeRO-3 trainers on the others, K=1, nccl
 #
 # step: scripts/bench_trl.py on SmolLM2-135M and a Qwen2-0.5B-shaped random model (151936 vocab), bf16, this
 # framework with the shared prefix on and off vs TRL's GRPOTrainer; tokens/s, peak GPU memory and the model
@@ -34,7 +35,7 @@ DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 MODE=step
 if [ "${1:-}" = "prefix" ] || [ "${1:-}" = "step" ] || [ "${1:-}" = "dist" ] || [ "${1:-}" = "rollout" ] || \
-   [ "${1:-}" = "server" ] || [ "${1:-}" = "async" ]; then
+   [ "${1:-}" = "server" ] || [ "${1:-}" = "async" ] || [ "${1:-}" = "cluster" ]; then
   MODE=$1; shift
 fi
 
@@ -89,6 +90,50 @@ if [ "$MODE" = "async" ]; then
     PYTHONPATH=. timeout --signal=INT 200 "${CMD1[@]}" "$@" || echo "bench_async.py ended with status $?"
     PYTHONPATH=. timeout --signal=INT 150 "${CMD2[@]}" "$@"
   fi
+  exit 0
+fi
+# ---- cluster (issue 39): docs/async.md#cluster-launch on one machine: grpo-serve (vLLM, its nccl weight transfer, an
+# API key) on the first SERVER_GPUS GPUs, one server per GPU, then torchrun of distributed=zero3 trainers on the
+# others with rollout.max_staleness=1 and rollout.server.weight_transfer=nccl, quickstart in bf16, 4 steps; with one
+# GPU the server and a single trainer share it (the server takes 0.35 of its memory). Needs vLLM (CUDA) and
+# deepspeed importable by BENCH_PY (SERVE: its grpo-serve). The servers are stopped at the end (by their pids).
+if [ "$MODE" = "cluster" ]; then
+  NGPU=${NGPU:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
+  [ "$NGPU" -ge 1 ] || NGPU=1
+  NS=${SERVER_GPUS:-$(( NGPU > 1 ? NGPU / 2 : 1 ))}
+  NT=$(( NGPU > NS ? NGPU - NS : 1 ))
+  SERVE=${SERVE:-$(dirname "$PY")/grpo-serve}
+  KEY=${GRPO_SERVER_API_KEY:-bench-$$-$RANDOM}
+  RUN_DIR=${CLUSTER_DIR:-/tmp/grpo-cluster-$$}
+  UTIL=0.85
+  [ "$NGPU" = 1 ] && UTIL=0.35
+  URLS=""
+  TRAIN_GPUS=""
+  for ((i = 0; i < NS; i++)); do URLS+="${URLS:+,}http://127.0.0.1:$((8100 + i))"; done
+  for ((g = NS; g < NS + NT; g++)); do TRAIN_GPUS+="${TRAIN_GPUS:+,}$(( g < NGPU ? g : 0 ))"; done
+  COMMON=(recipe=quickstart model.dtype=bfloat16 trainer.device=cuda)
+  TRAIN=(torchrun --nproc_per_node "$NT" -m grpo.train "${COMMON[@]}" distributed=zero3 rollout.backend=server
+         "rollout.server.urls=[$URLS]" rollout.max_staleness=1 rollout.server.weight_transfer=nccl
+         trainer.max_steps=4 trainer.save_every=2 "trainer.output_dir=$RUN_DIR/run")
+  PIDS=()
+  for ((i = 0; i < NS; i++)); do
+    SRV=("$SERVE" "${COMMON[@]}" rollout.server.port=$((8100 + i)) -- --gpu-memory-utilization "$UTIL")
+    if [ "$DRY" = 1 ]; then
+      echo "CUDA_VISIBLE_DEVICES=$i GRPO_SERVER_API_KEY=*** ${SRV[*]} &"
+    else
+      mkdir -p "$RUN_DIR"
+      CUDA_VISIBLE_DEVICES=$i GRPO_SERVER_API_KEY=$KEY "${SRV[@]}" >"$RUN_DIR/server_$i.log" 2>&1 &
+      PIDS+=($!)
+    fi
+  done
+  if [ "$DRY" = 1 ]; then
+    echo "CUDA_VISIBLE_DEVICES=$TRAIN_GPUS GRPO_SERVER_API_KEY=*** timeout 300 ${TRAIN[*]} $*"
+    exit 0
+  fi
+  trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done' EXIT
+  CUDA_VISIBLE_DEVICES=$TRAIN_GPUS GRPO_SERVER_API_KEY=$KEY timeout --signal=INT 300 "${TRAIN[@]}" \
+    rollout.server.connect_timeout_s=240 "$@"
+  grep -h '"step"' "$RUN_DIR/run/metrics.jsonl" | tail -n 4 || true
   exit 0
 fi
 # ---- server (issue 32): scripts/bench_server.py on the quickstart recipe in bf16: the server backend (its first run

@@ -68,6 +68,25 @@ VLLM_TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, nu
                  num_key_value_heads=1)
 
 
+class OneEngine:
+    """vLLM keeps process-wide state (its parallel groups): one engine alive at a time in a test process.
+    ``get(key, make)`` gives the engine of ``key``, closing another one first; ``close()`` at the module's end."""
+
+    def __init__(self):
+        self.live: dict = {}
+
+    def get(self, key, make):
+        if key not in self.live:
+            self.close()
+            self.live[key] = make()
+        return self.live[key]
+
+    def close(self) -> None:
+        for backend in self.live.values():
+            backend.close()
+        self.live.clear()
+
+
 def vllm_logprobs_of(backend, prompt: list[int], completion: list[int]):
     """vLLM's log-prob of every token of a fixed completion (prompt log-probs: softmax(logits), temperature 1)."""
     import torch
@@ -75,7 +94,8 @@ def vllm_logprobs_of(backend, prompt: list[int], completion: list[int]):
     from vllm.inputs import TokensPrompt
 
     out = backend.llm.generate([TokensPrompt(prompt_token_ids=prompt + completion)],
-                               SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)[0]
+                               SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False,
+                               lora_request=backend.lora_request())[0]  # LoRA: the newest adapter synced
     plp = out.prompt_logprobs[len(prompt):]
     return torch.tensor([d[t].logprob for d, t in zip(plp, completion)])
 
@@ -139,3 +159,18 @@ def train_cli_error(tmp_path, monkeypatch, capsys, *args: str) -> tuple[int, str
     with pytest.raises(SystemExit) as e:
         train.main()
     return e.value.code, capsys.readouterr().err
+
+
+def count_tower_patches(monkeypatch) -> list[int]:
+    """The patches of every Qwen2.5-VL vision tower forward from now on (one entry per call)."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as q
+
+    patches: list[int] = []
+    forward = q.Qwen2_5_VisionTransformerPretrainedModel.forward
+
+    def counted(self, hidden_states, *args, **kwargs):
+        patches.append(hidden_states.shape[0])
+        return forward(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(q.Qwen2_5_VisionTransformerPretrainedModel, "forward", counted)
+    return patches

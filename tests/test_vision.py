@@ -126,8 +126,13 @@ def test_a_text_model_or_a_text_only_backend_given_images_is_one_line(tok_proc):
     prepared, dropped = data.prepare(rows, cfg.data, tok, image_processor=proc)
     assert dropped == 0 and prepared[0]["prompt_ids"].n_images == 1
     assert prepared[0]["prompt"].startswith("user: <|vision_start|><|image_pad|><|vision_end|>How many")
-    with pytest.raises(SetupError, match="rollout.backend=server \\(server\\) does not take images yet"):
+    with pytest.raises(SetupError, match="rollout.backend=server \\(server\\) does not take images yet; .* need "
+                                         "rollout.backend=vllm or hf "):
         registry.check_images(cfg.rollout.backend, registry.resolve(cfg.rollout.backend, "cpu"), prepared)
+    with pytest.raises(SetupError, match="prompts with images are not supported under ZeRO-3 yet"):
+        registry.check_images("hf", "hf", prepared, zero3=True)
+    registry.check_images("hf", "hf", prepared)  # hf takes them in one process
+    registry.check_images("server", "server", [{"prompt_ids": [1, 2]}], zero3=True)  # text prompts: nothing to say
 
 
 def test_held_out_pictures_are_told_apart_by_their_pixels(tok_proc):
@@ -146,3 +151,27 @@ def test_held_out_pictures_are_told_apart_by_their_pixels(tok_proc):
     asked = {r["prompt"] for r in splits.eval}
     by_text = [r for r in splits.train if r["prompt"] not in asked]  # what comparing the text alone would keep
     assert len(splits.eval) == 4 and len(splits.train) >= 18 > len(by_text)  # an empty picture may repeat
+
+
+def test_tiny_qwen2_vl_is_seeded_with_its_own_tower():
+    from grpo.vision.models import TINY_VLM_FAMILIES
+
+    tok = load_tokenizer("tiny:qwen2_vl")
+    a, b = (tiny_model("qwen2_vl", len(tok), seed=0) for _ in range(2))
+    assert "qwen2_vl" in TINY_VLM_FAMILIES and a.config.model_type == "qwen2_vl"
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert a.config.vision_config.hidden_size == a.config.text_config.hidden_size == 64  # the tower's output width
+    assert sum(a.config.text_config.rope_parameters["mrope_section"]) == 64 // 4 // 2
+
+
+def test_freeze_vision_tower_key_freezes_the_tower_and_refuses_a_text_model():
+    from grpo.config.schema import ModelConfig
+    from grpo.models import char_tokenizer, load_model
+
+    vocab = len(load_tokenizer("tiny:qwen2_vl"))
+    model = load_model(ModelConfig(name_or_path="tiny:qwen2_vl", freeze_vision_tower=True), vocab)
+    assert not any(p.requires_grad for p in model.model.visual.parameters())
+    assert all(p.requires_grad for p in model.model.language_model.parameters())
+    assert all(p.requires_grad for p in load_model(ModelConfig(name_or_path="tiny:qwen2_vl"), vocab).parameters())
+    with pytest.raises(ModelError, match="model.freeze_vision_tower=true but 'tiny:llama' has no vision tower"):
+        load_model(ModelConfig(name_or_path="tiny:llama", freeze_vision_tower=True), len(char_tokenizer()))

@@ -15,10 +15,14 @@ def check_tools(cfg) -> None:
 
 
 def check_server(cfg) -> None:
-    """The URLs of rollout.server (the backend that needs them says so: `grpo.rollout.registry`)."""
+    """The URLs of rollout.server (the backend that needs them says so: `grpo.rollout.registry`) and the name of its
+    API key's variable (the key itself is never echoed)."""
     for u in cfg.rollout.server.urls:
         if not isinstance(u, str) or not u.startswith(("http://", "https://")) or len(u.split("://", 1)[1]) == 0:
             raise ConfigError(f"rollout.server.urls: {u!r} is not a URL; give http://HOST:PORT")
+    if not (cfg.rollout.server.api_key_env.isidentifier() and cfg.rollout.server.api_key_env.isascii()):
+        raise ConfigError("rollout.server.api_key_env must be the NAME of an environment variable; put the key itself "
+                          "in that variable, never in the config")
 
 
 def check_distributed(cfg) -> None:

@@ -39,6 +39,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
     tiny: dict = field(default_factory=dict)  # config overrides for tiny:<family> models (hidden_size, ...)
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA settings (model.lora.*)
+    freeze_vision_tower: bool = False  # a vision-language model's vision tower is not trained (docs/vision-language.md)
 
 
 @dataclass
@@ -79,6 +80,7 @@ class VLLMConfig:
     enforce_eager: bool = True       # no graph capture / compilation (fast start; false: CUDA graphs, faster decode)
     enable_prefix_caching: bool = True  # a group's prompt prefilled once, its KV blocks shared by the G samples
     sleep: bool = False              # CUDA: free the KV cache and offload the weights while the policy updates
+    lora_sync: str = "auto"          # LoRA: auto | adapters | merged, what syncs send vLLM (docs/rollout.md#lora)
 
 
 @dataclass
@@ -95,6 +97,7 @@ class ServerConfig:
     connect_timeout_s: float = 300.0  # how long the trainer waits for a server that is not up yet
     request_timeout_s: float = 600.0  # one generation request (a whole group) at most
     retries: int = 2                 # extra tries of a request that failed to connect or timed out
+    api_key_env: str = "GRPO_SERVER_API_KEY"  # the variable holding the servers' API key (never a config value)
 
 
 @dataclass
@@ -236,7 +239,7 @@ _CHOICES = {
     "trainer.lr_schedule": ("constant", "cosine", "linear"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "distributed.backend": ("none", "deepspeed"),
-    "engine.attention_kernel": ("auto", "grouped", "flex"),
+    "engine.attention_kernel": ("auto", "grouped", "flex"), "rollout.vllm.lora_sync": ("auto", "adapters", "merged"),
     "reward.completion_format": ("auto", "text", "messages"),
 }
 

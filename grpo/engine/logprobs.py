@@ -19,7 +19,7 @@ from grpo.engine.micro_batches import plan_micro_batches, scatter
 from grpo.engine.patch import check_every_layer, placeholder_mask, shared_prefix_unsupported, switched_attention
 from grpo.engine.prefix_attention import LAYOUT_KWARG
 from grpo.engine.unwrap import unwrap_chain, unwrap_model
-from grpo.engine.vision_logprobs import VISION_FAMILIES, vision_token_logprobs
+from grpo.engine.vision_logprobs import NOT_SERVED, VISION_FAMILIES, vision_token_logprobs
 from grpo.errors import GRPOWarning
 
 __all__ = ["token_logprobs", "ATTENTION_KERNELS"]
@@ -53,7 +53,7 @@ def token_logprobs(
     ``flex`` (FlexAttention block mask, compiled; CUDA, or CPU without grad) or ``auto`` (grouped for now:
     flex becomes the CUDA default once it has been measured on a GPU).
     """
-    if getattr(unwrap_model(model).config, "model_type", None) in VISION_FAMILIES:  # prompts may hold images
+    if getattr(unwrap_model(model).config, "model_type", None) in (*VISION_FAMILIES, *NOT_SERVED):  # images; refusals
         return vision_token_logprobs(model, prompt_ids, completion_ids, shared_prefix=shared_prefix,
                                      temperature=temperature, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                                      return_entropy=return_entropy)

@@ -1,4 +1,4 @@
-"""``vision_token_logprobs``: per-token log-probs of GRPO completions whose prompts hold images (Qwen2.5-VL).
+"""``vision_token_logprobs``: per-token log-probs of GRPO completions whose prompts hold images (the Qwen-VL families).
 
 The shared layout (the default) packs a micro-batch as the text engine does (grpo/engine/layout.py)::
 
@@ -9,7 +9,7 @@ and computes, in order:
 1. the vision tower once per prompt, all images of the micro-batch in one call (not G times per prompt);
 2. the row's input embeddings: token embeddings, with the image features scattered into the image tokens of the
    prompts (never into a completion: a sampled image token stays a text embedding there);
-3. the 3-D rotary positions (temporal, height, width) of Qwen2.5-VL: each prompt's from the model's own
+3. the 3-D rotary positions (temporal, height, width) of Qwen-VL: each prompt's from the model's own
    ``get_rope_index``, and for every completion ``R_i`` text positions restarting at ``max(prompt positions) + 1``,
    the position the per-sequence forward gives its first token (equal in the three axes, as for any text token);
 4. the language model on that row with the shared-prefix attention (every completion sees its prompt and itself);
@@ -34,7 +34,16 @@ from grpo.vision.images import ImagePrompt
 
 __all__ = ["vision_token_logprobs", "VISION_FAMILIES"]
 
-VISION_FAMILIES = ("qwen2_5_vl",)  # the model types served here (grpo.token_logprobs hands them over)
+# the model types served here (grpo.token_logprobs hands them over)
+VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+# vision-language families of transformers not served (yet), and why: refused in one line, not computed inexactly
+NOT_SERVED = {
+    "gemma3": "its image tokens attend to each other bidirectionally, which the causal shared-prefix kernel does not",
+    "idefics3": "its images are split into tiles with pixel masks, which image prompts (Qwen's patches) do not carry",
+    "smolvlm": "its images are split into tiles with pixel masks, which image prompts (Qwen's patches) do not carry",
+    "lfm2_vl": "its NaViT tower takes pixel masks and spatial shapes, which image prompts (Qwen's patches) lack",
+}
+
 
 def vision_token_logprobs(model, prompts, completion_ids, *, shared_prefix: bool = True, temperature: float = 1.0,
                           max_tokens_per_micro_batch: int | None = None, return_entropy: bool = False):
@@ -70,6 +79,8 @@ def vision_token_logprobs(model, prompts, completion_ids, *, shared_prefix: bool
 def _check(vlm, prompts, comps, temperature):
     """The model's multimodal core (vision tower + language model), after checking the inputs."""
     model_type = getattr(vlm.config, "model_type", None)
+    if model_type in NOT_SERVED:
+        raise ValueError(f"{model_type} is not served: {NOT_SERVED[model_type]}; served: {', '.join(VISION_FAMILIES)}")
     if model_type not in VISION_FAMILIES:
         raise ValueError(f"vision_token_logprobs serves {', '.join(VISION_FAMILIES)} models, not {model_type!r}")
     if len(prompts) != len(comps):
@@ -101,28 +112,42 @@ def _forward_shared(vlm, core, prompts, comps, temperature, want_entropy):
         return torch.zeros(0, device=device), torch.zeros(0, device=device)
     text = core.language_model
     layout = build_layout([p.ids for p in prompts], comps, device)
-    embeds = _embeddings(vlm, core, prompts, layout)  # steps 1-2
+    embeds, extra = _embeddings(vlm, core, prompts, layout)  # steps 1-2
     positions = packed_positions(core, prompts, comps, vlm.config.image_token_id).to(device)  # step 3
     with switched_attention(text, state=layout):  # step 4: the vision tower ran outside, with its own attention
         out = text(inputs_embeds=embeds, position_ids=positions, attention_mask=placeholder_mask(device),
-                   use_cache=False, **{LAYOUT_KWARG: layout})
+                   use_cache=False, **extra, **{LAYOUT_KWARG: layout})
     check_every_layer(layout.calls, text)
     h = out.last_hidden_state[0].index_select(0, layout.pred_idx)  # step 5
     return head_logprobs(h, vlm.get_output_embeddings(), text.config, layout.targets, temperature, want_entropy)
 
 
-def _embeddings(vlm, core, prompts, layout) -> torch.Tensor:
-    """(1, T, hidden): the packed row's token embeddings with every prompt's image features in its image tokens."""
+def _embeddings(vlm, core, prompts, layout) -> tuple[torch.Tensor, dict]:
+    """(1, T, hidden): the packed row's token embeddings with every prompt's image features in its image tokens, and
+    the language model's extra inputs: Qwen3-VL's deepstack features (the tower's intermediate features, added to
+    the image tokens' hidden states after the first language layers) with the mask of their slots."""
     embeds = core.get_input_embeddings()(layout.input_ids)
     with_images = [p for p in prompts if p.n_images]
     if not with_images:
-        return embeds
+        return embeds, {}
     pixels = torch.cat([p.pixel_values for p in with_images]).to(embeds.device)
     grids = torch.cat([p.image_grid_thw for p in with_images]).to(embeds.device)
-    feats = torch.cat(core.get_image_features(pixels, grids, return_dict=True).pooler_output).to(embeds.dtype)
+    out = core.get_image_features(pixels, grids, return_dict=True)
+    feats = torch.cat(out.pooler_output).to(embeds.dtype)
+    slots = image_slots(layout, prompts, vlm.config.image_token_id)
+    extra = {}
+    if getattr(out, "deepstack_features", None):
+        mask = torch.zeros_like(layout.input_ids, dtype=torch.bool)
+        mask[0, slots] = True  # the model adds the features at the mask's True slots, in order: slots ascend
+        extra = {"visual_pos_masks": mask,
+                 "deepstack_visual_embeds": [torch.cat(f).to(embeds.dtype) for f in out.deepstack_features]}
+    return embeds.index_put((torch.zeros_like(slots), slots), feats), extra
+
+
+def image_slots(layout, prompts, image_token_id: int) -> torch.Tensor:
+    """The packed row's indices of the prompts' image tokens, in order (a completion's image token is text)."""
     in_prompt = layout.segment == layout.prompt_segment
-    slots = torch.nonzero(in_prompt & (layout.input_ids[0] == vlm.config.image_token_id)).squeeze(-1)
-    return embeds.index_put((torch.zeros_like(slots), slots), feats)
+    return torch.nonzero(in_prompt & (layout.input_ids[0] == image_token_id)).squeeze(-1)
 
 
 def packed_positions(core, prompts, comps, image_token_id: int) -> torch.Tensor:

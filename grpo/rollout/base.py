@@ -63,3 +63,12 @@ def cut_at_eos(ids: list[int], eos: list[int], max_new_tokens: int) -> tuple[lis
         if t in eos:
             return ids[: k + 1], False
     return ids[:max_new_tokens], True
+
+
+@torch.no_grad()
+def trainer_logprobs(model, ids: list[int], device="cpu") -> torch.Tensor:
+    """The trainer's log-prob of each token of ``ids`` after the first, at temperature 1 (every rank: a ZeRO-3
+    forward is a collective)."""
+    x = torch.tensor([ids], device=device)
+    logits = model(input_ids=x).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].cpu()

@@ -46,7 +46,11 @@ class Generated:
 
 class Generator(Protocol):
     """What the trainer's pipeline drives. A server backend plugs in here: ``publish`` pushes the weights to the
-    server(s), ``submit`` sends the step's prompts with its seed, ``receive`` returns them scored."""
+    server(s), ``submit`` sends the step's prompts with its seed, ``receive`` returns them scored. ``reads_model``:
+    ``publish`` reads the trainer's model itself, one weight at a time (``weights`` is None), instead of being handed
+    every parameter whole (under ZeRO-3 the trainer then gathers the whole model for the moment of the copy)."""
+
+    reads_model: bool = False
 
     def publish(self, version: int, weights: dict[str, torch.Tensor]) -> None: ...
 

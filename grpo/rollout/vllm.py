@@ -5,12 +5,18 @@
 - ``sync_weights(model)`` before every rollout after an optimizer step: the trainer's parameters, under their
   Hugging Face names, through the model runner's in-place ``reload_weights`` (vLLM maps q/k/v and gate/up onto
   its fused layers and re-packs the CPU kernels' weights). A name vLLM does not know is an error (ValueError
-  from vLLM); a vLLM parameter that received nothing is an error too (`WeightSyncError`). LoRA: the merged
-  weights W + scale * B A are computed per layer and sent; the trainer's own weights are never merged in place.
+  from vLLM); a vLLM parameter that received nothing is an error too (`WeightSyncError`). LoRA
+  (``rollout.vllm.lora_sync``, `grpo.rollout.lora_sync`): the base weights once, then each version's adapters
+  only (a new vLLM adapter per version, the requests naming it); where vLLM cannot serve the adapter, the merged
+  weights W + scale * B A per layer (the trainer's own weights are never merged in place). Every sync's bytes and
+  seconds are in `stats`, with the sync check: the engine's log-probs of a fixed sequence against the trainer's.
 - ``generate``: ``n = G`` samples per prompt with prefix caching (the prompt's KV blocks prefilled once), the
   temperature / top-p / top-k of the rollout config, EOS as stop tokens, a per-call seed, and vLLM's own
   log-prob of every sampled token (``logprobs_mode="processed_logprobs"``: after the temperature, as the
   trainer's log-probs).
+- Prompts with images (a vision-language model, ``VLLM_VISION_FAMILIES``): sent with their images as vLLM's multimodal
+  inputs, in its embedding form: the trainer's vision tower encodes each prompt's images once (grpo/rollout/
+  vllm_images.py says why not vLLM's tower).
 
 vLLM must run in-process for the weight copy: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set here before the engine
 starts. On CPU the KV cache size is ``VLLM_CPU_KVCACHE_SPACE`` GiB (``rollout.vllm.kv_cache_gib``).
@@ -23,12 +29,23 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 
 import torch
 
 from grpo.engine.unwrap import unwrap_model
 from grpo.errors import SetupError
-from grpo.rollout.base import Completions, Sampling, cut_at_eos, eos_ids
+from grpo.rollout.base import Completions, Sampling, cut_at_eos, eos_ids, trainer_logprobs
+from grpo.rollout.lora_sync import AdapterSlots, active_adapter, adapter_state, choose, served_rank
+from grpo.rollout.vllm_images import (
+    MAX_IMAGES_PER_PROMPT,
+    VLLM_VISION_FAMILIES,
+    check_expanded,
+    save_processor,
+    tower_features,
+    vllm_prompt,
+)
+from grpo.rollout.weights import as_they_are, hf_weights
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # the model_types tested against our decode loop
 
@@ -41,16 +58,20 @@ class VLLMBackend:
     def __init__(self, model, *, eos_ids: list[int], max_model_len: int, seed: int = 0, device: str = "cpu",
                  gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 1.0, enforce_eager: bool = True,
                  enable_prefix_caching: bool = True, sleep: bool = False, full_weights=None,
-                 process_group: tuple[int, int] | None = None):
-        """``full_weights(params)``: the runtime's context manager in which ``params`` hold their full values
-        (`grpo.runtime.base.Runtime.full_weights`; ZeRO-3 gathers them). ``process_group``: (rank, local_rank) when
-        this process is one of several training processes (DeepSpeed): vLLM then joins the runtime's process group
-        as an external launcher (one engine per rank, tensor-parallel 1, each sampling its own prompts) and
-        leaves that group alone when it closes."""
+                 process_group: tuple[int, int] | None = None, tokenizer=None, image_processor=None,
+                 lora_sync: str = "auto", lora_keep: int = 1, check_ids: list[int] | None = None):
+        """``tokenizer`` and ``image_processor``: a vision-language model's, which vLLM's input processing loads; a
+        text model needs neither. ``full_weights(params)``: the runtime's context manager in which ``params`` hold
+        their full values (`grpo.runtime.base.Runtime.full_weights`; ZeRO-3 gathers them). ``process_group``:
+        (rank, local_rank) when this process is one of several training processes (DeepSpeed): vLLM then joins the
+        runtime's process group as an external launcher (one engine per rank, tensor-parallel 1, each sampling its
+        own prompts) and leaves that group alone when it closes. ``lora_sync``: auto | adapters | merged
+        (`grpo.rollout.lora_sync`); ``lora_keep``: the adapter versions kept resident; ``check_ids``: the sync
+        check's sequence (None: none)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model must live in this process for the sync
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
-        self.full_weights = full_weights or _as_they_are
+        self.full_weights = full_weights or as_they_are
         self.shares_process_group = process_group is not None
         from vllm import LLM
 
@@ -59,36 +80,47 @@ class VLLMBackend:
         quiet_expected()  # the lines every healthy engine of ours prints (grpo/rollout/vllm_log.py)
         base = unwrap_model(model)
         family = getattr(base.config, "model_type", None)
-        if family not in FAMILIES:
-            raise ValueError(f"rollout.backend=vllm supports the model families {', '.join(FAMILIES)} "
+        if family not in FAMILIES + VLLM_VISION_FAMILIES:
+            raise ValueError("rollout.backend=vllm supports the model families "
+                             f"{', '.join(FAMILIES + VLLM_VISION_FAMILIES)} "
                              f"(this model is {family!r}); use rollout.backend=hf")
         self.eos_ids = list(eos_ids)
         self.sleep_enabled = bool(sleep) and device == "cuda"
-        self._dir = tempfile.mkdtemp(prefix="grpo-vllm-")
-        config = copy.deepcopy(base.config)  # config only: the weights are copied from memory below
-        # the class vLLM must build; a model made from a config (not a checkpoint) has none recorded, and vLLM
-        # would then guess (a tiny qwen3 became a pooling model)
-        config.architectures = [type(base).__name__]
-        config.save_pretrained(self._dir)
+        vision = family in VLLM_VISION_FAMILIES
+        self.image_token_id = base.config.image_token_id if vision else None
+        self._dir = _engine_dir(base, vision, tokenizer, image_processor)
         dtype = str(next(base.parameters()).dtype).replace("torch.", "")
-        kwargs = dict(model=self._dir, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
+        kwargs = dict(model=self._dir, load_format="dummy", skip_tokenizer_init=not vision, dtype=dtype,
                       max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
                       enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs",
                       generation_config="vllm", tensor_parallel_size=1)
+        if vision:
+            kwargs.update(limit_mm_per_prompt={"image": MAX_IMAGES_PER_PROMPT, "video": 0}, enable_mm_embeds=True)
         if device == "cuda":
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled)
+        # the sync check scores text: a prompt's image tokens have no pixels there
+        self.adapters, self.metrics = None, {}
+        self.check_ids = [t for t in check_ids or [] if t != self.image_token_id]
+        if choose(lora_sync, model):
+            rank = served_rank(active_adapter(model)[1].r)
+            kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=lora_keep)
         if process_group is not None:  # vLLM reads the rank and the device index (LOCAL_RANK) from the environment
             os.environ["RANK"], os.environ["LOCAL_RANK"] = (str(r) for r in process_group)
             kwargs.update(distributed_executor_backend="external_launcher")
         with _keep_global_rng():  # vLLM seeds python/numpy/torch at start; the trainer's checkpointed streams stay
             self.llm = LLM(**kwargs)
         self.asleep = False
+        if kwargs.get("enable_lora"):
+            self.adapters = AdapterSlots(self._load_adapter, self.llm.llm_engine.remove_lora, keep=lora_keep)
+        self.base_loaded = False
         self.sync_weights(model)
 
     @classmethod
-    def for_runtime(cls, runtime, tokenizer, v, max_model_len: int, seed: int) -> "VLLMBackend":
+    def for_runtime(cls, runtime, tokenizer, v, max_model_len: int, seed: int, image_processor=None,
+                    **lora) -> "VLLMBackend":
         """One engine for this run's ``runtime``. ``v``: the run's `VLLMConfig` section (rollout.vllm);
-        ``max_model_len``: the longest prompt of the data + rollout.max_new_tokens unless rollout.vllm says."""
+        ``max_model_len``: the longest prompt of the data + rollout.max_new_tokens unless rollout.vllm says;
+        ``image_processor``: a vision-language model's; ``lora``: lora_keep and check_ids (`__init__`)."""
         rt = runtime
         device = torch.device(rt.device).type
         try:
@@ -96,7 +128,9 @@ class VLLMBackend:
                        seed=seed, device=device, gpu_memory_utilization=v.gpu_memory_utilization,
                        kv_cache_gib=v.kv_cache_gib, enforce_eager=v.enforce_eager,
                        enable_prefix_caching=v.enable_prefix_caching, sleep=v.sleep, full_weights=rt.full_weights,
-                       process_group=(rt.rank, rt.local_rank) if rt.process_group else None)
+                       lora_sync=v.lora_sync,
+                       process_group=(rt.rank, rt.local_rank) if rt.process_group else None, tokenizer=tokenizer,
+                       image_processor=image_processor, **lora)
         except ValueError as e:
             raise SetupError(str(e).splitlines()[0]) from None
 
@@ -106,13 +140,33 @@ class VLLMBackend:
 
     @torch.no_grad()
     def sync_weights(self, model, version: int = 0) -> None:
-        """Copy the trainer's current weights into the engine (in memory), then drop the prefix cache."""
+        """Copy the trainer's current weights into the engine (in memory): with adapters, the base weights the first
+        time and this version's adapter every time; else every weight (LoRA merged), then drop the prefix cache.
+        Then the sync check (`check`)."""
         self.wake()
+        self.image_features = tower_features(model) if self.image_token_id is not None else None
+        t0, sent = time.perf_counter(), 0
+        if self.adapters is None or not self.base_loaded:
+            sent += self._reload(model, merge=self.adapters is None)
+            self.base_loaded = True
+        if self.adapters is not None:
+            adapter = adapter_state(model, self.full_weights)
+            self.adapters.add(int(version), adapter)
+            sent += adapter.nbytes
+        self.metrics = {"time/sync_s": time.perf_counter() - t0, "sync/bytes": float(sent),
+                        "sync/adapters": float(self.adapters is not None)}
+        if self.check_ids:
+            self.check(model)
+
+    def _reload(self, model, merge: bool) -> int:
+        """Every weight through vLLM's in-place reload; the bytes sent."""
         seen: list[str] = []
+        sent = [0]
 
         def items():
-            for name, t in hf_weights(model, self.full_weights):
+            for name, t in hf_weights(model, self.full_weights, merge=merge):
                 seen.append(name)
+                sent[0] += t.numel() * t.element_size()
                 yield name, t
 
         weights = items()
@@ -127,6 +181,35 @@ class VLLMBackend:
         if not seen:
             raise WeightSyncError("the trainer's model has no weights to copy into vLLM")
         self.llm.reset_prefix_cache()  # cached prompt K/V belong to the old weights
+        return sent[0]
+
+    def _load_adapter(self, path, lora_id: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self.llm.llm_engine.add_lora(LoRARequest(f"v{lora_id - 1}", lora_id, str(path)))
+
+    def check(self, model) -> float:
+        """The sync check: the largest |log p_engine - log p_trainer| over ``check_ids`` (temperature 1), in the
+        metrics as vllm/sync_logprob_gap (every rank: the trainer's forward is a collective under ZeRO-3)."""
+        mine = trainer_logprobs(model, self.check_ids, next(model.parameters()).device)
+        gap = float((self.prompt_logprobs(self.check_ids) - mine).abs().max()) if len(mine) else 0.0
+        self.metrics["vllm/sync_logprob_gap"] = gap
+        return gap
+
+    def prompt_logprobs(self, ids: list[int], version: int | None = None) -> torch.Tensor:
+        """The engine's log-prob of each token of ``ids`` after the first, at temperature 1, with the adapter of
+        ``version`` (default: the newest) when adapters are synced."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params, use_tqdm=False,
+                                lora_request=self.lora_request(version))[0]
+        return torch.tensor([row[t].logprob for t, row in zip(ids[1:], out.prompt_logprobs[1:])])
+
+    def lora_request(self, version: int | None = None):
+        """The vLLM LoRARequest of the adapter of ``version`` (default: the newest); None with merged weights."""
+        return self.adapters.request(version) if self.adapters is not None else None
 
     # ------------------------------------------------------------------------------------ sampling
     def sampling_params(self, sampling: Sampling, group_size: int, seed: int | None):
@@ -156,10 +239,12 @@ class VLLMBackend:
         # whole call would give every prompt's j-th sample the same random stream
         params = [self.sampling_params(sampling, group_size, None if seed is None else seed + i * group_size)
                   for i in range(len(prompt_ids))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
-                                 use_tqdm=False)
+        prompts = [TokensPrompt(**vllm_prompt(p, self.image_token_id, self.image_features)) for p in prompt_ids]
+        outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request())
         ids, truncated, logps = [], [], []
-        for out in outs:
+        for out, p in zip(outs, prompt_ids):
+            if self.image_token_id is not None:
+                check_expanded(out.prompt_token_ids, p)
             gi, gt, gl = [], [], []
             for c in sorted(out.outputs, key=lambda c: c.index):
                 toks, cut = cut_at_eos(list(c.token_ids), self.eos_ids, sampling.max_new_tokens)
@@ -174,7 +259,8 @@ class VLLMBackend:
         return Completions(ids, truncated, logps)
 
     def stats(self) -> dict[str, float]:
-        return {}
+        """The last sync: its seconds, bytes, whether it sent adapters, the sync check's gap."""
+        return dict(self.metrics)
 
     # ------------------------------------------------------------------------------------ memory
     def sleep(self) -> None:
@@ -197,6 +283,8 @@ class VLLMBackend:
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
             del llm
+        if getattr(self, "adapters", None) is not None:
+            self.adapters.close()
         shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)
 
 
@@ -204,8 +292,28 @@ def make(ctx) -> VLLMBackend:
     """``rollout.backend=vllm`` (`grpo.rollout.registry`): ``ctx`` a `BackendContext`; the engine's max length is
     rollout.vllm.max_model_len, or the data's longest prompt + rollout.max_new_tokens."""
     r = ctx.rollout
+    from grpo.models import load_image_processor
+
     max_len = r.vllm.max_model_len or ctx.longest_prompt + r.max_new_tokens
-    return VLLMBackend.for_runtime(ctx.runtime, ctx.tokenizer, r.vllm, max_len, ctx.seed)
+    return VLLMBackend.for_runtime(ctx.runtime, ctx.tokenizer, r.vllm, max_len, ctx.seed,
+                                   image_processor=load_image_processor(ctx.model_name),
+                                   lora_keep=r.max_staleness + 1, check_ids=ctx.check_ids)
+
+
+def _engine_dir(base, vision: bool, tokenizer, image_processor) -> str:
+    """A new folder vLLM builds its engine from: ``base``'s config (the weights are copied from memory), and for a
+    vision-language model its tokenizer and image processor, which vLLM's input processing loads."""
+    path = tempfile.mkdtemp(prefix="grpo-vllm-")
+    config = copy.deepcopy(base.config)
+    # the class vLLM must build; a model made from a config (not a checkpoint) has none recorded, and vLLM
+    # would then guess (a tiny qwen3 became a pooling model)
+    config.architectures = [type(base).__name__]
+    config.save_pretrained(path)
+    if vision:
+        if tokenizer is None or image_processor is None:
+            raise ValueError(f"a {base.config.model_type} model needs its tokenizer and image processor for vLLM")
+        save_processor(path, tokenizer, image_processor)
+    return path
 
 
 def _shutdown(llm, keep_process_group: bool) -> None:
@@ -241,46 +349,6 @@ def _keep_global_rng():
         torch.set_rng_state(state[2])
         if state[3] is not None:
             torch.cuda.set_rng_state_all(state[3])
-
-
-@contextlib.contextmanager
-def _as_they_are(params):
-    yield False
-
-
-def hf_weights(model, full_weights=_as_they_are):
-    """(name, tensor) of every weight of the policy under the plain Hugging Face checkpoint names, one at a time.
-
-    ``full_weights(params)`` (`grpo.runtime.base.Runtime.full_weights`): the parameters of one weight (a LoRA layer:
-    its base weight and adapters) are made whole for the time it is read (ZeRO-3 gathers them, then gives them
-    back: a copy is yielded, never the whole model at once). PEFT LoRA: each adapted layer's merged weight
-    W + scale * B A (computed, the trainer's W left untouched); the adapter's own tensors are not sent."""
-    model = unwrap_model(model, peft=False)  # under DeepSpeed's engine; PEFT's wrapper kept
-    peft = hasattr(model, "get_base_model")
-    base = model.get_base_model() if peft else model
-    lora = {f"{name}.weight": m for name, m in base.named_modules()
-            if peft and hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
-    for name, t in base.state_dict(keep_vars=True).items():
-        if ".lora_" in name or "lora_embedding" in name:
-            continue
-        plain = name.replace(".base_layer.", ".")
-        layer = lora.get(plain)
-        params = list(layer.parameters()) if layer is not None else \
-            [t] if isinstance(t, torch.nn.Parameter) else []
-        # no grad-mode context across the yield: a generator left suspended would restore it whenever collected
-        with full_weights(params) as temporary:
-            w = _merged(layer) if layer is not None else t.detach()
-            yield plain, w.clone() if temporary and layer is None else w
-
-
-def _merged(layer) -> torch.Tensor:
-    """A PEFT LoRA layer's effective weight: its base weight plus each active adapter's scaled B A (a new tensor)."""
-    active = [a for a in getattr(layer, "active_adapters", []) if a in getattr(layer, "lora_A", {})]
-    with torch.no_grad():
-        w = layer.base_layer.weight.detach()
-        for a in active:
-            w = w + layer.get_delta_weight(a).detach().to(w.dtype)
-        return w if active else w.clone()
 
 
 class CaptureNotLoaded(logging.Handler):

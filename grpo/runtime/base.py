@@ -112,6 +112,12 @@ class Runtime:
     def barrier(self) -> None:
         """Wait until every rank gets here."""
 
+    def thread_view(self) -> "Runtime":
+        """This runtime for a thread that runs beside the trainer's and takes part in collectives of its own (the
+        server generator's worker): the same rank, model and weights, its collectives never mixed with the trainer's
+        (`grpo.runtime.thread_view`). Every rank calls it at the same point. One process: this runtime."""
+        return self
+
     def peer_failure(self, error: Exception) -> Exception | None:
         """``error`` as a one-line `PeerLostError` when it is a collective that timed out or lost another rank
         (that rank failed or hangs), else None. One process has no other rank: None."""

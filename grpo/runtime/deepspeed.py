@@ -187,11 +187,12 @@ class DeepSpeedRuntime(Runtime):
     def all_max(self, values: dict[str, float]) -> dict[str, float]:
         return self._reduce(values, torch.distributed.ReduceOp.MAX)
 
-    def _reduce(self, values: dict[str, float], op) -> dict[str, float]:
-        """One float64 all-reduce of every value (in sorted-name order, the same on every rank)."""
+    def _reduce(self, values: dict[str, float], op, group=None, device=None) -> dict[str, float]:
+        """One float64 all-reduce of every value (in sorted-name order, the same on every rank); ``group``/``device``:
+        another process group than the run's and where its tensors live (`grpo.runtime.thread_view`)."""
         names = sorted(values)
-        t = torch.tensor([float(values[k]) for k in names], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(t, op=op)
+        t = torch.tensor([float(values[k]) for k in names], dtype=torch.float64, device=device or self.device)
+        torch.distributed.all_reduce(t, op=op, group=group)
         return dict(zip(names, t.tolist()))
 
     def any_rank(self, flag: bool) -> bool:
@@ -205,6 +206,11 @@ class DeepSpeedRuntime(Runtime):
 
     def barrier(self) -> None:
         torch.distributed.barrier()
+
+    def thread_view(self):
+        from grpo.runtime.thread_view import ThreadView
+
+        return ThreadView(self, torch.distributed.new_group(backend="gloo", timeout=self.timeout))
 
     def peer_failure(self, error: Exception) -> Exception | None:
         text = str(error).strip()

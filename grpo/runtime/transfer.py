@@ -5,11 +5,18 @@ a `torch.distributed` TCP store hosted by the trainer (rank 0) and a gloo group 
 (ranks 1..n), separate from the training's own process group (none is touched). The trainer streams one tensor at
 a time (a fixed-size header, its name, its bytes), so a ZeRO-3 run sends each weight as it is gathered and never
 holds the whole model; a header with ``more = 0`` ends the stream. The server side runs in vLLM's worker
-(`grpo.rollout.server.worker`), the trainer side in `grpo.rollout.server.backend`.
+(`grpo.rollout.server.worker`), the trainer side in `grpo.rollout.server.gloo`.
+
+Before any weight, two ends prove to each other that they hold the same API key (`handshake`: a fresh random
+challenge each, answered with HMAC-SHA256 of the key; the key itself never travels), so a peer that took the
+store's free slot without the key gets no weights and pushes none.
 """
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import os
 import socket
 
 import torch
@@ -32,27 +39,50 @@ class WeightChannel:
                                    wait_for_workers=False)
         self.group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
 
-    def _bcast(self, t: torch.Tensor) -> torch.Tensor:
-        self.group.broadcast(t, 0).wait()
+    def _bcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        self.group.broadcast(t, root).wait()
         return t
+
+    def handshake(self, key: str) -> bool:
+        """Two ends (ranks 0 and 1): whether the other holds ``key`` too. Each sends a random challenge, then its
+        answer to the other's (HMAC-SHA256 of the key over the challenge and its rank); both always finish the
+        exchange, so a refusal is seen on both sides."""
+        def proof(challenge: torch.Tensor, rank: int) -> torch.Tensor:
+            digest = hmac.new(key.encode(), bytes(challenge.tolist()) + bytes([rank]), hashlib.sha256).digest()
+            return torch.tensor(list(digest), dtype=torch.uint8)
+
+        own = torch.tensor(list(os.urandom(32)), dtype=torch.uint8)
+        asked = [self._bcast(own if r == self.rank else torch.zeros(32, dtype=torch.uint8), r) for r in (0, 1)]
+        said = [self._bcast(proof(asked[1 - r], r) if r == self.rank else torch.zeros(32, dtype=torch.uint8), r)
+                for r in (0, 1)]
+        peer = 1 - self.rank
+        return hmac.compare_digest(bytes(said[peer].tolist()), bytes(proof(asked[self.rank], peer).tolist()))
+
+    def send_one(self, name: str, t: torch.Tensor) -> None:
+        """Rank 0: one ``(name, tensor)`` of a stream to every other rank."""
+        t = t.detach().contiguous()
+        code = name.encode()
+        if t.dim() > MAX_DIMS or len(code) > MAX_NAME:
+            raise ValueError(f"weight {name!r} cannot be sent: more than {MAX_DIMS} dims or a name over "
+                             f"{MAX_NAME} bytes")
+        header = torch.zeros(HEADER, dtype=torch.int64)
+        header[:4] = torch.tensor([1, DTYPES.index(t.dtype), t.dim(), len(code)])
+        header[4:4 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        self._bcast(header)
+        self._bcast(torch.tensor(list(code), dtype=torch.uint8))
+        self._bcast(t.reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8))
+
+    def end(self) -> None:
+        """Rank 0: the end of this stream."""
+        self._bcast(torch.zeros(HEADER, dtype=torch.int64))
 
     def send(self, weights) -> int:
         """Rank 0: stream ``(name, tensor)`` pairs to every other rank; returns how many were sent."""
         n = 0
         for name, t in weights:
-            t = t.detach().contiguous()
-            code = name.encode()
-            if t.dim() > MAX_DIMS or len(code) > MAX_NAME:
-                raise ValueError(f"weight {name!r} cannot be sent: more than {MAX_DIMS} dims or a name over "
-                                 f"{MAX_NAME} bytes")
-            header = torch.zeros(HEADER, dtype=torch.int64)
-            header[:4] = torch.tensor([1, DTYPES.index(t.dtype), t.dim(), len(code)])
-            header[4:4 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-            self._bcast(header)
-            self._bcast(torch.tensor(list(code), dtype=torch.uint8))
-            self._bcast(t.reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8))
+            self.send_one(name, t)
             n += 1
-        self._bcast(torch.zeros(HEADER, dtype=torch.int64))  # the end of this stream
+        self.end()
         return n
 
     def receive(self):

@@ -141,7 +141,8 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction], toolset
     longest = max((len(row["prompt_ids"]) for split in (splits.train, splits.eval) for row in split),
                   default=cfg.data.max_prompt_tokens)
     backend = registry.resolve(cfg.rollout.backend, torch.device(runtime.device).type)
-    registry.check_images(cfg.rollout.backend, backend, splits.train)
+    registry.check_images(cfg.rollout.backend, backend, splits.train,
+                          zero3=cfg.distributed.backend == "deepspeed" and cfg.distributed.zero_stage == 3)
     settings = derive(cfg, plan_memory(cfg, splits, runtime), chat=uses_chat(cfg.data, tokenizer), backend=backend,
                       longest_prompt=longest)
     progress = runtime.is_main and interactive()

@@ -12,7 +12,10 @@
   its statistics come from, which the trainers reduce (`grpo.experience.finish`).
 - ``thread``: the rollout servers (`grpo.rollout.server.generator_thread.ServerGenerator`): `server_generator`'s sampler
   lives in the trainer's process and runs on the worker thread, the weights it samples with are the worker's
-  pushes; the behaviour log-probs are the servers' own, as in the synchronous server run.
+  pushes; the behaviour log-probs are the servers' own, as in the synchronous server run. With many training
+  processes each rank's worker samples the rank's share from the servers with the rank's seeds, rank 0 pushes,
+  and the workers agree (on the push, the sync check, refill rounds) through a group of their own
+  (`grpo.runtime.base.Runtime.thread_view`).
 
 Either way the sampler is its own: a prompt sampler started from the trainer's state (so the prompts come in the
 synchronous run's order, each round seeded by `grpo.rollout.backends.step_seed` of its position, so that a resume
@@ -101,7 +104,9 @@ def server_generator(run: Run) -> ServerGenerator:
     """Connect to the servers (rollout.server) and build the generator of this run (its weights: the first
     ``publish``)."""
     s = run.settings.collect
-    sampler = build_sampler(run.settings.sampler, run.runtime, copy.deepcopy(run.tokenizer), run.splits.train,
+    # the worker thread's collectives (the push's barrier, the sync check, refill rounds) over a group of their own
+    view = run.runtime.thread_view()
+    sampler = build_sampler(run.settings.sampler, view, copy.deepcopy(run.tokenizer), run.splits.train,
                             run.toolset, prompts_state=run.sampler.prompts.state_dict(), ahead=True)
     backend = sampler.backend.ready()
 

@@ -54,10 +54,11 @@ def check(cfg: Config) -> None:
     if caps.ahead is None:
         why = f"drives the hf generator process or the rollout servers (rollout.backend={r.backend}); use " \
               f"rollout.backend={' or '.join(n for n in registry.BACKENDS if registry.capabilities(n).ahead)}"
-    elif dist != "none" and a.filter_zero_std_groups and a.resample_zero_std > 0:
-        why = (f"with distributed.backend={dist} samples in one generator per rank, which cannot "
+    elif caps.ahead == "process" and dist != "none" and a.filter_zero_std_groups and a.resample_zero_std > 0:
+        why = (f"with distributed.backend={dist} samples in one generator process per rank, which cannot "
                f"agree on refill rounds (algorithm.resample_zero_std={a.resample_zero_std}); use "
-               "algorithm.resample_zero_std=0 (the zero-std filter alone works) or distributed.backend=none")
+               "algorithm.resample_zero_std=0 (the zero-std filter alone works), rollout.backend=server, or "
+               "distributed.backend=none")
     elif not caps.ahead_ranks and dist != "none":
         why = f"with rollout.backend={r.backend} runs one trainer process for now (distributed.backend={dist}); use " \
               "distributed.backend=none, or rollout.backend=hf (a generator per rank)"
@@ -83,10 +84,9 @@ def batches(run: Run, cfg: Config, state: LoopState, process: bool | None = None
         return InlineBatches(run)
     from grpo.trainer import generators
 
-    if registry.capabilities(run.settings.sampler.backend).ahead == "thread":  # the servers sample, in this process
-        return AsyncBatches(run, generators.server_generator(run), K, cfg.trainer.max_steps, saved)
-    return AsyncBatches(run, generators.process_generator(run, cfg.model), K, cfg.trainer.max_steps, saved,
-                        passes=cfg.algorithm.num_iterations)
+    thread = registry.capabilities(run.settings.sampler.backend).ahead == "thread"  # the servers, in this process
+    gen = generators.server_generator(run) if thread else generators.process_generator(run, cfg.model)
+    return AsyncBatches(run, gen, K, cfg.trainer.max_steps, saved, passes=cfg.algorithm.num_iterations)
 
 
 class InlineBatches:
@@ -151,10 +151,13 @@ class AsyncBatches:
         steps = [s for s in later if s not in self.submitted]
         if not steps:
             return
-        full = self.published is None  # a new generator gets every weight; after that only the trained ones
-        params = {n: p for n, p in self.run.policy.named_parameters() if full or p.requires_grad}
-        with self.run.runtime.full_weights(list(params.values())):  # ZeRO-3: gathered on every rank, then copied
-            self.gen.publish(version, params)
+        if getattr(self.gen, "reads_model", False):  # the servers' snapshot: each weight gathered on its own
+            self.gen.publish(version, None)
+        else:
+            full = self.published is None  # a new generator gets every weight; after that only the trained ones
+            params = {n: p for n, p in self.run.policy.named_parameters() if full or p.requires_grad}
+            with self.run.runtime.full_weights(list(params.values())):  # ZeRO-3: gathered on every rank, then copied
+                self.gen.publish(version, params)
         self.published = version
         for s in steps:
             self.gen.submit(s, version)

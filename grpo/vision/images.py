@@ -22,11 +22,13 @@ if TYPE_CHECKING:  # no torch at import: grpo/data.py imports this module, and t
 class ImagePrompt(list):
     """One prompt's token ids (image tokens expanded), a list like any prompt's, carrying the pixels of its images in
     order (``(patches, channels * patch area)``, Qwen-VL's flattened patches) and their ``(t, h, w)`` patch grids.
-    Everything that handles token lists handles it; the engine and the rollout read its images."""
+    Everything that handles token lists handles it; the engine and the rollout read its images. ``images``: the
+    RGB images themselves (PIL), what a vLLM rollout sends (vLLM runs its own processor on them)."""
 
-    def __init__(self, ids, pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None):
+    def __init__(self, ids, pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+                 images: list | None = None):
         super().__init__(ids)
-        self.pixel_values, self.image_grid_thw = pixel_values, image_grid_thw
+        self.pixel_values, self.image_grid_thw, self.images = pixel_values, image_grid_thw, images
 
     @property
     def ids(self) -> list[int]:
@@ -37,7 +39,7 @@ class ImagePrompt(list):
         return 0 if self.image_grid_thw is None else len(self.image_grid_thw)
 
     def __reduce__(self):  # pickled with its images (checkpoints of in-flight batches, spawned generators)
-        return type(self), (list(self), self.pixel_values, self.image_grid_thw)
+        return type(self), (list(self), self.pixel_values, self.image_grid_thw, self.images)
 
 
 def load_image(value, where: str = "data row"):
@@ -90,7 +92,17 @@ def encode(messages: list[dict], images: list, tokenizer, image_processor, where
         text = pieces[0] + "".join(image_token * (int(g.prod()) // per_token) + rest
                                    for g, rest in zip(grid, pieces[1:]))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ImagePrompt(ids=ids, pixel_values=pixel_values, image_grid_thw=grid)
+    return ImagePrompt(ids=ids, pixel_values=pixel_values, image_grid_thw=grid, images=images or None)
+
+
+def asks_for_images(prompt) -> int:
+    """How many images a row's prompt (a string, or messages) places: ``{"type": "image"}`` parts and ``<image>``
+    markers."""
+    if isinstance(prompt, str):
+        return prompt.count("<image>")
+    if not isinstance(prompt, (list, tuple)) or not all(isinstance(m, dict) and "content" in m for m in prompt):
+        return 0
+    return image_parts(as_parts(list(prompt)))
 
 
 def as_parts(messages: list[dict]) -> list[dict]:
@@ -122,7 +134,22 @@ def encode_row(row: dict, prompt_column: str, image_column: str, tokenizer, imag
         messages = [{"role": "user", "content": messages}]
     images = row[image_column]
     images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
-    return encode(as_parts(messages), images, tokenizer, image_processor, where)
+    messages = as_parts(messages)
+    if images and image_parts(messages) == 0:  # a plain-text prompt: its images first
+        messages = images_first(messages, len(images))
+    return encode(messages, images, tokenizer, image_processor, where)
+
+
+def images_first(messages: list[dict], n: int) -> list[dict]:
+    """A prompt that places no image (plain text): its ``n`` images go before the first user turn's text, as TRL
+    places them."""
+    out, placed = [], False
+    for m in messages:
+        if m["role"] == "user" and not placed:
+            text = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
+            m, placed = {**m, "content": [{"type": "image"}] * n + text}, True
+        out.append(m)
+    return out
 
 
 def image_row(row: dict, dcfg, tokenizer, image_processor, where: str = "data row") -> dict:
@@ -134,6 +161,9 @@ def image_row(row: dict, dcfg, tokenizer, image_processor, where: str = "data ro
                         "(no image processor); use a vision-language model such as tiny:qwen2_5_vl, or drop the column")
     messages = row[dcfg.prompt_column]
     messages = as_parts([{"role": "user", "content": messages}] if isinstance(messages, str) else list(messages))
+    images = row[dcfg.image_column]
+    if image_parts(messages) == 0:  # a plain-text prompt: its images first
+        messages = images_first(messages, len(images) if isinstance(images, (list, tuple)) else 1)
     if dcfg.system_prompt and not any(m["role"] == "system" for m in messages):
         messages = [{"role": "system", "content": dcfg.system_prompt}, *messages]
     prompt = encode_row({**row, dcfg.prompt_column: messages}, dcfg.prompt_column, dcfg.image_column, tokenizer,

@@ -1,19 +1,24 @@
-"""``tiny:qwen2_5_vl``: a tiny random Qwen2.5-VL and its processor, with no download.
+"""``tiny:qwen2_5_vl``, ``tiny:qwen2_vl``, ``tiny:qwen3_vl``, ``tiny:qwen3_vl_moe``, ``tiny:qwen3_5``: tiny
+random Qwen-VL models and their processor, with no download.
 
 The language model has the shapes of ``tiny:qwen2`` (grpo/models.py: hidden 64, 2 layers, 4 heads) with
-Qwen2.5-VL's 3-D multimodal rotary positions (``mrope_section`` [2, 3, 3] of the 8 rotary frequencies); the
-vision tower is 2 blocks of width 32 on 4x4 patches merged 2x2, so a 32x32 image is 16 image tokens. The
-tokenizer is the character tokenizer of the text tiny models plus Qwen's vision tokens. grpo/models.py builds
-both (``tiny:qwen2_5_vl``); this module imports nothing of it.
+3-D multimodal rotary positions (``mrope_section`` [2, 3, 3] of the 8 rotary frequencies, interleaved for Qwen3-VL
+and Qwen3.5; Qwen3.5's layers alternate Gated DeltaNet and attention); the vision tower is 2 blocks of width 32 on
+4x4 patches merged 2x2, so a 32x32 image is 16 image tokens, in each family's own tower (Qwen2-VL: full attention in
+every block; Qwen2.5-VL: windowed blocks and one full one; Qwen3-VL: learned position embeddings and deepstack
+features from block 0, and its mixture-of-experts form, 4 experts of which 2 per token; Qwen3.5: Qwen3-VL's without
+deepstack). The tokenizer is the character tokenizer of the text
+tiny models plus Qwen's vision tokens. grpo/models.py builds both; this module imports nothing of it.
 """
 from __future__ import annotations
 
 import torch
 
 from grpo.errors import ModelError
+from grpo.tiny_models import HYBRID_FAMILIES
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
-TINY_VLM_FAMILIES = ("qwen2_5_vl",)
+TINY_VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
 
 # The prompt as the chat template renders it: an image part becomes <|vision_start|><|image_pad|><|vision_end|>,
 # and the processor repeats <|image_pad|> once per image token (grpo/vision/images.py).
@@ -24,8 +29,31 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
-VISION_DEFAULTS = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
-                       spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1])
+_PATCHES = dict(patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+# family -> (config class, model class, vision config kwargs; the tower's output width is the language model's)
+_FAMILIES = {
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
+                   dict(_PATCHES, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, window_size=16,
+                        fullatt_block_indexes=[1])),
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
+                 dict(_PATCHES, depth=2, embed_dim=32, mlp_ratio=2, num_heads=2)),
+    # deepstack: the features after tower block 0 are added to the image tokens after language layer 0
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
+                 dict(_PATCHES, depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0])),
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration",
+                     dict(_PATCHES, depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                          num_position_embeddings=64, deepstack_visual_indexes=[0])),
+    # Qwen3.5: Qwen3-VL's tower without deepstack, a hybrid language model (Gated DeltaNet and attention layers)
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration",
+                dict(_PATCHES, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, num_position_embeddings=64)),
+}
+_OUT_WIDTH = {f: "hidden_size" if f == "qwen2_vl" else "out_hidden_size" for f in _FAMILIES}
+_INTERLEAVED = {"qwen3_vl", "qwen3_vl_moe", "qwen3_5"}  # (t, h, w) frequencies interleaved, not in three blocks
+_EXPLICIT_HEAD_DIM = _INTERLEAVED  # configs whose head size is a key of its own
+_MOE_TEXT = {"qwen3_vl_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)}
+# the language model's recurrent layers at a tiny size (grpo/tiny_models.py's qwen3_5_text), attention every 2nd
+_HYBRID_TEXT = {"qwen3_5": "qwen3_5_text"}
 
 
 def with_vision_tokens(tok):
@@ -40,7 +68,7 @@ def image_processor(min_pixels: int = 16 * 16, max_pixels: int = 64 * 64):
     is resized to a multiple of 8 pixels a side with between ``min_pixels`` and ``max_pixels`` pixels."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    v = VISION_DEFAULTS
+    v = _PATCHES
     return Qwen2VLImageProcessorPil(patch_size=v["patch_size"], merge_size=v["spatial_merge_size"],
                                     temporal_patch_size=v["temporal_patch_size"], min_pixels=min_pixels,
                                     max_pixels=max_pixels)
@@ -60,13 +88,32 @@ def tiny_vlm(family: str, tokenizer, text: dict, seed: int = 0):
     text = dict(text)
     half = text["hidden_size"] // text["num_attention_heads"] // 2  # rotary frequencies, split over (t, h, w)
     hw = half * 3 // 8  # as Qwen2.5-VL's [16, 24, 24] of 64
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * hw, hw, hw]}
-    vision = {**VISION_DEFAULTS, "out_hidden_size": text["hidden_size"]}
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * hw, hw, hw],
+                               **({"mrope_interleaved": True} if family in _INTERLEAVED else {})}
+    if family in _EXPLICIT_HEAD_DIM:
+        text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
+    text = {**_MOE_TEXT.get(family, {}), **text}
+    if family in _HYBRID_TEXT:
+        own = {k: v for k, v in HYBRID_FAMILIES[_HYBRID_TEXT[family]].items() if k.startswith("linear_")}
+        text = {**own, **text}
+        text.setdefault("layer_types", [("linear_attention", "full_attention")[i % 2]
+                                        for i in range(text["num_hidden_layers"])])
+    config_cls, model_cls, vision = _FAMILIES[family]
+    vision = {**vision, _OUT_WIDTH[family]: text["hidden_size"]}
     try:
-        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+        config = getattr(transformers, config_cls)(text_config=text, vision_config=vision, **ids)
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            return transformers.Qwen2_5_VLForConditionalGeneration(config)
+            return getattr(transformers, model_cls)(config)
     except (ValueError, TypeError) as e:
         raise ModelError(f"model.tiny={text} does not make a valid {family} model: "
                          f"{str(e).strip().splitlines()[0][:200]}") from None
+
+
+def freeze_vision_tower(model, name: str = "the model") -> None:
+    """``model.freeze_vision_tower``: the vision tower's parameters get no gradient (the optimizer skips them)."""
+    tower = getattr(getattr(model, "model", None), "visual", None)
+    if tower is None:
+        raise ModelError(f"model.freeze_vision_tower=true but {name} has no vision tower (a text model); "
+                         "set model.freeze_vision_tower=false")
+    tower.requires_grad_(False)

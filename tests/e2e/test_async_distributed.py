@@ -5,8 +5,9 @@ Run by torchrun, this file is also the worker (``python tests/e2e/test_async_dis
 phases separated by ``--then`` as in tests/e2e/test_distributed.py, whose ``train`` and ``resume`` modes it reuses):
 
 - ``pipeline``: build the run, then three steps through the generator processes at K = 0 (`pipeline.batches` with
-  ``process=True``: every batch samples with the weights the trainer has when it trains on it) and a `policy_update`
-  each; every rank writes what it sampled and the update's mismatch metrics.
+  ``process=True``: every batch samples with the weights the trainer has when it trains on it; ``process=None``: the
+  run's own generator at its lag) and a `policy_update` each; every rank writes what it sampled and the update's
+  mismatch metrics.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def pipeline_steps(args: list[str], out: Path) -> None:
+def pipeline_steps(args: list[str], out: Path, process: bool | None = True) -> None:
     from omegaconf import OmegaConf
 
     from grpo.config.schema import load
@@ -34,7 +35,7 @@ def pipeline_steps(args: list[str], out: Path) -> None:
                                    *args])
     cfg = load(OmegaConf.to_container(raw, resolve=True))
     run = build_run(cfg)
-    src, record = pipeline.batches(run, cfg, LoopState(), process=True), []
+    src, record = pipeline.batches(run, cfg, LoopState(), process=process), []
     try:
         for step in (1, 2, 3):
             batch = src.batch(step)
@@ -42,7 +43,7 @@ def pipeline_steps(args: list[str], out: Path) -> None:
             record.append({"versions": batch.versions, "rewards": batch.rewards.tolist(),
                            "prompts": [r["prompt"] for r in batch.rows], "reward_mean": batch.stats["reward_mean"],
                            "num_groups": batch.stats.get("num_groups"), "diff": stats["rollout_is/logp_diff_abs_max"],
-                           "grad_norm": stats["grad_norm"]})
+                           "grad_norm": stats["grad_norm"], "stats": dict(batch.stats)})
     finally:
         src.close()
         run.close()
@@ -93,11 +94,13 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="distributed tests need deepspeed (pip install 'grpo[deepspeed]')")
 
 
-def doc_command() -> dict[str, str]:
-    """The overrides of the torchrun command of docs/async.md (2 processes)."""
+def doc_command(server: bool = False) -> dict[str, str]:
+    """The overrides of the torchrun command of docs/async.md (2 processes) with the hf generators, or (``server``)
+    with the rollout servers as the generator."""
     text = (ROOT / "docs" / "async.md").read_text()
-    lines = [line.strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()
-             if line.strip().startswith("torchrun")]
+    lines = [line.strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for line in block.replace("\\\n", " ").splitlines()
+             if line.strip().startswith("torchrun") and ("rollout.backend=server" in line) == server]
     assert len(lines) == 1, lines
     words = shlex.split(lines[0], comments=True)
     assert words[:5] == ["torchrun", "--nproc_per_node", "2", "-m", "grpo.train"], words

@@ -304,3 +304,30 @@ def test_bench_engine_ab_counts_each_trees_ops_and_parses_each_runs_row(capsys):
         mp.setattr(ab.subprocess, "run", lambda *a, **k: done)
         row = ab.bench_row(ROOT, "4096x256x16", threads=2, repeats=1)
     assert row == {"standard": 116.75, "shared": 27.36, "speedup": 116.75 / 27.36}
+
+
+def test_bench_gpu_cluster_dry_run_puts_servers_and_zero3_trainers_on_their_own_gpus():
+    """scripts/bench_gpu.sh cluster (docs/async.md#cluster-launch on one machine): with 4 GPUs, grpo-serve on GPUs 0
+    and 1 (the key in the environment, never printed), torchrun of 2 ZeRO-3 trainers on GPUs 2 and 3 against both
+    servers, K = 1, nccl; every command's overrides are a valid config; with one GPU they share it."""
+    from grpo.config.compose import compose
+    from grpo.config.schema import load
+
+    lines = _gpu_dry("cluster", NGPU="4").stdout.splitlines()
+    assert [ln.split()[0] for ln in lines] == ["CUDA_VISIBLE_DEVICES=0", "CUDA_VISIBLE_DEVICES=1",
+                                              "CUDA_VISIBLE_DEVICES=2,3"]
+    assert all("GRPO_SERVER_API_KEY=***" in ln for ln in lines)
+    train = lines[2].split()
+    assert train[train.index("torchrun"):train.index("torchrun") + 5] == ["torchrun", "--nproc_per_node", "2", "-m",
+                                                                         "grpo.train"]
+    assert "rollout.server.urls=[http://127.0.0.1:8100,http://127.0.0.1:8101]" in train
+    assert {"distributed=zero3", "rollout.max_staleness=1", "rollout.server.weight_transfer=nccl"} <= set(train)
+    for ln, ports in zip(lines[:2], ("8100", "8101")):
+        assert f"rollout.server.port={ports}" in ln.split() and ln.endswith("&")
+    for words in [ln.split("grpo-serve ")[1].split(" --")[0].split() for ln in lines[:2]] + \
+            [train[train.index("grpo.train") + 1:]]:
+        raw = compose([w for w in words if not w.startswith("trainer.output_dir=")])
+        raw.trainer.output_dir = "unused"
+        load(raw)
+    one = _gpu_dry("cluster", NGPU="1").stdout.splitlines()
+    assert [ln.split()[0] for ln in one] == ["CUDA_VISIBLE_DEVICES=0"] * 2 and "--nproc_per_node 1" in one[1]

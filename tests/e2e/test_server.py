@@ -9,7 +9,11 @@ it is killed and restarted once, by the fault test that needs it. The tests run 
 4. two training processes (ZeRO-2, ZeRO-3) against the one server: one push per step;
 5. a server killed mid-run ends the run with one line naming it, no traceback, the last checkpoint intact; after
    the server's restart `trainer.resume=auto` completes the run;
-6. asynchronous GRPO (``rollout.max_staleness=1``, docs/async.md) with the server as the generator.
+6. asynchronous GRPO (``rollout.max_staleness=1``, docs/async.md) with the server as the generator;
+7. the same from two ZeRO-3 training processes (docs/async.md's torchrun command), resumed from a checkpoint with
+   each rank's batch in flight;
+8. two servers (a second one started for it), one killed mid-run at K = 1: the run goes on with the other, says so,
+   and its last steps log one server up (docs/async.md#faults).
 
 Runs where vLLM imports (``make test-vllm``); elsewhere skipped, saying why.
 """
@@ -247,3 +251,65 @@ def test_k1_with_the_server_as_the_generator_logs_its_staleness_and_the_sync_gap
     assert rows[0]["rollout_is/logp_diff_abs_max"] < 1e-3  # step 1: the server's log-probs on the trainer's weights
     assert "is the bottleneck" in p.stderr
     assert ctx["server"].info()["pushes"] - before == 2
+
+
+def test_two_zero3_processes_with_the_server_as_the_generator_resume_exactly(ctx):
+    """docs/async.md's torchrun command (ZeRO-3, K = 1, two processes) against the real server, scaled down: each
+    version pushed once (0 and 1 for 3 steps), the staleness and the sync check as for one process; resumed from its
+    step-2 checkpoint, which holds each rank's batch of step 3 (version 1), step 3 trains as uninterrupted."""
+    import shutil
+
+    from tests.e2e.test_async import same_numbers
+    from tests.e2e.test_async import steps as by_step
+    from tests.e2e.test_async_distributed import doc_command
+    from tests.e2e.test_distributed import ZERO3, torchrun
+
+    given = doc_command(server=True)
+    assert given["distributed"] == "zero3" and given["rollout.max_staleness"] == "1"
+    before = ctx["server"].serving().info()["pushes"]
+    run, again = ctx["tmp"] / "async-zero3", ctx["tmp"] / "async-zero3-resumed"
+    words = [f"{k}={v}" for k, v in given.items() if k != "rollout.server.urls"]
+
+    def launch(out, *extra):
+        p = torchrun("-m", "grpo.train", *words, *SCALE, *ZERO3[1:], f"rollout.server.urls=[{ctx['server'].url}]", WAIT,
+                     "trainer.max_steps=3", "trainer.save_every=2", "trainer.keep_last=3", f"trainer.output_dir={out}",
+                     *extra, cwd=ctx["tmp"], timeout=1200)
+        assert p.returncode == 0, p.stderr[-4000:]
+        return p
+
+    launch(run)
+    rows = steps(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["async/staleness_max"] == r["server/version_lag"] == min(1, r["step"] - 1), r
+        assert r["server/sync_logprob_gap"] < 1e-3
+    assert ctx["server"].info()["pushes"] - before == 2  # versions 0 and 1, by rank 0 alone
+    shutil.copytree(run, again, ignore=shutil.ignore_patterns("final"))
+    p = launch(again, f"trainer.resume={again / 'checkpoints' / 'step_2'}")
+    assert "resumed from" in p.stderr
+    same_numbers(by_step(run), by_step(again))
+
+
+def test_two_servers_one_killed_mid_run_and_the_run_goes_on_with_the_other(ctx):
+    first = ctx["server"].serving()
+    port = _free_port()
+    second = Server(port, ctx["tmp"] / "second.log", [w if not w.startswith("rollout.server.port=") else
+                                                      f"rollout.server.port={port}" for w in first.args]).start()
+    try:
+        second.wait()
+        run, last_step = ctx["tmp"] / "two", 40
+        trainer = subprocess.Popen([sys.executable, "-m", "grpo.train", "recipe=quickstart", *SCALE,
+                                    "rollout.backend=server", f"rollout.server.urls=[{first.url},{second.url}]", WAIT,
+                                    f"trainer.output_dir={run}", f"trainer.max_steps={last_step}",
+                                    "rollout.max_staleness=1", "rollout.server.retries=0"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        _wait_for(lambda: len(steps(run)) >= 2 or trainer.poll() is not None, 900, "no second step")
+        second.kill()
+        _, err = trainer.communicate(timeout=900)
+        assert trainer.returncode == 0, err[-4000:]
+        assert f"carrying on with 1 of 2 rollout servers ({first.url})" in err, err[-3000:]
+        rows = steps(run)
+        assert rows[-1]["step"] == last_step and rows[0]["server/servers_up"] == 2
+        assert rows[-1]["server/servers_up"] == 1 and all(r["server/sync_logprob_gap"] < 1e-3 for r in rows)
+    finally:
+        second.kill()

@@ -13,9 +13,9 @@ then on every rank:
 
 Then two steps of the real training loop under ZeRO-3 with the vLLM backend.
 
-Cases run one after another in the same two processes: ZeRO-2, ZeRO-2 with LoRA (merged weights), ZeRO-3 (every
+Cases run one after another in the same two processes: ZeRO-2, ZeRO-2 with LoRA (adapters synced), ZeRO-3 (every
 parameter gathered on its own while it is copied; ``stage3_param_persistence_threshold=0`` partitions even the
-smallest ones), ZeRO-3 with LoRA (a layer's base weight and adapters gathered together, merged, released).
+smallest ones), ZeRO-3 with LoRA (the base weights once, then each sync gathers one layer's A and B at a time).
 Elsewhere than the vLLM environment with deepspeed, skipped, saying why.
 """
 from __future__ import annotations
@@ -76,6 +76,7 @@ def _check_case(out: Path, case: str) -> dict:
     backend = run.sampler.backend.ready()  # what the next rollout does: the optimizer stepped, so the engine syncs
     rec["synced"] = gap(vllm_logprobs_of(backend, prompt, completion), after)
     rec["largest_gather"], rec["params"] = max(gathered), sum(_numel(p) for p in rt.model.parameters())
+    rec["adapters"] = backend.stats()["sync/adapters"]
     got = backend.generate([prompt], 4, Sampling(max_new_tokens=12, temperature=1.0),
                            seed=step_seed(cfg.trainer.seed, rt.rank, 0, 0))
     rec["samples"] = got.ids[0]
@@ -173,6 +174,10 @@ def test_each_rank_engine_gets_the_weights_after_a_zero_step(tmp_path):
     assert z3["largest_gather"] < z3["params"] / 4, z3       # ZeRO-3: one weight at a time, never the model
     assert z3["moved"] == pytest.approx(ranks[0]["zero2"]["moved"], rel=1e-4)  # the same step as ZeRO-2
     assert ranks[0]["zero3-lora"]["moved"] == pytest.approx(ranks[0]["zero2-lora"]["moved"], rel=1e-4)
+    for case in CASES:  # LoRA: the adapters are synced (rollout.vllm.lora_sync=auto), the rest every weight
+        assert [r[case]["adapters"] for r in ranks] == [float(case.endswith("lora"))] * 2, case
+    # ZeRO-3 + LoRA: after the base weights went once, a sync gathers one layer's A and B, never a base weight
+    assert ranks[0]["zero3-lora"]["largest_gather"] < z3["largest_gather"] / 4, (ranks[0]["zero3-lora"], z3)
     for rec in (r["train-zero3"] for r in ranks):
         assert rec["steps"] == 2 and rec["final"], rec
         assert len(rec["diffs"]) == 2 and max(rec["diffs"]) < 1e-4, rec  # step 2 samples the stepped weights

@@ -1,11 +1,13 @@
-"""vision_token_logprobs on tiny:qwen2_5_vl: log-probs and gradients (vision tower included) equal the model's own
-per-sequence forward, in the shared layout (each prompt's images encoded once) and the standard one."""
+"""vision_token_logprobs on every served family (vision_logprobs.VISION_FAMILIES, each a tiny: model): log-probs and
+gradients (vision tower included, trainable or frozen; LoRA on the language model) equal the model's own
+per-sequence forward, in the shared layout (each prompt's images encoded once) and the standard one; planted bugs
+(completion positions not restarting, 1-D positions, image features at per-row slots, deepstack dropped) fail."""
 import random
 
 import pytest
 import torch
 
-from grpo.engine import plan_micro_batches
+from grpo.engine import plan_micro_batches, token_logprobs
 from grpo.engine import vision_logprobs as vl
 from grpo.engine.vision_logprobs import vision_token_logprobs
 from grpo.models import load_image_processor, load_tokenizer, tiny_model
@@ -15,10 +17,18 @@ from grpo.vision.images import encode
 ATOL_LP, ATOL_GRAD = 2e-5, 5e-5
 
 
-@pytest.fixture(scope="module")
-def setup():
-    tok, proc = load_tokenizer("tiny:qwen2_5_vl"), load_image_processor("tiny:qwen2_5_vl")
-    model = tiny_model("qwen2_5_vl", len(tok), seed=0)
+FAMILIES = vl.VISION_FAMILIES
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def setup(request):
+    return _build(request.param)
+
+
+def _build(family):
+    tok, proc = load_tokenizer(f"tiny:{family}"), load_image_processor(f"tiny:{family}")
+    model = tiny_model(family, len(tok), seed=0)
+    assert model.config.model_type == family
     rng = random.Random(0)
 
     def picture(size):
@@ -65,20 +75,60 @@ def _grads(model, logps, weights):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("sizes", [(1, 1, 1), (3, 2, 5)])
-@pytest.mark.parametrize("shared", [True, False])
-def test_logprobs_and_gradients_equal_the_per_sequence_forward(setup, sizes, shared):
-    model, prompts = setup
-    comps = _completions(sizes)
+def _check_grads(model, prompts, comps, shared, tower_trains=True):
     weights = [[torch.randn(len(r), generator=torch.Generator().manual_seed(len(r))) for r in cs] for cs in comps]
     ref = _reference(model, prompts, comps)
     g_ref = _grads(model, ref, weights)
     got = vision_token_logprobs(model, prompts, comps, shared_prefix=shared)
     assert _max_diff(got, ref) < ATOL_LP
     g_got = _grads(model, got, weights)
-    assert set(g_got) == set(g_ref) and any(n.startswith("model.visual") for n in g_got)  # the tower trains too
+    assert set(g_got) == set(g_ref) and g_got
+    assert any(".visual." in n for n in g_got) == tower_trains  # the tower trains too, unless frozen
     for n in g_ref:
         assert torch.allclose(g_got[n], g_ref[n], atol=ATOL_GRAD), n
+
+
+@pytest.mark.parametrize("sizes", [(1, 1, 1), (2, 2, 2), (5, 2, 5)])
+@pytest.mark.parametrize("shared", [True, False])
+def test_logprobs_and_gradients_equal_the_per_sequence_forward(setup, sizes, shared):
+    model, prompts = setup
+    _check_grads(model, prompts, _completions(sizes), shared)
+
+
+def test_a_frozen_tower_gets_no_gradient_and_the_rest_stays_exact(setup):
+    """model.freeze_vision_tower: the tower's grads are None, an optimizer step leaves it unchanged, and the
+    language model's gradients still equal the per-sequence forward's."""
+    from grpo.vision.models import freeze_vision_tower
+
+    model, prompts = setup
+    try:
+        freeze_vision_tower(model)
+        _check_grads(model, prompts, _completions((2, 5, 1)), shared=True, tower_trains=False)
+        tower = {n: p.detach().clone() for n, p in model.model.visual.named_parameters()}
+        assert all(p.grad is None for p in model.model.visual.parameters())
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+        opt.step()
+        assert all(torch.equal(p, tower[n]) for n, p in model.model.visual.named_parameters())
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.model.visual.requires_grad_(True)
+
+
+def test_lora_on_the_language_model_is_exact(setup):
+    """LoRA adapters on the language model's attention (the tower's layers are named qkv/proj, so it keeps its full
+    weights): the adapters' and the tower's gradients equal the per-sequence forward's through the peft model."""
+    import copy
+
+    from grpo.config.schema import LoraConfig
+    from grpo.models import apply_lora
+
+    model, prompts = setup
+    peft_model = apply_lora(copy.deepcopy(model), LoraConfig(enabled=True, r=4, alpha=8))
+    for n, p in peft_model.named_parameters():  # B starts at zero: make the adapters matter
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    assert any("lora_" in n for n, p in peft_model.named_parameters() if p.requires_grad)
+    _check_grads(peft_model, prompts, _completions((2, 1, 5)), shared=True, tower_trains=False)
 
 
 def test_micro_batches_and_entropy(setup):
@@ -108,10 +158,6 @@ def test_vision_tower_runs_once_per_prompt_in_the_shared_layout(setup):
     assert seen == [sum(patches), sum(n * len(cs) for n, cs in zip(patches, comps))]
 
 
-def _planted(monkeypatch, fn):
-    monkeypatch.setattr(vl, "packed_positions", fn)
-
-
 def _cumulative(core, prompts, comps, image_token_id):
     """Planted bug: the second completion continues after the first instead of restarting."""
     parts = []
@@ -134,15 +180,26 @@ def _one_dimensional(core, prompts, comps, image_token_id):
     return torch.cat(parts, dim=1)[:, None, :]
 
 
-@pytest.mark.parametrize("bug", [_cumulative, _one_dimensional])
+def _per_row_slots(layout, prompts, image_token_id):
+    """Planted bug: each prompt's image features put at its image tokens' positions in its own row (as a per-row
+    encoder would), not at their positions in the packed row."""
+    return torch.cat([torch.nonzero(torch.tensor(p.ids) == image_token_id).squeeze(-1) for p in prompts])
+
+
+@pytest.mark.parametrize("bug", [_cumulative, _one_dimensional, _per_row_slots])
 def test_a_wrong_position_restart_is_caught(setup, monkeypatch, bug):
     model, prompts = setup
     comps = _completions((3, 2, 3))
     with torch.no_grad():
         ref = _reference(model, prompts, comps)
         assert _max_diff(vision_token_logprobs(model, prompts, comps), ref) < ATOL_LP
-        _planted(monkeypatch, bug)
-        assert _max_diff(vision_token_logprobs(model, prompts, comps), ref) > 1e-3
+        monkeypatch.setattr(vl, "image_slots" if bug is _per_row_slots else "packed_positions", bug)
+        try:
+            diff = _max_diff(vision_token_logprobs(model, prompts, comps), ref)
+        except RuntimeError as e:  # Qwen3-VL's deepstack: the collided slots are fewer than the features
+            assert "must match the size" in str(e)
+            diff = float("inf")
+        assert diff > 1e-3
 
 
 def test_bad_inputs_say_what_is_wrong(setup):
@@ -157,5 +214,31 @@ def test_bad_inputs_say_what_is_wrong(setup):
         vision_token_logprobs(model, prompts[:1], [[[5]], [[6]]])
     from grpo.models import char_tokenizer, tiny_model
     text_model = tiny_model("qwen2", len(char_tokenizer()))
-    with pytest.raises(ValueError, match="serves qwen2_5_vl models, not 'qwen2'"):
+    served = ", ".join(FAMILIES)
+    with pytest.raises(ValueError, match=f"serves {served} models, not 'qwen2'"):
         vision_token_logprobs(text_model, prompts[:1], [[[5]]])
+
+
+def test_a_family_the_engine_cannot_serve_exactly_is_refused_in_one_line(setup):
+    model, prompts = setup
+    model.config.model_type = "gemma3"  # what the check reads: the family's name
+    try:
+        with pytest.raises(ValueError, match="gemma3 is not served: its image tokens attend to each other "
+                                             f"bidirectionally.*; served: {', '.join(FAMILIES)}$"):
+            vision_token_logprobs(model, prompts[:1], [[[5]]])
+        with pytest.raises(ValueError, match="gemma3 is not served"):  # the trainer's entry point refuses it too
+            token_logprobs(model, prompts[:1], [[[5]]])
+    finally:
+        model.config.model_type = type(model.config).model_type
+
+
+def test_dropping_qwen3_vl_deepstack_features_is_caught(monkeypatch):
+    """Qwen3-VL adds the tower's intermediate features to the image tokens after its first language layers: a shared
+    forward that passes only the final features is wrong."""
+    model, prompts = _build("qwen3_vl")
+    comps = _completions((2, 1, 2))
+    embeddings = vl._embeddings
+    with torch.no_grad():
+        ref = _reference(model, prompts, comps)
+        monkeypatch.setattr(vl, "_embeddings", lambda *a: (embeddings(*a)[0], {}))
+        assert _max_diff(vision_token_logprobs(model, prompts, comps), ref) > 1e-3

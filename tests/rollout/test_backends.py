@@ -94,7 +94,7 @@ def test_the_documented_vllm_commands_are_what_make_test_vllm_runs():
     test_block = re.search(r"```bash\nmake test-vllm\n(.*?)```", text, re.S).group(1).replace("\\\n", " ")
     documented += [[w for w in shlex.split(line) if w != "-q"] for line in test_block.splitlines()
                    if not line.startswith("#")]
-    assert len(documented) == 5
+    assert len(documented) == 7
     for words in documented:
         if words[:3] == ["python3", "-m", "venv"]:  # the Makefile: test -x .venv-vllm/bin/pip || python3 -m venv ...
             assert [w for w in made[0][made[0].index("||") + 1:] if w != "--clear"] == words, made[0]

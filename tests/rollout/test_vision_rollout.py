@@ -1,9 +1,9 @@
-"""generate_with_images on tiny:qwen2_5_vl: each prompt prefilled once with its images, G rows decoded from the
-forked cache at the right 3-D positions: its log-probs are the trainer's, its greedy tokens HF generate's."""
+"""generate_with_images on every served family: each prompt prefilled once with its images, G rows decoded from
+the forked cache at the right 3-D positions: its log-probs are the trainer's, its greedy tokens HF generate's."""
 import pytest
 import torch
 
-from grpo.engine.vision_logprobs import vision_token_logprobs
+from grpo.engine.vision_logprobs import VISION_FAMILIES, vision_token_logprobs
 from grpo.models import load_image_processor, load_tokenizer, tiny_model
 from grpo.rollout import vision as rv
 from grpo.rollout.base import Sampling
@@ -12,10 +12,10 @@ from grpo.tasks import get_task
 from grpo.vision.images import encode
 
 
-@pytest.fixture(scope="module")
-def setup():
-    tok, proc = load_tokenizer("tiny:qwen2_5_vl"), load_image_processor("tiny:qwen2_5_vl")
-    model = tiny_model("qwen2_5_vl", len(tok), seed=0)
+@pytest.fixture(scope="module", params=VISION_FAMILIES)
+def setup(request):
+    tok, proc = load_tokenizer(f"tiny:{request.param}"), load_image_processor(f"tiny:{request.param}")
+    model = tiny_model(request.param, len(tok), seed=0)
     rows = get_task("shapes")(2, seed=0)
     prompts = [encode(r["prompt"], r["images"], tok, proc) for r in rows]
     prompts.append(encode([{"role": "user", "content": "text only"}], [], tok, proc))

@@ -127,3 +127,39 @@ def test_lora_and_multi_turn_episodes_run_on_the_servers_at_a_lag(setup, tmp_pat
     assert got[1]["rollout_is/logp_diff_abs_max"] < 1e-4  # the servers' log-probs: the trainer's own weights
     if name == "multi-turn":
         assert all(m["episode/turns_mean"] > 1 for m in got.values())
+
+
+def test_several_passes_per_batch_lag_by_batches_and_resume_mid_batch_exactly(setup, tmp_path):
+    """``algorithm.num_iterations=2`` at K = 1: a batch at steps 1, 3, 5, sampled with versions 0, 0, 2 (the lag
+    counts batches); both passes log the batch's staleness and the servers' lag; only versions 0 and 2 are pushed.
+    A checkpoint after step 3 (between the two passes over its batch) holds that batch and the one in flight (step
+    5, version 2): the resume trains steps 4-6 as the uninterrupted run did."""
+    from omegaconf import OmegaConf
+
+    from grpo.config.schema import load
+
+    make, servers = setup
+    out = tmp_path / "mu2"
+
+    def passes(out, **trainer):
+        base = OmegaConf.structured(make(out, 1, max_steps=6, save_every=3, **trainer))
+        return load(OmegaConf.to_container(OmegaConf.merge(base, {"algorithm": {"num_iterations": 2}}), resolve=True))
+
+    fit(passes(out))
+    got = steps(out)
+    first = {t: t - (t - 1) % 2 for t in got}  # the step a batch's first pass trains at
+    assert [m["async/version"] for m in got.values()] == [sampled_with(first[t], 1, 2) for t in got] == [0, 0, 0, 0,
+                                                                                                           2, 2]
+    for t, m in got.items():
+        assert m["async/staleness_max"] == m["server/version_lag"] == first[t] - 1 - m["async/version"], t
+        assert m["server/sync_logprob_gap"] < 1e-5
+    assert all(s.received == 2 for s in servers)  # versions 0 and 2, each pushed once
+    ckpt = tmp_path / "step_3"
+    shutil.copytree(out / "checkpoints" / "step_3", ckpt)
+    assert {s: g.version for s, g in checkpoint.load_state(ckpt)["in_flight"]["batches"].items()} == {5: 2}
+    _clear(servers)
+    fit(passes(tmp_path / "resumed", resume=str(ckpt)))
+    resumed = steps(tmp_path / "resumed")
+    assert sorted(resumed) == [4, 5, 6]
+    same_numbers({t: got[t] for t in resumed}, resumed)
+    assert not _asked(servers)  # step 4 is the checkpoint's batch's second pass, step 5's batch was in flight

@@ -8,20 +8,11 @@ from omegaconf import OmegaConf
 from grpo.config.schema import load
 from grpo.models import tiny_model
 from grpo.trainer.loop import fit
-from tests.helpers import compose_recipe
+from tests.helpers import compose_recipe, count_tower_patches
 
 
 def test_vlm_smoke_trains_and_evaluates_with_each_prompts_images_encoded_once(tmp_path, monkeypatch):
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as q
-
-    patches = []
-    forward = q.Qwen2_5_VisionTransformerPretrainedModel.forward
-
-    def counted(self, hidden_states, *args, **kwargs):
-        patches.append(hidden_states.shape[0])
-        return forward(self, hidden_states, *args, **kwargs)
-
-    monkeypatch.setattr(q.Qwen2_5_VisionTransformerPretrainedModel, "forward", counted)
+    patches = count_tower_patches(monkeypatch)
     out = tmp_path / "run"
     cfg = compose_recipe("vlm-smoke", [f"trainer.output_dir={out}", "data.num_eval=2"])
     summary = fit(load(OmegaConf.to_container(cfg, resolve=True)))
@@ -62,3 +53,36 @@ def test_vlm_smoke_with_lora_trains_the_language_model_and_leaves_the_tower(tmp_
     assert torch.equal(final["model.visual.blocks.0.attn.qkv.weight"], start["model.visual.blocks.0.attn.qkv.weight"])
     assert not torch.equal(final["model.language_model.layers.0.self_attn.q_proj.weight"],
                            start["model.language_model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_vlm_smoke_trains_qwen3_5_with_a_frozen_tower(tmp_path):
+    """`grpo-train recipe=vlm-smoke model.name_or_path=tiny:qwen3_5 model.freeze_vision_tower=true`: Qwen3.5 with
+    vision (a hybrid language model) trains through the image rollout and engine; the tower stays as seeded."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    out = tmp_path / "run"
+    cfg = compose_recipe("vlm-smoke", [f"trainer.output_dir={out}", "model.name_or_path=tiny:qwen3_5",
+                                       "model.freeze_vision_tower=true", "trainer.max_steps=1"])
+    fit(load(OmegaConf.to_container(cfg, resolve=True)))
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in rows] == [1] and rows[0]["grad_norm"] > 0
+    final = Qwen3_5ForConditionalGeneration.from_pretrained(out / "final").state_dict()
+    start = tiny_model("qwen3_5", 104, seed=cfg.trainer.seed).state_dict()
+    tower = [n for n in start if ".visual." in n]
+    assert tower and all(torch.equal(final[n], start[n]) for n in tower)
+    assert not torch.equal(final["model.language_model.layers.1.self_attn.q_proj.weight"],
+                           start["model.language_model.layers.1.self_attn.q_proj.weight"])
+
+
+def test_vlm_smoke_samples_ahead_with_images(tmp_path):
+    """rollout.max_staleness=1 with images on the hf backend: the generator process receives the image prompts
+    (pickled with their pixels) and samples one version behind from step 2 on; at step 1 (the same version) its
+    log-probs are the trainer's, so the images reached it."""
+    out = tmp_path / "run"
+    cfg = compose_recipe("vlm-smoke", [f"trainer.output_dir={out}", "rollout.max_staleness=1", "trainer.max_steps=3"])
+    fit(load(OmegaConf.to_container(cfg, resolve=True)))
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1]
+    assert rows[0]["rollout_is/logp_diff_abs_max"] < 1e-4 < rows[1]["rollout_is/logp_diff_abs_max"]
+    assert all(r["grad_norm"] > 0 for r in rows)

@@ -7,23 +7,41 @@
    ids), sent concurrently, a whole group on one server (`ServerPool.pick`); token ids and the sampler's
    log-probs come back. Every group records the weight version that produced it (`Completions.versions`).
 3. **Sync** after every optimizer step (or every ``sync_every``): rank 0 streams the weights (each gathered on
-   its own under ZeRO-3, LoRA merged: `grpo.rollout.vllm.hf_weights`) through the gloo channel
+   its own under ZeRO-3, LoRA merged: `grpo.rollout.weights.hf_weights`; or the base weights once and then each
+   version's adapters: `grpo.rollout.server.adapters`) through the gloo channel
    (`grpo.runtime.transfer`) into the server's in-place ``reload_weights`` (``grpo_receive``), or vLLM's nccl
    transfer on GPUs (`grpo.rollout.server.nccl`); then ``/reset_prefix_cache`` and ``/update_weight_version``.
 4. **Check** the sync: the server's prompt log-probs of a fixed sequence against the trainer's own; a gap above
    ``sync_check_tol`` stops the run with one line (a server sampling from stale weights would look plausible).
+5. **Faults**: every push labels the weights ``VERSION@RUN`` (``RUN`` a random id of this backend); after every
+   call's groups have come back each server that answered one is asked its label (``GET /weight_info``), so a
+   server that restarted (its label gone) or that another trainer took over is never trained against with other
+   weights. A server that stops answering (refused, reset, past ``request_timeout_s``), fails its push or its
+   check, or restarted is dropped from the pool (`ServerPool.drop`, said once, ``server/servers_up``) and its
+   groups are asked again of the others, with the same seeds; the last server's loss stops the run in one line.
 """
 from __future__ import annotations
 
-import threading
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from grpo.rollout.base import Completions, Sampling, cut_at_eos
-from grpo.rollout.server.client import ServerError, ServerPool, group_request, parse_group, prompt_logprobs
-from grpo.rollout.vllm import hf_weights
+from grpo.rollout.base import Completions, Sampling, cut_at_eos, trainer_logprobs
+from grpo.rollout.lora_sync import Adapter, adapter_state
+from grpo.rollout.server.adapters import ServerAdapters, connect_adapters
+from grpo.rollout.server.client import (
+    RESUME,
+    ServerDown,
+    ServerError,
+    ServerPool,
+    group_request,
+    parse_group,
+    prompt_logprobs,
+)
+from grpo.rollout.server.gloo import GlooTransfer
+from grpo.rollout.weights import as_they_are, hf_weights
 
 MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "intermediate_size")
@@ -37,19 +55,28 @@ def model_facts(config) -> dict:
 class ServerBackend:
     def __init__(self, model, pool: ServerPool, *, model_name: str, facts: dict, eos_ids: list[int],
                  max_model_len: int, check_ids: list[int], tol: float = 1e-3, sync_every: int = 1,
-                 transfer=None, full_weights=None, rank: int = 0, barrier=None, all_max=None, device="cpu"):
+                 transfer=None, full_weights=None, rank: int = 0, barrier=None, all_max=None, device="cpu",
+                 lora_sync: str = "auto", lora_keep: int = 1):
         """``transfer``: the weight sender (`GlooTransfer`, `grpo.rollout.server.nccl.NCCLTransfer`), None on a
         rank that does not send. ``barrier``/``all_max``: the runtime's collectives (several training processes:
-        every rank syncs, rank 0 sends); ``facts``: `model_facts` of the trainer's model."""
+        every rank syncs, rank 0 sends); ``facts``: `model_facts` of the trainer's model; ``lora_sync``,
+        ``lora_keep``: LoRA's sync (rollout.vllm.lora_sync) and the adapter versions kept resident."""
         self.pool, self.model_name, self.eos_ids = pool, model_name, list(eos_ids)
         self.check_ids, self.tol, self.sync_every = list(check_ids), tol, sync_every
         self.transfer, self.full_weights, self.rank = transfer, full_weights, rank
         self.barrier, self.all_max, self.device = barrier or (lambda: None), all_max, device
         self.version: int | None = None     # the weight version the servers hold (None: not pushed yet)
-        self.metrics: dict[str, float] = {}  # this step's sync: its time, the version lag, the check's gap
+        self.urls = [s.url for s in pool.servers]  # the run's servers, dropped or not (every rank names them all)
+        # in every label, so weights another trainer pushed never pass as ours; one id for all ranks (the largest draw)
+        token = float(secrets.randbelow(2 ** 48))
+        self.run_id = f"{int(all_max({'run_id': token})['run_id'] if all_max else token):012x}"
+        self.metrics: dict[str, float] = {"server/servers_up": float(len(pool.servers))}
         pool.wait_until_up()
         for s in pool.servers:
             check_server(s, model_name, facts, max_model_len)
+        self.adapters: ServerAdapters | None = connect_adapters(
+            model, pool.servers, lora_sync, lora_keep, gloo=isinstance(transfer, GlooTransfer) or transfer is None,
+            say=pool.say)
         if transfer is not None:
             transfer.connect(pool.servers)
 
@@ -65,24 +92,56 @@ class ServerBackend:
             self.metrics["time/sync_s"] = 0.0
             return
         t0 = time.time()
-        self.push(hf_weights(model, self.full_weights) if self.full_weights else hf_weights(model), v)
+        self.push(self.weights(model), v)
         self.metrics.update({"time/sync_s": time.time() - t0, "server/version_lag": 0.0})
         self.check(model)
+
+    def weights(self, model):
+        """What a push of ``model`` sends: its adapter (`Adapter`), after the base weights have gone once (pushed
+        here), or every weight (LoRA merged) as a stream."""
+        kw = {"full_weights": self.full_weights} if self.full_weights else {}
+        if self.adapters is None:
+            return hf_weights(model, **kw)
+        if not self.adapters.base_loaded:
+            self.push(hf_weights(model, merge=False, **kw), self.version if self.version is not None else -1)
+            self.adapters.base_loaded = True
+        return adapter_state(model, self.full_weights or as_they_are)
+
+    def served(self) -> str:
+        """The model name requests give: the adapter of the version the servers hold, or the base model."""
+        if self.adapters is None or self.version is None:
+            return self.model_name
+        return self.adapters.served(self.model_name, self.version)
 
     def stats(self) -> dict[str, float]:
         """This step's sync (`sync_weights`: its time and version lag) and the last sync check's gap."""
         return dict(self.metrics)
 
+    def label(self, version: int | None) -> str:
+        """What a server reports (``/weight_info``) once it holds ``version`` of this run's weights."""
+        return f"{version}@{self.run_id}"
+
     def push(self, weights, version: int) -> None:
         """Stream ``weights`` ((HF name, tensor) pairs) into every server and label them ``version``. The
         asynchronous generator (`grpo.rollout.server.generator_thread`) calls it with a snapshot, then `check` with the
-        trainer's log-probs of that snapshot."""
+        trainer's log-probs of that snapshot. A server that loses its push is dropped (every rank drops it)."""
+        if isinstance(weights, Adapter):
+            self.metrics.update({"sync/bytes": float(weights.nbytes), "sync/adapters": 1.0})
+            failed: dict[str, str] = {}
+            if self.transfer is not None:
+                failed = self.adapters.push(weights, version, self.transfer, self.pool.servers, self.model_name)
+                failed.update(self._label(version, [s for s in self.pool.servers if s.url not in failed],
+                                          prefix_cache=False))
+            self.barrier()
+            self._drop_everywhere(failed, "failed its adapter push")
+            self.version = version
+            return
+        weights = _counted(weights, self.metrics)
+        failed = {}
         try:
             if self.transfer is not None:
-                self.transfer.send(weights, self.pool.servers)
-                for s in self.pool.servers:
-                    s.post("/reset_prefix_cache")  # cached prompt K/V belong to the old weights
-                    s.post("/update_weight_version", {"new_version": str(version)})
+                failed = dict(self.transfer.send(weights, self.pool.servers))
+                failed.update(self._label(version, [s for s in self.pool.servers if s.url not in failed]))
             else:  # another rank sends; ZeRO-3 gathers each weight on every rank together
                 for _ in weights:
                     pass
@@ -90,30 +149,65 @@ class ServerBackend:
             if hasattr(weights, "close"):
                 weights.close()
         self.barrier()  # no rank samples before rank 0's push is done
+        self._drop_everywhere(failed, "failed its weight push")
         self.version = version
+
+    def _label(self, version: int, servers, prefix_cache: bool = True) -> dict[str, str]:
+        """Label ``servers``' weights ``version`` (and drop their cached prompt K/V, which belong to the old
+        weights; an adapter version has its own cache); returns {url: why} of those that went down meanwhile."""
+        failed = {}
+        for s in servers:
+            try:
+                if prefix_cache:
+                    s.post("/reset_prefix_cache")
+                s.post("/update_weight_version", {"new_version": self.label(version)})
+            except ServerDown as e:
+                failed[s.url] = str(e)
+        return failed
+
+    def _drop_everywhere(self, failed: dict[str, str], what: str) -> None:
+        """Drop the servers of ``failed`` ({url: why}, this rank's) on every rank (``what``: said where another
+        rank saw it)."""
+        if self.all_max is not None:
+            agreed = self.all_max({u: float(u in failed) for u in self.urls})
+            failed = {u: failed.get(u, f"rollout server {u} {what} on another rank; {RESUME}")
+                      for u in self.urls if agreed[u] > 0}
+        for url, why in failed.items():
+            self.pool.drop(url, why)
+        self.metrics["server/servers_up"] = float(len(self.pool.servers))
 
     def check(self, model=None, mine: torch.Tensor | None = None) -> float:
         """The largest |log p_server - log p_trainer| over the check sequence's tokens and every server; above
-        ``tol``: `ServerError` (the run stops with one line). ``mine``: the trainer's log-probs of the pushed
-        weights (`trainer_logprobs`) when ``model`` no longer holds them."""
+        ``tol`` on every server: `ServerError` (the run stops with one line); on some of several: those are dropped.
+        ``mine``: the trainer's log-probs of the pushed weights (`trainer_logprobs`) when ``model`` no longer holds
+        them."""
         ids = self.check_ids
         mine = trainer_logprobs(model, ids, self.device) if mine is None else mine
-        gap, worst = 0.0, self.pool.servers[0].url
+        gaps, failed = {}, {}
         for s in self.pool.servers:
-            body = {"model": self.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
+            body = {"model": self.served(), "prompt": ids, "max_tokens": 1, "temperature": 1.0,
                     "prompt_logprobs": 0, "return_token_ids": True}
-            theirs = torch.tensor(prompt_logprobs(s.post("/v1/completions", body), ids))
+            try:
+                theirs = torch.tensor(prompt_logprobs(s.post("/v1/completions", body), ids))
+            except ServerDown as e:
+                failed[s.url] = str(e)
+                continue
             g = float((theirs - mine).abs().max()) if len(theirs) else 0.0
-            if g != g or g > gap:  # NaN counts as the worst
-                gap, worst = (float("inf") if g != g else g), s.url
+            gaps[s.url] = float("inf") if g != g else g  # NaN counts as the worst
         if self.all_max is not None:
-            gap = self.all_max({"gap": gap})["gap"]
+            theirs = self.all_max({u: gaps.get(u, 0.0) for u in self.urls})
+            gaps = {u: theirs[u] for u in gaps}
+        bad = {u: g for u, g in gaps.items() if g > self.tol}
+        for url, g in bad.items():
+            failed[url] = (f"weight sync check failed: rollout server {url} scores the check sequence {g:.3g} away "
+                           f"from the trainer (rollout.server.sync_check_tol={self.tol:g}) after pushing weight "
+                           f"version {self.version}: it does not sample from the trainer's policy")
+        if bad and len(bad) == len(gaps):  # no server agrees with the trainer: the trainer's side is suspect
+            self.metrics["server/sync_logprob_gap"] = max(bad.values())
+            raise ServerError(failed[max(bad, key=bad.get)])
+        self._drop_everywhere(failed, "failed the weight sync check")
+        gap = max((g for u, g in gaps.items() if u not in bad), default=0.0)
         self.metrics["server/sync_logprob_gap"] = gap
-        if gap > self.tol:
-            raise ServerError(f"weight sync check failed: rollout server {worst} scores the check sequence "
-                              f"{gap:.3g} away from the trainer (rollout.server.sync_check_tol={self.tol:g}) after "
-                              f"pushing weight version {self.version}: it does not sample from the trainer's "
-                              "policy")
         return gap
 
     # ------------------------------------------------------------------------------------ sampling
@@ -125,10 +219,9 @@ class ServerBackend:
             flat = [[g[0] for g in x] for x in (out.ids, out.truncated, out.logprobs)]
             return Completions(*(regroup(x, suffixes) for x in flat), versions=[self.version] * len(prompt_ids))
         # one seed per group: the server seeds a group's G samples seed, seed + 1, ...
-        bodies = [group_request(self.model_name, p, group_size, sampling, self.eos_ids,
+        bodies = [group_request(self.served(), p, group_size, sampling, self.eos_ids,
                                 None if seed is None else seed + i * group_size) for i, p in enumerate(prompt_ids)]
-        with ThreadPoolExecutor(max_workers=max(1, min(len(bodies), 64))) as ex:
-            answers = list(ex.map(self._one_group, bodies))
+        answers = self._all_groups(bodies)
         ids, truncated, logps = [], [], []
         for toks, lps in answers:
             gi, gt, gl = [], [], []
@@ -142,12 +235,53 @@ class ServerBackend:
             logps.append(gl)
         return Completions(ids, truncated, logps, versions=[self.version] * len(prompt_ids))
 
+    def _all_groups(self, bodies: list[dict]) -> list:
+        """Every group's answer, each from a server that held this run's current weights when it answered: the
+        servers that answered are asked their label afterwards, and the groups of one that restarted (or was taken
+        over) are asked again of the others, as are those of a server that stopped answering."""
+        answers: list = [None] * len(bodies)
+        todo = list(range(len(bodies)))
+        while todo:
+            with ThreadPoolExecutor(max_workers=max(1, min(len(todo), 64))) as ex:
+                got = list(ex.map(lambda i: self._one_group(bodies[i]), todo))
+            by = {}
+            for i, (url, answer) in zip(todo, got):
+                answers[i] = answer
+                by.setdefault(url, []).append(i)
+            wrong = self._relabelled(list(by))
+            for url, why in wrong.items():
+                self.pool.drop(url, why)
+            self.metrics["server/servers_up"] = float(len(self.pool.servers))
+            todo = sorted(i for url in wrong for i in by[url])
+        return answers
+
+    def _relabelled(self, urls: list[str]) -> dict[str, str]:
+        """{url: why} of the servers among ``urls`` that no longer hold this run's current weights."""
+        if self.version is None:  # nothing pushed yet (a backend used before its first sync)
+            return {}
+        want, out = self.label(self.version), {}
+        for s in [s for s in self.pool.servers if s.url in urls]:
+            try:
+                held = (s.get("/weight_info") or {}).get("weight_version")
+            except ServerDown as e:
+                out[s.url] = str(e)
+                continue
+            if held != want:
+                out[s.url] = (f"rollout server {s.url} restarted or was taken over: it holds weights {held!r}, not "
+                              f"this run's version {want!r}, so its samples were not used; {RESUME}")
+        return out
+
     def _one_group(self, body: dict):
-        s = self.pool.pick()
-        try:
-            return parse_group(s.post("/v1/completions", body))
-        finally:
-            self.pool.done(s)
+        """(the url of the server that answered, its answer); a server that stops answering is dropped and the
+        group asked of another."""
+        while True:
+            s = self.pool.pick()
+            try:
+                return s.url, parse_group(s.post("/v1/completions", body))
+            except ServerDown as e:
+                self.pool.drop(s.url, str(e))
+            finally:
+                self.pool.done(s)
 
     def sleep(self) -> None:  # the servers keep their memory
         pass
@@ -178,85 +312,13 @@ def check_server(server, model_name: str, facts: dict, max_model_len: int) -> No
                           "recipe or a larger rollout.vllm.max_model_len")
 
 
-@torch.no_grad()
-def trainer_logprobs(model, ids: list[int], device="cpu") -> torch.Tensor:
-    """The trainer's log-prob of each token of ``ids`` after the first, at temperature 1 (every rank: a ZeRO-3
-    forward is a collective)."""
-    x = torch.tensor([ids], device=device)
-    logits = model(input_ids=x).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].cpu()
-
-
-class GlooTransfer:
-    """The CPU path: rank 0's gloo channel with every server's worker (`grpo.runtime.transfer.WeightChannel`);
-    ``host``: the address the servers reach this process at."""
-
-    def __init__(self, host: str, timeout_s: float = 300.0):
-        self.host, self.timeout_s, self.channel = host, timeout_s, None
-
-    def _all(self, servers, call):
-        """``call(server)`` on every server in its own thread (each blocks until the channel's collective ends)
-        while this thread takes part; the first error (naming its server) is raised after all have ended."""
-        errors: list[BaseException] = []
-        threads = [threading.Thread(target=lambda s=s: _keep_error(errors, call, s), daemon=True) for s in servers]
-        for t in threads:
-            t.start()
-        return threads, errors
-
-    def connect(self, servers) -> None:
-        import json
-
-        from grpo.runtime.transfer import WeightChannel, free_port
-
-        port = free_port(self.host)
-        spec = {"host": self.host, "port": port, "world_size": 1 + len(servers), "timeout_s": self.timeout_s}
-        threads, errors = self._all(servers, lambda s: s.post("/collective_rpc", {
-            "method": "grpo_join", "args": [json.dumps({**spec, "rank": 1 + servers.index(s)})]}))
-        try:
-            self.channel = WeightChannel(self.host, port, 0, 1 + len(servers), self.timeout_s)
-        except RuntimeError as e:
-            _join(threads, errors)
-            raise ServerError(f"rollout servers {', '.join(s.url for s in servers)} could not join the trainer's "
-                              f"weight channel at {self.host}:{port} ({str(e).splitlines()[0][:120]}); set "
-                              "rollout.server.trainer_host to an address they reach") from None
-        _join(threads, errors)
-
-    def send(self, weights, servers) -> None:
-        threads, errors = self._all(servers, lambda s: _received(s.post("/collective_rpc",
-                                                                         {"method": "grpo_receive"}), s.url))
-        try:
-            self.channel.send(weights)
-        except RuntimeError as e:
-            _join(threads, errors, timeout=10)
-            raise ServerError(f"rollout server {servers[0].url if len(servers) == 1 else 'of ' + str(len(servers))} "
-                              f"lost the weight channel ({str(e).splitlines()[0][:120]}); restart it and resume "
-                              "with trainer.resume=auto") from None
-        _join(threads, errors)
-
-    def close(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
-
-
-def _keep_error(errors: list, call, s) -> None:
+def _counted(weights, metrics: dict):
+    """``weights`` streamed on, their bytes counted into ``metrics`` (sync/bytes) as they pass."""
+    metrics.update({"sync/bytes": 0.0, "sync/adapters": 0.0})
     try:
-        call(s)
-    except BaseException as e:  # noqa: BLE001 - raised in the calling thread
-        errors.append(e)
-
-
-def _join(threads, errors, timeout: float | None = None) -> None:
-    for t in threads:
-        t.join(timeout)
-    if errors:
-        raise errors[0]
-
-
-def _received(answer, url: str) -> None:
-    r = ((answer or {}).get("results") or [{}])[0] or {}
-    if r.get("missing"):
-        raise ServerError(f"rollout server {url}: vLLM parameters the trainer's weights did not fill: "
-                          f"{r['missing'][0][:200]}")
-    if not r.get("received"):
-        raise ServerError(f"rollout server {url} received no weights from the trainer")
+        for name, t in weights:
+            metrics["sync/bytes"] += t.numel() * t.element_size()
+            yield name, t
+    finally:
+        if hasattr(weights, "close"):
+            weights.close()

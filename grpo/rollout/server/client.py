@@ -1,10 +1,13 @@
 """The trainer's HTTP side of the server backend: requests to vLLM's OpenAI-compatible servers, nothing else.
 
-- `Server`: one URL. ``post``/``get`` JSON with a timeout; a request that cannot connect or times out is tried
-  again ``retries`` times (one second apart), then raises `ServerError` naming the URL: one line, no traceback.
-- `ServerPool`: the run's servers. `wait_until_up` polls ``GET /health`` up to ``connect_timeout_s`` (saying once
-  that it waits); `pick` chooses the server of the next group (``round_robin``: in turn; ``least_loaded``: the one
-  with the fewest requests in flight); `group_request` / `parse_group` build one ``POST /v1/completions`` for a
+- `Server`: one URL. ``post``/``get`` JSON with a timeout, the API key as ``Authorization: Bearer`` (vLLM's
+  ``--api-key``); a request that cannot connect or times out is tried again ``retries`` times (one second apart),
+  then raises `ServerDown` naming the URL: one line, no traceback.
+- `ServerPool`: the run's servers. `drop` takes a server that died, hung or restarted out of the pool, saying so
+  once; the last one's loss stops the run (`ServerDown`, one line: which server, what happened, what to do).
+  `wait_until_up` polls ``GET /health`` up to ``connect_timeout_s`` (saying once that it waits); `pick` chooses
+  the server of the next group (``round_robin``: in turn; ``least_loaded``: the one with the fewest requests in
+  flight); `group_request` / `parse_group` build one ``POST /v1/completions`` for a
   whole group (``n = G`` samples from one prompt given as token ids, so the server's prefix cache holds the prompt
   once) and read back token ids and sampling log-probs (no text, no re-tokenization).
 """
@@ -24,6 +27,14 @@ class ServerError(GRPOError, RuntimeError):
     """A rollout server that does not answer, answers an error, or serves something else than the trainer."""
 
 
+class ServerDown(ServerError):
+    """A server that stopped answering (refused, reset, timed out), restarted, or lost its weight channel: with other
+    servers left the run carries on without it (`ServerPool.drop`)."""
+
+
+RESUME = "restart it (grpo-serve with the run's recipe) and resume the run with trainer.resume=auto"
+
+
 def _short(e: Exception) -> str:
     if isinstance(e, urllib.error.HTTPError):
         try:
@@ -35,11 +46,25 @@ def _short(e: Exception) -> str:
     return " ".join(str(reason).split())[:200] or type(e).__name__
 
 
+def _decoded(raw: bytes):
+    """An answer's JSON, its text where it is not JSON (vLLM's LoRA endpoints answer plain text), None if empty."""
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
 class Server:
-    def __init__(self, url: str, timeout_s: float = 600.0, retries: int = 2, retry_wait_s: float = 1.0):
+    def __init__(self, url: str, timeout_s: float = 600.0, retries: int = 2, retry_wait_s: float = 1.0,
+                 api_key: str | None = None):
         self.url = url.rstrip("/")
         self.timeout_s, self.retries, self.retry_wait_s = timeout_s, retries, retry_wait_s
         self.in_flight = 0
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
 
     def request(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None,
                 retries: int | None = None):
@@ -49,18 +74,21 @@ class Server:
         tries = 1 + (self.retries if retries is None else retries)
         for attempt in range(tries):
             req = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+                                         headers=self.headers)
             try:
                 with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as r:
                     raw = r.read()
-                return json.loads(raw) if raw else None
+                return _decoded(raw)
             except urllib.error.HTTPError as e:
+                if e.code == 401:
+                    raise ServerError(f"rollout server {self.url} refused {path}: wrong or missing API key (the "
+                                      "trainer sends $GRPO_SERVER_API_KEY, rollout.server.api_key_env; grpo-serve "
+                                      "must be started with the same)") from None
                 raise ServerError(f"rollout server {self.url} answered {path} with {_short(e)}") from None
             except (OSError, urllib.error.URLError) as e:  # refused, reset, timed out
                 if attempt + 1 == tries:
-                    raise ServerError(f"rollout server {self.url} stopped answering ({path}: {_short(e)}); "
-                                      "restart it (grpo-serve with the run's recipe) and resume the run with "
-                                      "trainer.resume=auto") from None
+                    raise ServerDown(f"rollout server {self.url} stopped answering ({path}: {_short(e)}); "
+                                     f"{RESUME}") from None
                 time.sleep(self.retry_wait_s)
 
     def post(self, path: str, body: dict | None = None, **kw):
@@ -79,11 +107,26 @@ class Server:
 
 class ServerPool:
     def __init__(self, urls: list[str], *, balance: str = "round_robin", timeout_s: float = 600.0, retries: int = 2,
-                 connect_timeout_s: float = 300.0, say=None):
-        self.servers = [Server(u, timeout_s, retries) for u in urls]
+                 connect_timeout_s: float = 300.0, say=None, api_key: str | None = None):
+        self.servers = [Server(u, timeout_s, retries, api_key=api_key) for u in urls]
+        self.started = len(self.servers)  # how many the run started with (`drop` says how many are left)
         self.balance, self.connect_timeout_s = balance, connect_timeout_s
         self.say = say or (lambda msg: print(f"[grpo] {msg}", file=sys.stderr, flush=True))
         self._next, self._lock = 0, threading.Lock()
+
+    def drop(self, url: str, why: str) -> None:
+        """Take the server at ``url`` out of the pool (``why``: one line naming it, what happened and what to do)
+        and say so; the last server's loss raises `ServerDown` with ``why``. Dropping a server already out is a
+        no-op, so every thread that saw it fail may call this."""
+        with self._lock:
+            left = [s for s in self.servers if s.url != url]
+            if len(left) == len(self.servers):
+                return
+            if not left:
+                raise ServerDown(why)
+            self.servers = left
+        self.say(f"{why.split('; ')[0]}: carrying on with {len(left)} of {self.started} rollout servers "
+                 f"({', '.join(s.url for s in left)})")
 
     def wait_until_up(self, poll_s: float = 1.0) -> None:
         """Every server answers ``/health`` within ``connect_timeout_s`` (one line saying so while waiting)."""

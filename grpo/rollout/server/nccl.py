@@ -2,13 +2,29 @@
 
 Nothing here is ours but the glue: vLLM's trainer-side `NCCLTrainerWeightTransferEngine` does the rendezvous and
 the (packed) broadcast; `HTTPWeightSyncClient` is the four-call control plane it expects
-(``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``), and
-`HFSource` hands it the trainer's weights under the Hugging Face names (`grpo.rollout.vllm.hf_weights`: ZeRO-3
-gathered one at a time, LoRA merged). The server must be started with ``--weight-transfer-config
-'{"backend": "nccl"}'`` (grpo-serve does so on CUDA). NOT RUN on this project's machines (no GPU): written
-against vLLM 0.32's interfaces, to be exercised by ``scripts/bench_gpu.sh``'s server case.
+(``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, each with
+the API key: grpo-serve's guard wants it there), and `StreamSource` is the `WeightSource` it reads.
+
+**What the engine reads: the stream it is handed, never the live model.** vLLM's engine iterates its source
+itself, during ``send_weights``. Our source is fed, before each send, the very stream the gloo path gets: in the
+synchronous loop the trainer's weights between two steps (`grpo.rollout.weights.hf_weights`: ZeRO-3 gathered one at a
+time, LoRA merged; nothing trains during the push), in the asynchronous one the host snapshot `ServerGenerator.publish`
+took of version v (the optimizer goes on with v+1 while it is sent, and cannot change what is sent). Each tensor is
+copied to this rank's GPU as the engine reaches it, so a snapshot costs host memory only, one tensor at a time on the
+GPU. The parameter list vLLM sizes its receive buffers from (``metadata()``) is the first stream's names, dtypes and
+shapes (the first push holds that stream's tensors at once: the whole model, once); it never changes in a run and
+vLLM checks every later stream against it.
+
+One engine (one nccl group, ``1 + tensor_parallel_size`` ranks) per server: a server that dies fails only its own
+send, and the backend drops it (`grpo.rollout.server.backend.ServerBackend.push`). With several servers each stream
+is held whole for the time of the push (a snapshot's tensors, or the synchronous stream's). The server must be started
+with ``--weight-transfer-config '{"backend": "nccl"}'`` (grpo-serve does so on CUDA). Not run on this project's CPU
+machines: written against vLLM 0.32's interfaces, unit-tested with a fake engine (tests/rollout/server/test_nccl.py),
+exercised by ``scripts/bench_gpu.sh``'s server case.
 """
 from __future__ import annotations
+
+from grpo.rollout.server.client import RESUME, ServerError
 
 
 class HTTPWeightSyncClient:
@@ -30,57 +46,100 @@ class HTTPWeightSyncClient:
         self.server.post("/finish_weight_update", {"weight_version": weight_version})
 
 
-def hf_source(model, full_weights):
-    """A vLLM `WeightSource` over the trainer's weights; its metadata comes from one pass, made once."""
+class StreamSource:
+    """A re-fed `WeightSource`: ``feed(pairs)`` before each send; iteration yields those pairs, each on ``device``.
+    (vLLM's abstract base is mixed in by `vllm_source`, so this class needs no vLLM.)"""
+
+    def __init__(self, device, meta_of=None):
+        self.device, self.meta_of, self.meta, self.pairs = device, meta_of, None, ()
+
+    def feed(self, pairs) -> None:
+        if self.meta is None:  # the first stream: held whole once, to declare what every stream holds
+            pairs = list(pairs)
+            self.meta = [self.meta_of(n, t) if self.meta_of else (n, t.dtype, tuple(t.shape)) for n, t in pairs]
+        self.pairs = pairs
+
+    def metadata(self):
+        return self.meta
+
+    def __iter__(self):
+        pairs, self.pairs = self.pairs, ()  # one pass per feed: a stream is read once
+        for name, t in pairs:
+            yield name, t.detach().to(self.device)
+
+
+def vllm_source(device) -> StreamSource:
+    """A `StreamSource` that is vLLM's `WeightSource` (its metadata vLLM's `ParamMeta`)."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-    from grpo.rollout.vllm import hf_weights
+    class Source(StreamSource, WeightSource):
+        pass
 
-    class HFSource(WeightSource):
-        def __init__(self):
-            self._meta = None
+    return Source(device, meta_of=lambda n, t: ParamMeta(n, t.dtype, tuple(t.shape)))
 
-        def metadata(self):
-            if self._meta is None:
-                self._meta = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in hf_weights(model, full_weights)]
-            return self._meta
 
-        def __iter__(self):
-            return hf_weights(model, full_weights)
+def vllm_engine(host: str, port: int, world_size: int, client, source):
+    """vLLM's trainer-side nccl engine, rendezvoused with one server (this process rank 0, its workers 1..tp)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-    return HFSource()
+    info = NCCLTrainerInitInfo(master_address=host, master_port=port, world_size=world_size, rank=0)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
 class NCCLTransfer:
-    """One server (tensor-parallel ``tp``) fed by vLLM's nccl engine; rank 0 of the trainer sends. ``send`` gets the
-    model through `bind` (vLLM's engine iterates its source itself)."""
+    """Rank 0's nccl engines, one per server of ``tp`` GPUs. ``engine`` and ``source`` (vLLM's by default) are
+    where a test puts fakes."""
 
-    def __init__(self, host: str, tp: int, rank: int = 0):
-        self.host, self.tp, self.rank, self.engine, self.model, self.full_weights = host, tp, rank, None, None, None
-
-    def bind(self, model, full_weights) -> None:
-        self.model, self.full_weights = model, full_weights
+    def __init__(self, host: str, tp: int, device="cuda", engine=vllm_engine, source=vllm_source):
+        self.host, self.tp, self.device = host, tp, device
+        self.make_engine, self.make_source = engine, source
+        self.engines: dict = {}  # url -> (engine, source)
 
     def connect(self, servers) -> None:
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-        from grpo.rollout.server.client import ServerError
         from grpo.runtime.transfer import free_port
 
-        if len(servers) != 1:
-            raise ServerError("rollout.server.weight_transfer=nccl feeds one server; give one URL in "
-                              "rollout.server.urls (or use gloo)")
-        info = NCCLTrainerInitInfo(master_address=self.host, master_port=free_port(self.host),
-                                   world_size=1 + self.tp, rank=self.rank)
-        self.engine = WeightTransferTrainerFactory.trainer_init(
-            info, client=HTTPWeightSyncClient(servers[0]), source=hf_source(self.model, self.full_weights))
+        for s in servers:
+            source = self.make_source(self.device)
+            port = free_port(self.host)
+            try:
+                engine = self.make_engine(self.host, port, 1 + self.tp, HTTPWeightSyncClient(s), source)
+            except Exception as e:  # noqa: BLE001 - vLLM's rendezvous errors are many; one line names the server
+                if isinstance(e, ServerError):
+                    raise
+                raise ServerError(f"rollout server {s.url} could not join the trainer's nccl weight transfer at "
+                                  f"{self.host}:{port} ({_line(e)}); start it with grpo-serve on CUDA and set "
+                                  "rollout.server.trainer_host to an address it reaches") from None
+            self.engines[s.url] = (engine, source)
 
-    def send(self, weights, servers) -> None:
-        weights.close()  # the engine iterates its own source
-        self.engine.send_weights()
+    def send(self, weights, servers) -> dict[str, str]:
+        """Send ``weights`` to every server through its engine; returns {url: why} of those whose send failed."""
+        live = [s for s in servers if s.url in self.engines]
+        if len(live) > 1:
+            weights = list(weights)  # each engine reads the stream once
+        failed: dict[str, str] = {}
+        for s in live:
+            engine, source = self.engines[s.url]
+            source.feed(weights)
+            try:
+                engine.send_weights()
+            except Exception as e:  # noqa: BLE001 - the group is unusable after any failure: that server is lost
+                failed[s.url] = str(e) if isinstance(e, ServerError) else (
+                    f"rollout server {s.url} lost its nccl weight transfer during a push ({_line(e)}); {RESUME}")
+                self._shut(s.url)
+        return failed
+
+    def _shut(self, url: str) -> None:
+        engine, _ = self.engines.pop(url)
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - a broken group may fail to close; it is dropped either way
+            pass
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+        for url in list(self.engines):
+            self._shut(url)
+
+
+def _line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}" if str(e) else type(e).__name__

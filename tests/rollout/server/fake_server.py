@@ -8,6 +8,12 @@ ones (the silent failure the sync check exists for). Generation is canned: ``n``
 seed added to the first one), each token's log-prob -0.5; with ``vocab`` (a training run) the first token is taken
 modulo it and the log-probs are the held model's. Every request body is recorded in ``requests``, and each
 answered request in ``spans`` as (path, body, start, end, the weight version held at its start).
+
+Faults: ``kill()`` (the process gone: no answers, its weight channel closed), ``restart()`` (up again at the same
+URL with other weights, no channel and no weight label, as a fresh vLLM), ``die_after`` tensors of a push (the
+server dies half way through receiving), ``kill_after`` generation requests (it dies mid-run), ``api_key``
+(every path but ``/health`` wants it as a bearer token, as grpo-serve's server does, and the weight channel's
+handshake proves it; ``channel_key``: another key for the channel only).
 """
 from __future__ import annotations
 
@@ -22,7 +28,8 @@ import torch
 class FakeServer:
     def __init__(self, model=None, name: str = "tiny:llama", max_model_len: int = 256, stale: bool = False,
                  tokens=(5, 6, 7), delay_s: float = 0.0, drop_first: int = 0, facts: dict | None = None,
-                 vocab: int | None = None):
+                 vocab: int | None = None, api_key: str | None = None, die_after: int | None = None,
+                 kill_after: int | None = None, channel_key: str | None = None):
         self.model, self.name, self.max_model_len, self.stale = model, name, max_model_len, stale
         self.tokens, self.delay_s, self.drop_first = list(tokens), delay_s, drop_first
         self.facts, self.vocab = facts, vocab  # vocab: the first token is taken modulo it (a training run's seeds)
@@ -30,6 +37,9 @@ class FakeServer:
         self.spans: list[tuple[str, dict, float, float, str]] = []
         self.version, self.channel, self.received = "default", None, 0
         self.lock = threading.Lock()
+        self.api_key, self.die_after, self.dead, self.stopped = api_key, die_after, False, False
+        self.kill_after = kill_after  # generation requests answered before the server dies
+        self.channel_key = api_key if channel_key is None else channel_key  # what its weight channel proves
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -53,12 +63,44 @@ class FakeServer:
         return self
 
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        if not self.stopped:
+            self.stopped = self.dead = True
+            self.httpd.shutdown()
+            self.httpd.server_close()
+
+    def kill(self) -> None:
+        """The server's process gone: the port refuses, its channel's sockets close."""
+        self.stop()
+        self._drop_channel()
+
+    def restart(self, model=None) -> None:
+        """A fresh server at the same URL: other weights (``model``), no trainer joined, no weight label."""
+        self._drop_channel()
+        with self.lock:
+            self.model = model if model is not None else self.model
+            self.version = None
+
+    def _drop_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
     # ------------------------------------------------------------------------------------ answers
     def _answer(self, h, method: str, body):
+        if self.api_key and h.path != "/health" and h.headers.get("Authorization") != f"Bearer {self.api_key}":
+            h.send_response(401)
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return
         with self.lock:
+            if self.kill_after is not None and h.path == "/v1/completions" and "n" in (body or {}):
+                if self.kill_after == 0:
+                    self.dead = True
+                self.kill_after -= 1
+            if self.dead:  # gone: the connection drops unanswered
+                h.close_connection = True
+                threading.Thread(target=self.kill, daemon=True).start()
+                return
             self.requests.append((h.path, body))
             if self.drop_first > 0:  # a connection reset before any answer
                 self.drop_first -= 1
@@ -68,7 +110,18 @@ class FakeServer:
         t0, held = time.monotonic(), self.version
         if self.delay_s:
             time.sleep(self.delay_s)
-        out = self._route(h.path, body)
+        try:
+            out = self._route(h.path, body)
+        except Exception as e:  # noqa: BLE001 - answered as vLLM does: HTTP 500 with the error; a dead one hangs up
+            if self.dead:
+                h.close_connection = True
+                return
+            data = json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
+            h.send_response(500)
+            h.send_header("Content-Length", str(len(data)))
+            h.end_headers()
+            h.wfile.write(data)
+            return
         with self.lock:
             self.spans.append((h.path, body, t0, time.monotonic(), held))
         data = json.dumps(out).encode()
@@ -88,6 +141,8 @@ class FakeServer:
         if path == "/update_weight_version":
             self.version = body["new_version"]
             return {"success": True}
+        if path == "/weight_info":
+            return {"weight_version": self.version}
         if path == "/v1/completions":
             return self._completions(body)
         return {}
@@ -102,11 +157,21 @@ class FakeServer:
         from grpo.runtime.transfer import WeightChannel
 
         s = json.loads(spec)
-        self.channel = WeightChannel(s["host"], s["port"], s["rank"], s["world_size"], s["timeout_s"])
+        channel = WeightChannel(s["host"], s["port"], s["rank"], s["world_size"], s["timeout_s"])
+        if not channel.handshake(self.channel_key or ""):
+            raise PermissionError("the trainer did not present this server's API key")
+        self.channel = channel
         return {"joined": True}
 
     def _rpc_grpo_receive(self):
-        weights = dict(self.channel.receive())
+        if self.channel is None:
+            raise RuntimeError("no trainer has joined this server's weight channel")
+        weights = {}
+        for name, t in self.channel.receive():
+            weights[name] = t
+            if self.die_after is not None and len(weights) >= self.die_after:
+                self.kill()  # half way through the stream: nothing is loaded
+                raise ConnectionAbortedError("killed during a push")
         self.received += 1
         if not self.stale:
             weights = {k: v for k, v in weights.items() if k in self.model.state_dict()}

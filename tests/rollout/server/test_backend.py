@@ -1,13 +1,16 @@
 """The server backend against an in-process fake server that holds a real tiny model (no vLLM): the weights go
 through the real gloo channel, versions are recorded, the sync check passes on a synced server and stops a stale
 one, a server of another model or a shorter max length is refused at connect."""
+import copy
+
 import pytest
 import torch
 
 from grpo.models import char_tokenizer, tiny_model
 from grpo.rollout.base import Sampling
-from grpo.rollout.server.backend import GlooTransfer, ServerBackend, model_facts
+from grpo.rollout.server.backend import ServerBackend, model_facts
 from grpo.rollout.server.client import ServerError, ServerPool
+from grpo.rollout.server.gloo import GlooTransfer
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
 CHECK = [1, 40, 41, 42, 43, 44, 45]
@@ -35,13 +38,13 @@ def test_weights_pushed_at_connect_and_after_a_step_with_their_version(tok, fake
     fake = fakes(model=tiny_model("llama", len(tok), seed=2, **TINY))  # other weights until the first push
     b = _backend(trainer, [fake])
     b.sync_weights(trainer, 0)
-    assert fake.received == 1 and fake.version == "0" and b.version == 0
+    assert fake.received == 1 and fake.version == b.label(0) == f"0@{b.run_id}" and b.version == 0
     assert b.stats()["server/sync_logprob_gap"] < 1e-5
     for name, t in trainer.state_dict().items():
         assert torch.equal(fake.model.state_dict()[name], t), name
     _step(trainer)
     b.sync_weights(trainer, 1)
-    assert fake.received == 2 and fake.version == "1" and b.stats()["server/sync_logprob_gap"] < 1e-5
+    assert fake.received == 2 and fake.version == b.label(1) and b.stats()["server/sync_logprob_gap"] < 1e-5
     assert ("/reset_prefix_cache", {}) in fake.requests
     out = b.generate([[1, 3, 4], [1, 5]], 3, Sampling(8, temperature=0.7), seed=10)
     assert out.versions == [1, 1]
@@ -87,8 +90,14 @@ def test_the_check_spans_every_server_and_a_tolerance_decides(tok, fakes):
     b.sync_weights(trainer, 0)
     assert 0 < b.stats()["server/sync_logprob_gap"] < 1e-3 and good.received == bad.received == 1
     _step(trainer)
-    with pytest.raises(ServerError, match=bad.url.replace(".", r"\.")):
-        b.sync_weights(trainer, 1)
+    b.sync_weights(trainer, 1)  # one of two fails: it is dropped, the run carries on with the other
+    assert [s.url for s in b.pool.servers] == [good.url] and b.stats()["server/servers_up"] == 1
+    assert b.stats()["server/sync_logprob_gap"] < 1e-5
+    alone = _backend(trainer, [fakes(model=copy.deepcopy(trainer), stale=True)])
+    alone.sync_weights(trainer, 0)
+    _step(trainer)
+    with pytest.raises(ServerError, match=alone.pool.servers[0].url.replace(".", r"\.")):
+        alone.sync_weights(trainer, 1)  # the only one fails: the run stops
 
 
 @pytest.mark.parametrize("what", ["name", "shape", "length"])

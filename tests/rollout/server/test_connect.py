@@ -1,4 +1,6 @@
 """Which address the servers reach the trainer at, and which weight path a run takes."""
+import pytest
+
 from grpo.rollout.server.connect import trainer_host, transfer_kind
 
 
@@ -15,8 +17,7 @@ def test_auto_is_nccl_on_cuda_and_gloo_elsewhere():
 
 
 def test_a_server_run_without_urls_or_with_a_bad_one_fails_in_one_line(cfg_factory):
-    import pytest
-
+    
     from grpo.errors import ConfigError
     from grpo.rollout import registry
 
@@ -30,3 +31,17 @@ def test_a_server_run_without_urls_or_with_a_bad_one_fails_in_one_line(cfg_facto
         cfg_factory({"rollout": {"server": {"balance": "random"}}})
     assert cfg_factory({"rollout": {"backend": "server", "server": {"urls": ["http://h:1"]}}}).rollout.server.urls \
         == ["http://h:1"]
+
+
+def test_the_api_key_variable_must_be_a_name_and_the_key_comes_from_it(cfg_factory, monkeypatch):
+    from grpo.errors import ConfigError
+    from grpo.rollout.server.connect import api_key
+
+    with pytest.raises(ConfigError, match="rollout.server.api_key_env must be the NAME") as e:
+        cfg_factory({"rollout": {"server": {"api_key_env": "sk-live-123"}}})
+    assert "sk-live-123" not in str(e.value)  # a key given by mistake is not echoed
+    cfg = cfg_factory({"rollout": {"server": {"api_key_env": "MY_KEY"}}})
+    monkeypatch.delenv("MY_KEY", raising=False)
+    assert api_key(cfg.rollout.server) is None
+    monkeypatch.setenv("MY_KEY", "k")
+    assert api_key(cfg.rollout.server) == "k"

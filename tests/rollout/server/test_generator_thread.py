@@ -82,7 +82,7 @@ def test_no_push_while_an_older_request_is_out_on_any_server(fakes, no_finish, l
         assert len(pushes) == len(versions) and fake.received == len(versions)  # every server, every version
         assert samples, "a server got no request"  # the groups are spread over both servers
         for step, a, b, held in samples:
-            assert held == str(sampled_with(step, lag)), (step, held)
+            assert held == backend.label(sampled_with(step, lag)), (step, held)
             assert not any(pa < b and a < pb for pa, pb in pushes), f"a push overlapped a request of step {step}"
         last = published[versions[-1]]  # the servers hold the weights of the last version published, exactly
         assert all(torch.equal(fake.model.state_dict()[k], last[k]) for k in last)
@@ -135,8 +135,9 @@ class _Servers:
     """A `ServerBackend` stand-in: records each push (its version, the snapshot's tensors) and each check."""
     check_ids, device = [1, 5, 6, 7], "cpu"
 
-    def __init__(self, fail_check=None):
+    def __init__(self, fail_check=None, sends=True):
         self.version, self.log, self.fail_check = None, [], fail_check
+        self.transfer = object() if sends else None  # rank 0 sends; another training rank has no weight channel
 
     def push(self, weights, version):
         import time
@@ -212,6 +213,25 @@ def test_the_worker_pushes_each_published_snapshot_before_the_steps_that_use_it(
     assert [g.step for g in got] == [1, 2, 3] and all(g.wait_s >= 0 and g.busy_s >= 0 for g in got)
     assert got[0].load_s >= 0.02 and got[1].load_s == 0 and got[2].load_s >= 0.02  # each push counted once
     assert not gen.thread.is_alive()
+
+
+def test_a_rank_that_does_not_send_keeps_no_snapshot_but_takes_part_in_each_push_and_check():
+    """Several training processes: every rank publishes at the same step (under ZeRO-3 each weight is gathered, a
+    collective), only the sending rank keeps the snapshot; the others' workers push nothing (they wait for rank 0's
+    push there) and check with the trainer's log-probs of the same version."""
+    from grpo.rollout.server.backend import trainer_logprobs
+
+    tok = char_tokenizer()
+    trainer = tiny_model("llama", len(tok), seed=1, **TINY)
+    servers = _Servers(sends=False)
+    gen = ServerGenerator(servers, trainer, _recording(servers, servers.log))
+    gen.publish(0)
+    gen.submit(1, 0)
+    _received(gen, 10)
+    gen.close()
+    assert [e[0] for e in servers.log] == ["push", "check", "sample"]
+    assert servers.log[0][1:] == (0, {})  # version 0, no weights of its own to send
+    assert torch.equal(servers.log[1][1], trainer_logprobs(trainer, servers.check_ids))
 
 
 def test_receive_raises_the_workers_failure_and_says_when_nothing_comes():

@@ -111,3 +111,60 @@ def test_grpo_serve_says_once_what_vllms_log_shows_on_a_healthy_server(monkeypat
     err = capsys.readouterr().err
     assert started and started[0][1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert err.count(serve.EXPECTED_IN_VLLM_LOG) == 1 and "Chat template warmup failed" in serve.EXPECTED_IN_VLLM_LOG
+
+
+def test_the_api_key_reaches_vllm_in_its_environment_and_the_guard_on_every_route(tmp_path):
+    argv, env = serve_command(_settings(api_key="s3cret"), tmp_path)
+    assert env["VLLM_API_KEY"] == "s3cret" and "s3cret" not in " ".join(argv)  # no process listing shows it
+    assert _flag(argv, "--middleware") == "grpo.rollout.server.guard.RequireKey"
+    assert "VLLM_API_KEY" not in serve_command(_settings(), tmp_path)[1]
+
+
+def _ask(key, path, auth=None):
+    """What `RequireKey(key)` does with one request: "passed" to vLLM's app, or the status it answered."""
+    import asyncio
+
+    from grpo.rollout.server.guard import RequireKey
+
+    sent, reached = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [(b"authorization", auth.encode())] if auth else []
+    asyncio.run(RequireKey(app, key=key)({"type": "http", "method": "POST", "path": path, "headers": headers},
+                                         None, send))
+    return "passed" if reached else sent[0]["status"]
+
+
+def test_the_guard_wants_the_key_on_every_route_but_health():
+    for path in ("/collective_rpc", "/init_weight_transfer_engine", "/update_weight_version", "/v1/completions"):
+        assert _ask("k", path) == _ask("k", path, "Bearer wrong") == _ask("k", path, "Basic k") == 401, path
+        assert _ask("k", path, "Bearer k") == _ask("", path) == "passed"  # no key: vLLM's own behaviour
+    assert _ask("k", "/health") == "passed"
+
+
+@pytest.mark.parametrize("host,key,warned", [("0.0.0.0", None, True), ("0.0.0.0", "s3cr3t-key", False),
+                                             ("127.0.0.1", None, False)])
+def test_grpo_serve_warns_when_it_listens_beyond_loopback_without_a_key(monkeypatch, capsys, host, key, warned):
+    from grpo import serve
+
+    monkeypatch.delenv("GRPO_SERVER_API_KEY", raising=False)
+    if key:
+        monkeypatch.setenv("GRPO_SERVER_API_KEY", key)
+    serve.main(["recipe=smoke", "trainer.device=cpu", *TINY, f"rollout.server.host={host}", "--print"])
+    out, err = capsys.readouterr()
+    assert ("without an API key" in err) == warned and (not warned or "$GRPO_SERVER_API_KEY" in err)
+    assert "VLLM_API_KEY='***'" in out if key else "VLLM_API_KEY" not in out  # --print never shows the key
+    assert (key or "never-shown") not in out
+
+
+def test_grpo_serve_refuses_the_key_on_its_command_line(capsys):
+    from grpo import serve
+
+    with pytest.raises(SystemExit):
+        serve.main(["recipe=smoke", "trainer.device=cpu", *TINY, "--print", "--", "--api-key", "k"])
+    assert "not as vLLM's --api-key" in capsys.readouterr().err
