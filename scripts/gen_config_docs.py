@@ -25,7 +25,8 @@ from grpo.config import schema
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "config-reference.md"
 SOURCE = Path(schema.__file__)
-SOURCES = (SOURCE, SOURCE.parent / "evaluation.py")  # the schema's dataclasses and those of evaluation and alarms
+# the schema and the sections it imports: evaluation and alarms, the vLLM and server backends
+SOURCES = (SOURCE, SOURCE.parent / "evaluation.py", SOURCE.parent / "rollout_backends.py")
 
 SECTIONS = {  # one line per top-level group, shown under its heading
     "model": "Which model to train and how it is loaded.",
