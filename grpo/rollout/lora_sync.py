@@ -145,15 +145,15 @@ def adapter_state(model, full_weights) -> Adapter:
     import torch
 
     name, cfg = active_adapter(model)
-    tensors = {}
-    for layer_name, layer in lora_layers(model).items():
+    layers, tensors = lora_layers(model), {}
+    for layer_name, layer in layers.items():
         if name not in layer.lora_A:
             continue
         a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
         with full_weights([a, b]), torch.no_grad():
             for part, t in (("lora_A", a), ("lora_B", b)):
                 tensors[f"base_model.model.{layer_name}.{part}.weight"] = t.detach().to("cpu", copy=True).contiguous()
-    targets = sorted({n.rsplit(".", 1)[-1] for n in lora_layers(model)})
+    targets = sorted({n.rsplit(".", 1)[-1] for n in layers})
     config = {"peft_type": "LORA", "r": int(cfg.r), "lora_alpha": float(cfg.lora_alpha), "target_modules": targets,
               "use_rslora": bool(getattr(cfg, "use_rslora", False)), "bias": "none", "modules_to_save": None}
     return Adapter(tensors, config)

@@ -18,12 +18,6 @@ from grpo.errors import SetupError
 from grpo.rollout.lora_sync import Adapter, active_adapter, choose, say_once, served_rank
 
 
-def lora_info(server) -> dict:
-    """The server's ``grpo_model_info`` (its LoRA settings among them)."""
-    info = (server.post("/collective_rpc", {"method": "grpo_model_info"}) or {}).get("results") or [{}]
-    return info[0] or {}
-
-
 def refusal(server, info: dict, rank: int, keep: int) -> str | None:
     """Why ``server`` cannot hold this run's adapters (None: it can)."""
     fix = "restart it with grpo-serve and the run's recipe (model.lora.enabled=true and the run's rollout settings)"
@@ -38,16 +32,17 @@ def refusal(server, info: dict, rank: int, keep: int) -> str | None:
     return None
 
 
-def connect_adapters(model, servers, mode: str, keep: int, gloo: bool, say=None) -> "ServerAdapters | None":
+def connect_adapters(model, servers, infos: list[dict], mode: str, keep: int, gloo: bool,
+                     say=None) -> "ServerAdapters | None":
     """The run's `ServerAdapters`, or None when merged weights are synced (no LoRA, ``merged``, or what ``auto``
-    falls back on, said once). ``gloo``: the weights go through the gloo channel (vLLM's nccl engine takes full
+    falls back on, said once). ``infos``: each server's ``grpo_model_info`` (`grpo.rollout.server.client.model_info`:
+    its LoRA settings among them); ``gloo``: the weights go through the gloo channel (vLLM's nccl engine takes full
     weights only)."""
     if not choose(mode, model, say=say):
         return None
     rank = active_adapter(model)[1].r
     served_rank(rank)
     why = None if gloo else "the adapters go through the gloo weight channel (rollout.server.weight_transfer=gloo)"
-    infos = [lora_info(s) for s in servers]
     why = why or next((w for s, i in zip(servers, infos) if (w := refusal(s, i, rank, keep))), None)
     if why is None:
         return ServerAdapters(keep, {s.url: i.get("lora_dir") for s, i in zip(servers, infos)})

@@ -37,6 +37,7 @@ from grpo.rollout.server.client import (
     ServerError,
     ServerPool,
     group_request,
+    model_info,
     parse_group,
     prompt_logprobs,
 )
@@ -72,11 +73,10 @@ class ServerBackend:
         self.run_id = f"{int(all_max({'run_id': token})['run_id'] if all_max else token):012x}"
         self.metrics: dict[str, float] = {"server/servers_up": float(len(pool.servers))}
         pool.wait_until_up()
-        for s in pool.servers:
-            check_server(s, model_name, facts, max_model_len)
+        infos = [check_server(s, model_name, facts, max_model_len) for s in pool.servers]
         self.adapters: ServerAdapters | None = connect_adapters(
-            model, pool.servers, lora_sync, lora_keep, gloo=isinstance(transfer, GlooTransfer) or transfer is None,
-            say=pool.say)
+            model, pool.servers, infos, lora_sync, lora_keep,
+            gloo=isinstance(transfer, GlooTransfer) or transfer is None, say=pool.say)
         if transfer is not None:
             transfer.connect(pool.servers)
 
@@ -292,15 +292,15 @@ class ServerBackend:
             self.transfer.close()
 
 
-def check_server(server, model_name: str, facts: dict, max_model_len: int) -> None:
-    """Refuse, in one line, a server that serves another model or a shorter max length than the run needs."""
+def check_server(server, model_name: str, facts: dict, max_model_len: int) -> dict:
+    """Refuse, in one line, a server that serves another model or a shorter max length than the run needs; returns
+    its `model_info` (the LoRA check reads it too)."""
     models = server.get("/v1/models")["data"]
     served = {m["id"]: m for m in models}
     if model_name not in served:
         raise ServerError(f"rollout server {server.url} serves {', '.join(served) or 'nothing'}, not {model_name!r}; "
                           "start it with grpo-serve and the run's recipe")
-    info = (server.post("/collective_rpc", {"method": "grpo_model_info"}) or {}).get("results") or [{}]
-    theirs = info[0] or {}
+    theirs = model_info(server)
     differ = [f"{k}={theirs.get(k)!r} (the trainer's {v!r})" for k, v in facts.items() if theirs.get(k) != v]
     if differ:
         raise ServerError(f"rollout server {server.url} serves another model than the trainer's: {differ[0]}; "
@@ -310,6 +310,7 @@ def check_server(server, model_name: str, facts: dict, max_model_len: int) -> No
         raise ServerError(f"rollout server {server.url} has max_model_len={length}, the run needs {max_model_len} "
                           "(its longest prompt + rollout.max_new_tokens); start it with grpo-serve and the run's "
                           "recipe or a larger rollout.vllm.max_model_len")
+    return theirs
 
 
 def _counted(weights, metrics: dict):

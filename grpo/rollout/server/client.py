@@ -158,6 +158,13 @@ class ServerPool:
             s.in_flight -= 1
 
 
+def model_info(server) -> dict:
+    """What the server's worker extension says of its model (``/collective_rpc`` -> ``grpo_model_info``: the
+    config's sizes, max_model_len, its LoRA settings)."""
+    info = (server.post("/collective_rpc", {"method": "grpo_model_info"}) or {}).get("results") or [{}]
+    return info[0] or {}
+
+
 def group_request(model: str, prompt: list[int], n: int, sampling, eos_ids: list[int], seed: int | None) -> dict:
     """One group as one ``/v1/completions`` body: the prompt as token ids, ``n`` samples, the sampler's
     log-prob of each sampled token, token ids back (``return_token_ids``)."""
