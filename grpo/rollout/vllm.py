@@ -45,7 +45,7 @@ from grpo.rollout.vllm_images import (
     tower_features,
     vllm_prompt,
 )
-from grpo.rollout.weights import as_they_are, hf_weights
+from grpo.rollout.weights import as_they_are, counted, hf_weights
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # the model_types tested against our decode loop
 
@@ -160,16 +160,8 @@ class VLLMBackend:
 
     def _reload(self, model, merge: bool) -> int:
         """Every weight through vLLM's in-place reload; the bytes sent."""
-        seen: list[str] = []
-        sent = [0]
-
-        def items():
-            for name, t in hf_weights(model, self.full_weights, merge=merge):
-                seen.append(name)
-                sent[0] += t.numel() * t.element_size()
-                yield name, t
-
-        weights = items()
+        sent: dict = {}
+        weights = counted(hf_weights(model, self.full_weights, merge=merge), sent)
         try:
             with CaptureNotLoaded() as missing:
                 self._runner().reload_weights(weights_iterator=weights, is_checkpoint_format=True)
@@ -178,10 +170,10 @@ class VLLMBackend:
         if missing.messages:
             raise WeightSyncError("vLLM parameters that the trainer's weights did not fill: "
                                   + missing.messages[0][:300])
-        if not seen:
+        if not sent["tensors"]:
             raise WeightSyncError("the trainer's model has no weights to copy into vLLM")
         self.llm.reset_prefix_cache()  # cached prompt K/V belong to the old weights
-        return sent[0]
+        return sent["bytes"]
 
     def _load_adapter(self, path, lora_id: int) -> None:
         from vllm.lora.request import LoRARequest

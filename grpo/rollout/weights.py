@@ -51,3 +51,17 @@ def _merged(layer) -> torch.Tensor:
         for a in active:
             w = w + layer.get_delta_weight(a).detach().to(w.dtype)
         return w if active else w.clone()
+
+
+def counted(weights, tally: dict):
+    """``weights`` ((name, tensor) pairs) streamed on, ``tally["tensors"]`` and ``tally["bytes"]`` counting what has
+    passed; the source is closed when the stream ends or is closed (a gathered weight released at once)."""
+    tally.update(tensors=0, bytes=0)
+    try:
+        for name, t in weights:
+            tally["tensors"] += 1
+            tally["bytes"] += t.numel() * t.element_size()
+            yield name, t
+    finally:
+        if hasattr(weights, "close"):
+            weights.close()

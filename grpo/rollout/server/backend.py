@@ -42,7 +42,7 @@ from grpo.rollout.server.client import (
     prompt_logprobs,
 )
 from grpo.rollout.server.gloo import GlooTransfer
-from grpo.rollout.weights import as_they_are, hf_weights
+from grpo.rollout.weights import as_they_are, counted, hf_weights
 
 MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "intermediate_size")
@@ -136,8 +136,8 @@ class ServerBackend:
             self._drop_everywhere(failed, "failed its adapter push")
             self.version = version
             return
-        weights = _counted(weights, self.metrics)
-        failed = {}
+        sent: dict = {}
+        weights, failed = counted(weights, sent), {}
         try:
             if self.transfer is not None:
                 failed = dict(self.transfer.send(weights, self.pool.servers))
@@ -146,8 +146,8 @@ class ServerBackend:
                 for _ in weights:
                     pass
         finally:
-            if hasattr(weights, "close"):
-                weights.close()
+            weights.close()
+            self.metrics.update({"sync/bytes": float(sent["bytes"]), "sync/adapters": 0.0})
         self.barrier()  # no rank samples before rank 0's push is done
         self._drop_everywhere(failed, "failed its weight push")
         self.version = version
@@ -311,15 +311,3 @@ def check_server(server, model_name: str, facts: dict, max_model_len: int) -> di
                           "(its longest prompt + rollout.max_new_tokens); start it with grpo-serve and the run's "
                           "recipe or a larger rollout.vllm.max_model_len")
     return theirs
-
-
-def _counted(weights, metrics: dict):
-    """``weights`` streamed on, their bytes counted into ``metrics`` (sync/bytes) as they pass."""
-    metrics.update({"sync/bytes": 0.0, "sync/adapters": 0.0})
-    try:
-        for name, t in weights:
-            metrics["sync/bytes"] += t.numel() * t.element_size()
-            yield name, t
-    finally:
-        if hasattr(weights, "close"):
-            weights.close()
