@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from grpo.errors import SetupError
 from grpo.rollout.base import Completions, Sampling, cut_at_eos, trainer_logprobs
 from grpo.rollout.lora_sync import Adapter, adapter_state
 from grpo.rollout.server.adapters import ServerAdapters, connect_adapters
@@ -42,6 +43,8 @@ from grpo.rollout.server.client import (
     prompt_logprobs,
 )
 from grpo.rollout.server.gloo import GlooTransfer
+from grpo.rollout.server.images import GENERATE, image_request, parse_generate
+from grpo.rollout.vllm_images import VLLM_VISION_FAMILIES, tower_features
 from grpo.rollout.weights import as_they_are, counted, hf_weights
 
 MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -49,8 +52,10 @@ MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "n
 
 
 def model_facts(config) -> dict:
-    """What a server must agree on with the trainer's model (its config), compared at connect."""
-    return {k: getattr(config, k, None) for k in MODEL_KEYS}
+    """What a server must agree on with the trainer's model (its config; a vision-language model's language model's
+    sizes), compared at connect."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return {k: getattr(config if k == "model_type" else text, k, None) for k in MODEL_KEYS}
 
 
 class ServerBackend:
@@ -63,7 +68,10 @@ class ServerBackend:
         every rank syncs, rank 0 sends); ``facts``: `model_facts` of the trainer's model; ``lora_sync``,
         ``lora_keep``: LoRA's sync (rollout.vllm.lora_sync) and the adapter versions kept resident."""
         self.pool, self.model_name, self.eos_ids = pool, model_name, list(eos_ids)
-        self.check_ids, self.tol, self.sync_every = list(check_ids), tol, sync_every
+        self.vision = vision_inputs(model)  # (image token, merge, the trainer's tower) of a vision-language model
+        # the sync check scores text: a prompt's image tokens have no image there (as the in-process backend's)
+        self.check_ids = [t for t in check_ids if self.vision is None or t != self.vision[0]]
+        self.tol, self.sync_every = tol, sync_every
         self.transfer, self.full_weights, self.rank = transfer, full_weights, rank
         self.barrier, self.all_max, self.device = barrier or (lambda: None), all_max, device
         self.version: int | None = None     # the weight version the servers hold (None: not pushed yet)
@@ -214,13 +222,16 @@ class ServerBackend:
     def generate(self, prompt_ids, group_size, sampling: Sampling, seed=None, suffixes=None) -> Completions:
         from grpo.rollout.hf import flatten, regroup
 
+        if suffixes is not None and any(getattr(p, "n_images", 0) for p in prompt_ids):
+            raise SetupError("multi-turn episodes (rollout.tools / rollout.environment) do not take image prompts yet")
         if suffixes is not None:  # each prompt + suffix is a one-sample request
             out = self.generate(flatten(prompt_ids, suffixes), 1, sampling, seed)
             flat = [[g[0] for g in x] for x in (out.ids, out.truncated, out.logprobs)]
             return Completions(*(regroup(x, suffixes) for x in flat), versions=[self.version] * len(prompt_ids))
         # one seed per group: the server seeds a group's G samples seed, seed + 1, ...
-        bodies = [group_request(self.served(), p, group_size, sampling, self.eos_ids,
-                                None if seed is None else seed + i * group_size) for i, p in enumerate(prompt_ids)]
+        bodies = [self._request(p, group_request(self.served(), p, group_size, sampling, self.eos_ids,
+                                                 None if seed is None else seed + i * group_size))
+                  for i, p in enumerate(prompt_ids)]
         answers = self._all_groups(bodies)
         ids, truncated, logps = [], [], []
         for toks, lps in answers:
@@ -235,7 +246,18 @@ class ServerBackend:
             logps.append(gl)
         return Completions(ids, truncated, logps, versions=[self.version] * len(prompt_ids))
 
-    def _all_groups(self, bodies: list[dict]) -> list:
+    def _request(self, prompt, body: dict) -> tuple:
+        """(route, body, prompt) of one group: ``/v1/completions`` for a text prompt, vLLM's tokens-in route with the
+        images' features for a prompt with images (`grpo.rollout.server.images`)."""
+        if not getattr(prompt, "n_images", 0):
+            return "/v1/completions", body, None
+        if self.vision is None:
+            raise ServerError(f"rollout.backend=server takes images for {', '.join(VLLM_VISION_FAMILIES)} models "
+                              "only; use rollout.backend=hf for this one")
+        image_id, merge, tower = self.vision
+        return GENERATE, image_request(body, prompt, image_id, tower, merge), list(prompt)
+
+    def _all_groups(self, bodies: list[tuple]) -> list:
         """Every group's answer, each from a server that held this run's current weights when it answered: the
         servers that answered are asked their label afterwards, and the groups of one that restarted (or was taken
         over) are asked again of the others, as are those of a server that stopped answering."""
@@ -271,13 +293,15 @@ class ServerBackend:
                               f"this run's version {want!r}, so its samples were not used; {RESUME}")
         return out
 
-    def _one_group(self, body: dict):
-        """(the url of the server that answered, its answer); a server that stops answering is dropped and the
-        group asked of another."""
+    def _one_group(self, request: tuple):
+        """(the url of the server that answered, its answer) of a `_request`; a server that stops answering is
+        dropped and the group asked of another."""
+        path, body, prompt = request
         while True:
             s = self.pool.pick()
             try:
-                return s.url, parse_group(s.post("/v1/completions", body))
+                answer = s.post(path, body)
+                return s.url, parse_group(answer) if prompt is None else parse_generate(answer, prompt)
             except ServerDown as e:
                 self.pool.drop(s.url, str(e))
             finally:
@@ -290,6 +314,18 @@ class ServerBackend:
         """Leave the servers running (another trainer may take them over); drop the weight channel."""
         if self.transfer is not None:
             self.transfer.close()
+
+
+def vision_inputs(model):
+    """(image token id, the tower's spatial merge, `tower_features`) of a vision-language model the servers take
+    images for (``VLLM_VISION_FAMILIES``), else None. The tower is the trainer's live one: the run samples with the
+    version it just pushed (or a frozen tower, every version's: `grpo.rollout.registry.check_images`)."""
+    from grpo.engine.unwrap import unwrap_model
+
+    config = unwrap_model(model).config
+    if getattr(config, "model_type", None) not in VLLM_VISION_FAMILIES:
+        return None
+    return config.image_token_id, config.vision_config.spatial_merge_size, tower_features(model)
 
 
 def check_server(server, model_name: str, facts: dict, max_model_len: int) -> dict:
