@@ -25,7 +25,8 @@ class GRPOWorkerExtension:
         lora = getattr(self.model_runner, "lora_config", None)  # --enable-lora's settings, None without
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf  # a vision-language model's own
         return {**{k: getattr(hf if k == "model_type" else text, k, None) for k in keys},
-                "max_model_len": cfg.max_model_len, "dtype": str(cfg.dtype).replace("torch.", ""), "pushes": getattr(self, "_grpo_pushes", 0),
+                "max_model_len": cfg.max_model_len, "dtype": str(cfg.dtype).replace("torch.", ""),
+                "pushes": getattr(self, "_grpo_pushes", 0),
                 "max_lora_rank": lora.max_lora_rank if lora else 0, "max_loras": lora.max_loras if lora else 0,
                 "lora_dir": self._grpo_lora_dir() if lora else None}
 
