@@ -168,6 +168,8 @@ class ServerBackend:
             try:
                 if prefix_cache:
                     s.post("/reset_prefix_cache")
+                if prefix_cache and self.vision is not None:  # vLLM's reload emptied its worker's encoder cache,
+                    s.post("/reset_encoder_cache")            # not its scheduler's record of it: both, or a miss
                 s.post("/update_weight_version", {"new_version": self.label(version)})
             except ServerDown as e:
                 failed[s.url] = str(e)

@@ -109,6 +109,7 @@ def test_a_trained_tower_sends_new_features_under_new_digests(vlm, fakes):
         for p in model.model.visual.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     b.sync_weights(model, 1)
+    assert [p for p, _ in fake.requests].count("/reset_encoder_cache") == 2  # after each push, with the prefix cache
     b.generate(prompts[:1], 2, Sampling(4), seed=0)
     first, second = _generated(fake)
     assert first["token_ids"] == second["token_ids"]
