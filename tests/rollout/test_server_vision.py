@@ -3,7 +3,8 @@ with docs/vision-language.md's command: the tiny Qwen2.5-VL widened for vLLM's C
 goes to vLLM's tokens-in route with the trainer's prompt ids and its pictures' tower features
 (grpo/rollout/server/images.py), and vLLM samples with the log-probs the trainer computes
 (grpo/engine/vision_logprobs.py) for prompts with 0, 1 and 2 pictures, after a push of changed weights too; dropped or
-swapped pictures make them differ. Last, the docs' grpo-train command trains against the same server.
+swapped pictures make them differ; with the tower frozen a push leaves it out. Last, the docs' grpo-train command
+trains against the same server.
 
 One server for the module (about a minute to start); skipped where vLLM does not import (``make test-vllm``)."""
 import pytest
@@ -90,6 +91,23 @@ def test_a_push_of_changed_weights_tower_included_reaches_the_server(ctx):
     assert b.stats()["server/sync_logprob_gap"] < 1e-3
     out = b.generate([prompts[0], prompts[3], prompts[4]], 2, Sampling(max_new_tokens=6), seed=2)
     assert _worst(model, [prompts[0], prompts[3], prompts[4]], out) < 1e-4
+
+
+def test_with_the_tower_frozen_a_push_sends_the_language_model_only(ctx):
+    model, prompts, b = ctx["model"], ctx["prompts"], ctx["backend"]
+    full = b.stats()["sync/bytes"]
+    model.model.visual.requires_grad_(False)  # model.freeze_vision_tower=true
+    try:
+        with torch.no_grad():
+            for p in model.model.language_model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        b.sync_weights(model, 2)  # the server accepts a stream without its tower (it keeps what it holds)
+        tower = sum(p.numel() * p.element_size() for p in model.model.visual.parameters())
+        assert b.stats()["sync/bytes"] == full - tower and b.stats()["server/sync_logprob_gap"] < 1e-3
+        out = b.generate(prompts[2:4], 2, Sampling(max_new_tokens=6), seed=4)
+        assert _worst(model, prompts[2:4], out) < 1e-4
+    finally:
+        model.model.visual.requires_grad_(True)
 
 
 def test_dropped_or_swapped_pictures_are_caught(ctx, monkeypatch):

@@ -145,10 +145,13 @@ class ServerBackend:
             self.version = version
             return
         sent: dict = {}
+        skip = self._frozen_tower()
+        if skip:
+            weights = ((n, t) for n, t in weights if skip not in n)
         weights, failed = counted(weights, sent), {}
         try:
             if self.transfer is not None:
-                failed = dict(self.transfer.send(weights, self.pool.servers))
+                failed = dict(self.transfer.send(weights, self.pool.servers, **({"args": [skip]} if skip else {})))
                 failed.update(self._label(version, [s for s in self.pool.servers if s.url not in failed]))
             else:  # another rank sends; ZeRO-3 gathers each weight on every rank together
                 for _ in weights:
@@ -159,6 +162,16 @@ class ServerBackend:
         self.barrier()  # no rank samples before rank 0's push is done
         self._drop_everywhere(failed, "failed its weight push")
         self.version = version
+
+    def _frozen_tower(self) -> str:
+        """What the weights of a frozen vision tower are named by (``visual.``) once the servers hold it (after this
+        backend's first push, gloo channel): a push then leaves them out; "" when everything goes."""
+        if self.vision is None or self.version is None or not isinstance(self.transfer, GlooTransfer):
+            return ""
+        from grpo.engine.unwrap import unwrap_model
+
+        tower = unwrap_model(self.vision[2].model).model.visual
+        return "" if any(p.requires_grad for p in tower.parameters()) else "visual."
 
     def _label(self, version: int, servers, prefix_cache: bool = True) -> dict[str, str]:
         """Label ``servers``' weights ``version`` (and drop their cached prompt K/V, which belong to the old

@@ -85,9 +85,12 @@ class GRPOWorkerExtension:
         self._grpo_channel = channel
         return {"joined": True}
 
-    def grpo_receive(self) -> dict:
+    def grpo_receive(self, left_out: str = "") -> dict:
         """Receive one stream of weights from the trainer and load it in place; says how many tensors came and
-        which vLLM parameters (if any) they left unfilled."""
+        which vLLM parameters (if any) they left unfilled, but those whose names hold ``left_out`` (a frozen vision
+        tower's ``visual.``, which a push after the first leaves out: vLLM keeps what they hold)."""
+        import re
+
         from grpo.rollout.vllm import CaptureNotLoaded
 
         channel = getattr(self, "_grpo_channel", None)
@@ -101,4 +104,6 @@ class GRPOWorkerExtension:
         count = len(received)
         del received
         self._grpo_pushes = getattr(self, "_grpo_pushes", 0) + 1  # weight streams loaded since the server started
-        return {"received": count, "missing": missing.messages[:1]}
+        unfilled = [m for m in missing.messages if not left_out or
+                    any(left_out not in n for n in re.findall(r"'([^']+)'", m) or [m])]
+        return {"received": count, "missing": unfilled[:1]}

@@ -166,7 +166,8 @@ class FakeServer:
         self.channel = channel
         return {"joined": True}
 
-    def _rpc_grpo_receive(self):
+    def _rpc_grpo_receive(self, *left_out):
+        self.left_out = left_out
         if self.channel is None:
             raise RuntimeError("no trainer has joined this server's weight channel")
         weights = {}

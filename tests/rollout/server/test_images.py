@@ -169,3 +169,24 @@ def test_pack_writes_what_msgpack_reads():
 
     ours = pack({**obj, "e": _Ext(3, obj["e"].data)})
     assert msgpack.unpackb(ours, ext_hook=msgpack.ExtType, strict_map_key=False) == obj
+
+
+def test_a_frozen_tower_goes_in_the_first_push_only(fakes):
+    tok = load_tokenizer("tiny:qwen2_5_vl")
+    model = tiny_model("qwen2_5_vl", len(tok), seed=0)
+    model.model.visual.requires_grad_(False)  # model.freeze_vision_tower=true
+    fake = fakes(model=tiny_model("qwen2_5_vl", len(tok), seed=1), name="tiny:qwen2_5_vl")
+    b = _backend(model, fake)
+    b.sync_weights(model, 0)
+    full = b.stats()["sync/bytes"]
+    assert fake.left_out == () and torch.equal(fake.model.model.visual.patch_embed.proj.weight,
+                                               model.model.visual.patch_embed.proj.weight)
+    tower = sum(p.numel() * p.element_size() for p in model.model.visual.parameters())
+    with torch.no_grad():
+        model.model.language_model.embed_tokens.weight.add_(0.01)
+    b.sync_weights(model, 1)
+    assert fake.left_out == ("visual.",) and b.stats()["sync/bytes"] == full - tower
+    assert b.stats()["server/sync_logprob_gap"] < 1e-5  # the language model arrived
+    model.model.visual.requires_grad_(True)  # a trained tower: every push carries it
+    b.sync_weights(model, 2)
+    assert fake.left_out == () and b.stats()["sync/bytes"] == full
