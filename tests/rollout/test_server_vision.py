@@ -30,28 +30,17 @@ def _commands(port: int) -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
-    from grpo.models import load_image_processor, load_tokenizer, tiny_model
     from grpo.rollout.server.backend import ServerBackend, model_facts
     from grpo.rollout.server.client import ServerPool
     from grpo.rollout.server.gloo import GlooTransfer
-    from grpo.tasks import get_task
-    from grpo.vision.images import encode
     from tests.e2e.test_server import Server, _free_port
-    from tests.helpers import compose_recipe
+    from tests.helpers import compose_recipe, vision_setup
 
     tmp, port = tmp_path_factory.mktemp("server-vision"), _free_port()
     commands = _commands(port)
     server = Server(port, tmp / "server.log", commands["grpo-serve"]).start()
     tiny = dict(compose_recipe("vlm-smoke", commands["grpo-serve"][1:]).model.tiny)  # the server's model, as built
-    tok, proc = load_tokenizer("tiny:qwen2_5_vl"), load_image_processor("tiny:qwen2_5_vl")
-    model = tiny_model("qwen2_5_vl", len(tok), seed=0, **tiny)
-    with torch.no_grad():  # image features that move the logits: the test tells one picture from another
-        model.model.visual.merger.mlp[-1].weight.mul_(30.0)
-    rows = get_task("shapes")(3, seed=0)
-    prompts = [encode(r["prompt"], r["images"], tok, proc) for r in rows]
-    two = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
-    prompts.append(encode(two, rows[0]["images"] + rows[1]["images"], tok, proc))
-    prompts.append(encode([{"role": "user", "content": "text only"}], [], tok, proc))
+    model, tok, _, prompts = vision_setup(tiny)
     server.wait()
     backend = ServerBackend(model, ServerPool([server.url], timeout_s=300), model_name="tiny:qwen2_5_vl",
                             facts=model_facts(model.config), eos_ids=[tok.eos_token_id], max_model_len=64,
