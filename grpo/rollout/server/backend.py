@@ -166,10 +166,10 @@ class ServerBackend:
         version's weights before any request."""
         if self.rejoiner is None:
             return
-        back = []
-        if self.transfer is not None and self.rejoiner.due():
-            up = {s.url for s in self.pool.servers}
-            back = [s.url for s in self.pool.known if s.url not in up and self._reconnect(s)]
+        up = {s.url for s in self.pool.servers}
+        out = [s for s in self.pool.known if s.url not in up]
+        back = [s.url for s in out if self._reconnect(s)] if self.transfer is not None and out and \
+            self.rejoiner.due() else []
         if self.all_max is not None:
             agreed = self.all_max({u: float(u in back) for u in self.urls})
             back = [u for u in self.urls if agreed[u] > 0]
