@@ -203,7 +203,7 @@ def resolve_path(name_or_path: str) -> str:
 def load_tokenizer(name_or_path: str):
     if name_or_path.startswith("tiny:"):
         family = name_or_path.split(":", 1)[1]
-        return with_vision_tokens(char_tokenizer()) if family in TINY_VLM_FAMILIES else char_tokenizer()
+        return with_vision_tokens(char_tokenizer(), family) if family in TINY_VLM_FAMILIES else char_tokenizer()
     from transformers import AutoTokenizer
 
     path = resolve_path(name_or_path)
@@ -221,7 +221,7 @@ def load_image_processor(name_or_path: str):
     """The image processor of a vision-language model (``tiny:qwen2_5_vl``: grpo/vision/models.py's), or None for a
     text model."""
     if name_or_path.startswith("tiny:") and name_or_path.split(":", 1)[1] in TINY_VLM_FAMILIES:
-        return image_processor()
+        return image_processor(name_or_path.split(":", 1)[1])
     return None
 
 
