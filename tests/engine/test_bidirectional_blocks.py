@@ -4,8 +4,13 @@ equals attention written out in float64 over transformers' own mask functions ap
 forward and gradients; a block that is dropped, or a window applied before the blocks, is caught."""
 import pytest
 import torch
-from transformers.masking_utils import and_masks, blockwise_overlay, causal_mask_function, or_masks, \
-    sliding_window_overlay
+from transformers.masking_utils import (
+    and_masks,
+    blockwise_overlay,
+    causal_mask_function,
+    or_masks,
+    sliding_window_overlay,
+)
 
 from grpo.engine.flex_kernel import build_block_mask, flex_attention_forward
 from grpo.engine.grouped_attention import grouped_attention

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from grpo.engine import plan_micro_batches, token_logprobs
-from grpo.engine import vision_logprobs as vl
 from grpo.engine import vision_families as vf
+from grpo.engine import vision_logprobs as vl
 from grpo.engine.vision_logprobs import vision_token_logprobs
 from grpo.models import load_image_processor, load_tokenizer, tiny_model
 from grpo.tasks.shapes import draw
