@@ -16,6 +16,7 @@ from grpo.engine.flex_kernel import build_block_mask, flex_attention_forward
 from grpo.engine.grouped_attention import grouped_attention
 from grpo.engine.layout import build_layout
 from grpo.engine.score_attention import ScoreExtras, score_attention
+from tests.engine.test_grouped_attention import reference  # float64 attention over a (T, T) mask
 
 torch.set_num_threads(1)
 # ragged prompts with blocks (two in the last, one at the prompt's end, one a single token), G = 2, 1, 2
@@ -49,13 +50,6 @@ def hf_allowed(window: int | None, spans=SPANS) -> torch.Tensor:
             ok[idx[:, None], idx[None, :]] = m
             t += len(r)
     return ok
-
-
-def reference(q, k, v, ok, scale):
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
-    s = (q.double() @ k.transpose(-1, -2) * scale).masked_fill(~ok, float("-inf"))
-    return (s.softmax(-1) @ v).transpose(1, 2)
 
 
 def inputs(spans=SPANS):
