@@ -107,6 +107,26 @@ def parse_generate(answer: dict, prompt: list[int]) -> tuple[list[list[int]], li
     return ids, logps
 
 
+def vision_inputs(model):
+    """(image token id, the tower's spatial merge, `tower_features`) of a vision-language model the servers take
+    images for (``VLLM_VISION_FAMILIES``), else None. The tower is the trainer's live one: the run samples with the
+    version it just pushed (or a frozen tower, every version's: `grpo.rollout.registry.check_images`)."""
+    from grpo.engine.unwrap import unwrap_model
+    from grpo.rollout.vllm_images import VLLM_VISION_FAMILIES, tower_features
+
+    config = unwrap_model(model).config
+    if getattr(config, "model_type", None) not in VLLM_VISION_FAMILIES:
+        return None
+    return config.image_token_id, config.vision_config.spatial_merge_size, tower_features(model)
+
+
+def frozen_tower(vision) -> bool:
+    """Whether the tower of `vision_inputs` is frozen (model.freeze_vision_tower): no parameter of it trains."""
+    from grpo.engine.unwrap import unwrap_model
+
+    return not any(p.requires_grad for p in unwrap_model(vision[2].model).model.visual.parameters())
+
+
 # ---------------------------------------------------------------------------------- msgpack (the subset vLLM reads)
 class _Ext:
     def __init__(self, code: int, data: bytes):
