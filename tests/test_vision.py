@@ -1,4 +1,5 @@
-"""grpo.vision: the tiny Qwen2.5-VL and its processor built offline, and image prompts from every image form."""
+"""grpo.vision: the tiny vision-language models (Qwen2.5-VL, Qwen2-VL, Gemma 3) and their processors built offline, and
+image prompts from every image form."""
 import io
 
 import pytest
@@ -175,3 +176,24 @@ def test_freeze_vision_tower_key_freezes_the_tower_and_refuses_a_text_model():
     assert all(p.requires_grad for p in load_model(ModelConfig(name_or_path="tiny:qwen2_vl"), vocab).parameters())
     with pytest.raises(ModelError, match="model.freeze_vision_tower=true but 'tiny:llama' has no vision tower"):
         load_model(ModelConfig(name_or_path="tiny:llama", freeze_vision_tower=True), len(char_tokenizer()))
+
+
+def test_tiny_gemma3_prompts_are_its_processors_and_its_tower_is_seeded():
+    """tiny:gemma3: an image part becomes Gemma3Processor's full image sequence ("\\n\\n<start_of_image>", 16 image
+    tokens, "<end_of_image>\\n\\n"), pixels one (3, 32, 32) per image whatever its size; seeded, its projection not
+    Gemma's zeros; model.freeze_vision_tower freezes SigLIP and leaves the multi-modal projector training."""
+    from grpo.config.schema import ModelConfig
+    from grpo.models import load_model
+
+    tok, proc = load_tokenizer("tiny:gemma3"), load_image_processor("tiny:gemma3")
+    p = encode(_messages(2), [Image.new("RGB", (40, 24), "red"), Image.new("RGB", (16, 16), "blue")], tok, proc)
+    image = "\n\n<start_of_image>" + "<image_soft_token>" * 16 + "<end_of_image>\n\n"
+    assert tok.decode(p.ids) == "user: " + image * 2 + "How many?\nassistant: "
+    assert p.n_images == 2 and p.image_grid_thw is None and p.pixel_values.shape == (2, 3, 32, 32)
+    a, b = (tiny_model("gemma3", len(tok), seed=0) for _ in range(2))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert a.config.image_token_id == tok.convert_tokens_to_ids("<image_soft_token>") < len(tok)
+    assert a.model.multi_modal_projector.mm_input_projection_weight.abs().min() > 0
+    frozen = load_model(ModelConfig(name_or_path="tiny:gemma3", freeze_vision_tower=True), len(tok))
+    assert not any(q.requires_grad for q in frozen.model.vision_tower.parameters())
+    assert all(q.requires_grad for q in frozen.model.multi_modal_projector.parameters())

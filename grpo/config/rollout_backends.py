@@ -33,4 +33,5 @@ class ServerConfig:
     connect_timeout_s: float = 300.0  # how long the trainer waits for a server that is not up yet
     request_timeout_s: float = 600.0  # one generation request (a whole group) at most
     retries: int = 2                 # extra tries of a request that failed to connect or timed out
+    rejoin_every_s: Optional[float] = 30.0  # several servers: probe dropped ones this often, a restarted one rejoins
     api_key_env: str = "GRPO_SERVER_API_KEY"  # the variable holding the servers' API key (never a config value)

@@ -245,6 +245,8 @@ _RANGES = {
     **{f"rollout.server.{k}_timeout_s": (lambda v: v > 0 and math.isfinite(v), "> 0 (seconds)")
        for k in ("connect", "request")},
     "rollout.server.retries": (lambda v: v >= 0, ">= 0"),
+    "rollout.server.rejoin_every_s": (lambda v: v is None or (v >= 0 and math.isfinite(v)),
+                                      ">= 0 (seconds between probes of dropped servers) or null (never)"),
     "algorithm.rollout_is_cap": (lambda v: v >= 1, ">= 1"),
     "engine.max_tokens_per_micro_batch": (
         lambda v: v == "auto" or (not isinstance(v, bool) and isinstance(v, (int, str)) and str(v).isdigit()

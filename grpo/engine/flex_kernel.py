@@ -1,6 +1,7 @@
 """The flex kernel of the shared layout: PyTorch FlexAttention on the packed row with an exact block mask.
 
-A token sees earlier tokens of its own segment (a prompt, or one completion) and its group's prompt. The
+A token sees earlier tokens of its own segment (a prompt, or one completion) and its group's prompt (and, within a
+prompt, its whole bidirectional block: grpo/engine/layout.py's ``blocks``). The
 BlockMask is built from the layout in bands of query rows; the row is padded to a power-of-two length so that
 micro-batches of any size meet a handful of compiled kernels. PyTorch's FlexAttention has no backward on CPU:
 there it serves no-grad forwards and the tests. See docs/prefix-engine.md.
@@ -32,11 +33,15 @@ def flex_available() -> bool:
     return True
 
 
-def segment_mask_mod(seg: torch.Tensor, pseg: torch.Tensor):
-    """mask_mod of the packed row: a token sees earlier tokens of its own segment and its group's prompt."""
+def segment_mask_mod(seg: torch.Tensor, pseg: torch.Tensor, blocks: torch.Tensor | None = None):
+    """mask_mod of the packed row: a token sees earlier tokens of its own segment and its group's prompt, and every
+    token of its own bidirectional block (``blocks``: one id per token, -1 for none; a block lies in one prompt)."""
 
     def mask_mod(b, h, q, kv):
-        return (kv <= q) & ((seg[kv] == seg[q]) | (seg[kv] == pseg[q]))
+        seen = kv <= q
+        if blocks is not None:
+            seen = seen | ((blocks[kv] == blocks[q]) & (blocks[q] >= 0))
+        return seen & ((seg[kv] == seg[q]) | (seg[kv] == pseg[q]))
 
     return mask_mod
 
@@ -60,7 +65,8 @@ def build_block_mask(layout: PrefixLayout, block: int = 128, band_elements: int 
     T = flex_length(n, block)  # padding tokens: a segment of their own, after every real token
     seg = F.pad(layout.segment, (0, T - n), value=-1)
     pseg = F.pad(layout.prompt_segment, (0, T - n), value=-1)
-    mask_mod = segment_mask_mod(seg, pseg)
+    blocks = None if layout.blocks is None else F.pad(layout.blocks, (0, T - n), value=-1)
+    mask_mod = segment_mask_mod(seg, pseg, blocks)
     nb = T // block
     kv = torch.arange(T, device=device)
     rows = max(1, band_elements // (T * block)) * block  # query rows per band, a whole number of blocks

@@ -2,7 +2,8 @@
 
 Per layer, on the layout of grpo/engine/layout.py:
 
-* prompt self-attention once per group (causal, scaled_dot_product_attention), and
+* prompt self-attention once per group (causal, and both ways within a bidirectional block of the layout:
+  Gemma 3's image tokens; scaled_dot_product_attention), and
 * completion attention of every R_i over [prompt K/V of its group; its own K/V] as one joint softmax:
   the scores against the prompt are one matmul of all G completions' queries against the *single* prompt
   K/V (no copy per completion), the scores against its own tokens are a causal block per completion.
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo.engine.completion_attention import completion_attention
-from grpo.engine.layout import PrefixLayout
+from grpo.engine.layout import PrefixLayout, prompt_mask
 from grpo.engine.merged_attention import merged_attention, merged_attention_available
 
 
@@ -68,12 +69,12 @@ def _prompt_attention(q, k, v, layout: PrefixLayout, rep: int, scaling: float, d
     vp = v.index_select(1, layout.prompt_idx).view(Hkv, B, Pmax, Dv).transpose(0, 1)
     kpr = kp if rep == 1 else kp.repeat_interleave(rep, dim=1)
     vpr = vp if rep == 1 else vp.repeat_interleave(rep, dim=1)
-    if layout.prompt_valid is None:
+    mask = prompt_mask(layout)  # causal, ragged prompts' padding, bidirectional blocks (Gemma 3's images)
+    if mask is None:
         out_p = F.scaled_dot_product_attention(qp, kpr, vpr, dropout_p=dropout, is_causal=True, scale=scaling)
     else:
-        causal = torch.ones(Pmax, Pmax, dtype=torch.bool, device=q.device).tril()
-        mask = (causal[None] & layout.prompt_valid[:, None, :])[:, None]  # (B, 1, Pmax, Pmax)
-        out_p = F.scaled_dot_product_attention(qp, kpr, vpr, attn_mask=mask, dropout_p=dropout, scale=scaling)
+        out_p = F.scaled_dot_product_attention(qp, kpr, vpr, attn_mask=mask[:, None], dropout_p=dropout,
+                                               scale=scaling)
     return out_p.transpose(1, 2).reshape(B * Pmax, H * Dv), kp, vp
 
 

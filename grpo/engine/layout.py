@@ -43,6 +43,9 @@ class PrefixLayout:
     targets: torch.Tensor  # (M,) the completion tokens, same order
     segment: torch.Tensor  # (T,) one id per prompt and per completion, unique in the row
     prompt_segment: torch.Tensor  # (T,) the segment id of the token's group prompt
+    # (T,) the bidirectional block of every token (-1: none), unique in the row: tokens of one block attend to each
+    # other both ways (Gemma 3's image tokens), everything else causally; None when the row has no block
+    blocks: torch.Tensor | None = None
     block_mask: object = None  # FlexAttention BlockMask over the row padded to a bucket length; selects flex
     calls: int = 0  # attention calls seen in forward (to verify every layer went through us)
 
@@ -89,8 +92,12 @@ def _pack(prompts: list[list[int]], completions: list[list[list[int]]], Pmax: in
     return out
 
 
-def build_layout(prompts: list[list[int]], completions: list[list[list[int]]], device) -> PrefixLayout:
-    """Pack groups (prompt, completions) into one row and build the index tensors."""
+def build_layout(prompts: list[list[int]], completions: list[list[list[int]]], device,
+                 bidirectional: list[list[tuple[int, int]]] | None = None) -> PrefixLayout:
+    """Pack groups (prompt, completions) into one row and build the index tensors. ``bidirectional``: per prompt,
+    the spans ``[start, end)`` of its tokens that attend to each other both ways (a family's own rule, e.g. one
+    image's tokens in Gemma 3; grpo/engine/vision_families.py); they lie inside the prompt, so every completion
+    still sees the whole prompt and the prompt never sees a completion."""
     B = len(prompts)
     Pmax = max(len(p) for p in prompts)
     Gmax = max(max(len(c), 1) for c in completions)
@@ -123,4 +130,38 @@ def build_layout(prompts: list[list[int]], completions: list[list[list[int]]], d
         targets=t(packed.targets),
         segment=t(packed.seg),
         prompt_segment=t(packed.pseg),
+        blocks=_blocks(packed, bidirectional, lens, Pmax, device),
     )
+
+
+def _blocks(packed: _Packing, spans, lens: list[int], Pmax: int, device) -> torch.Tensor | None:
+    """(T,) block id per token of the packed row (-1: none), from each prompt's bidirectional spans."""
+    if not spans or not any(spans):
+        return None
+    blocks = [-1] * len(packed.ids)
+    n = 0
+    for b, (prompt_spans, P) in enumerate(zip(spans, lens)):
+        for start, end in prompt_spans:
+            if not 0 <= start < end <= P:
+                raise ValueError(f"group {b}: bidirectional span [{start}, {end}) is not inside its prompt of {P}")
+            for j in range(start, end):
+                blocks[packed.prompt_idx[b * Pmax + j]] = n
+            n += 1
+    return torch.tensor(blocks, dtype=torch.long, device=device)
+
+
+def prompt_mask(layout: PrefixLayout) -> torch.Tensor | None:
+    """(B, Pmax, Pmax) bool, who each prompt slot attends to within its prompt: earlier slots and its own
+    bidirectional block (transformers' ``or_masks(causal, blockwise_overlay)``), valid slots only; None when that
+    is plain causal over prompts of one length (then a kernel may use its causal fast path)."""
+    if layout.blocks is None and layout.prompt_valid is None:
+        return None
+    P, device = layout.max_prompt, layout.prompt_idx.device
+    allowed = torch.ones(P, P, dtype=torch.bool, device=device).tril()[None]
+    valid = layout.prompt_valid
+    if layout.blocks is not None:
+        blk = layout.blocks.index_select(0, layout.prompt_idx).view(layout.n_groups, P)
+        if valid is not None:
+            blk = blk.masked_fill(~valid, -1)  # a padded slot reads token 0's block: none
+        allowed = allowed | ((blk[:, :, None] == blk[:, None, :]) & (blk[:, :, None] >= 0))
+    return allowed if valid is None else allowed & valid[:, None, :]

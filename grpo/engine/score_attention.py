@@ -7,7 +7,9 @@ scores written out so that each layer's extras apply exactly as in the model's o
 * **sliding window** of W tokens (Mistral, Gemma 2/3, GPT-OSS, Cohere 2, OLMo 3, ...): a query at position i sees
   keys at positions j with ``i - j < W`` (transformers' ``sliding_window_overlay``). Positions are the per-sequence
   ones: a completion's token k sits at ``len(P) + k``, so against its prompt it sees the slots
-  ``j > len(P) + k - W`` and against itself ``k - k' < W``, the keys the per-sequence forward keeps.
+  ``j > len(P) + k - W`` and against itself ``k - k' < W``, the keys the per-sequence forward keeps. Within a
+  prompt's bidirectional block (Gemma 3's image tokens) a query also sees the block's later keys, and the window
+  still cuts the keys ``W`` or more behind it (transformers' ``and_masks(or_masks(causal, blockwise), window)``).
 * **attention logit soft-capping** (Gemma 2): ``s = cap * tanh(s / cap)`` before the mask.
 * **attention sinks** (GPT-OSS, ``s_aux``): one learned logit per head joins every row's softmax denominator and
   is dropped from the weights.
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpo.engine.layout import PrefixLayout
+from grpo.engine.layout import PrefixLayout, prompt_mask
 
 
 @dataclass
@@ -71,8 +73,10 @@ def score_attention(q, k, v, layout: PrefixLayout, scaling: float, dropout: floa
     qp = q.index_select(1, layout.prompt_idx).view(Hkv, rep, B, Pmax, D).permute(2, 0, 1, 3, 4)
     kp = k.index_select(1, layout.prompt_idx).view(Hkv, B, Pmax, D).transpose(0, 1)  # (B, Hkv, Pmax, D)
     vp = v.index_select(1, layout.prompt_idx).view(Hkv, B, Pmax, Dv).transpose(0, 1)
-    allowed = (j[None, :] <= j[:, None])[None] & valid[:, None, :]  # (B, Pmax, Pmax)
-    if extras.window is not None:
+    allowed = prompt_mask(layout)  # (B, Pmax, Pmax): causal or in one bidirectional block, valid keys
+    if allowed is None:
+        allowed = (j[None, :] <= j[:, None])[None].repeat(B, 1, 1)
+    if extras.window is not None:  # after the blocks: AND(window, OR(causal, block)), as Gemma 3's masks compose
         allowed &= (j[:, None] - j[None, :] < extras.window)[None]
     allowed[..., 0] |= ~allowed.any(-1)  # padded prompt slots past a window: any finite row (their output is dropped)
     s = torch.matmul(qp.reshape(B, Hkv, rep * Pmax, D), kp.transpose(-1, -2)).float() * scaling

@@ -1,4 +1,4 @@
-"""``vision_token_logprobs``: per-token log-probs of GRPO completions whose prompts hold images (the Qwen-VL families).
+"""``vision_token_logprobs``: per-token log-probs of GRPO completions whose prompts hold images (Qwen-VL, Gemma 3).
 
 The shared layout (the default) packs a micro-batch as the text engine does (grpo/engine/layout.py)::
 
@@ -9,15 +9,17 @@ and computes, in order:
 1. the vision tower once per prompt, all images of the micro-batch in one call (not G times per prompt);
 2. the row's input embeddings: token embeddings, with the image features scattered into the image tokens of the
    prompts (never into a completion: a sampled image token stays a text embedding there);
-3. the 3-D rotary positions (temporal, height, width) of Qwen-VL: each prompt's from the model's own
-   ``get_rope_index``, and for every completion ``R_i`` text positions restarting at ``max(prompt positions) + 1``,
-   the position the per-sequence forward gives its first token (equal in the three axes, as for any text token);
-4. the language model on that row with the shared-prefix attention (every completion sees its prompt and itself);
+3. the rotary positions: each prompt's as the model computes them (Qwen-VL's 3-D temporal, height, width from its
+   ``get_rope_index``; Gemma 3's 0..P-1), and for every completion ``R_i`` text positions restarting at
+   ``max(prompt positions) + 1``, the position the per-sequence forward gives its first token (equal in every axis,
+   as for any text token);
+4. the language model on that row with the shared-prefix attention (every completion sees its prompt and itself;
+   within a prompt, the family's bidirectional spans attend both ways: Gemma 3's image tokens, one block per image);
 5. the log-prob head at the positions that predict a completion token.
 
 ``shared_prefix=False`` is the standard layout: every row ``[P; R_i]`` carries its own copy of its prompt's pixels
 through the model's own forward (the vision tower runs G times per prompt). Both equal the per-sequence forward;
-see docs/vision-language.md.
+see docs/vision-language.md. What differs between families is their entry in grpo/engine/vision_families.py.
 """
 
 from __future__ import annotations
@@ -30,15 +32,15 @@ from grpo.engine.micro_batches import plan_micro_batches, scatter
 from grpo.engine.patch import check_every_layer, placeholder_mask, shared_prefix_unsupported, switched_attention
 from grpo.engine.prefix_attention import LAYOUT_KWARG
 from grpo.engine.unwrap import unwrap_model
+from grpo.engine.vision_families import FAMILIES, family_of
 from grpo.vision.images import ImagePrompt
 
 __all__ = ["vision_token_logprobs", "VISION_FAMILIES"]
 
 # the model types served here (grpo.token_logprobs hands them over)
-VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+VISION_FAMILIES = tuple(FAMILIES)
 # vision-language families of transformers not served (yet), and why: refused in one line, not computed inexactly
 NOT_SERVED = {
-    "gemma3": "its image tokens attend to each other bidirectionally, which the causal shared-prefix kernel does not",
     "idefics3": "its images are split into tiles with pixel masks, which image prompts (Qwen's patches) do not carry",
     "smolvlm": "its images are split into tiles with pixel masks, which image prompts (Qwen's patches) do not carry",
     "lfm2_vl": "its NaViT tower takes pixel masks and spatial shapes, which image prompts (Qwen's patches) lack",
@@ -87,18 +89,14 @@ def _check(vlm, prompts, comps, temperature):
         raise ValueError(f"{len(prompts)} prompts but {len(comps)} completion groups")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    image_id = vlm.config.image_token_id
+    image_id, family = vlm.config.image_token_id, family_of(vlm)
     for g, p in enumerate(prompts):
         n_tokens = sum(1 for t in p.ids if t == image_id)
-        expected = 0 if p.n_images == 0 else int(p.image_grid_thw.prod(-1).sum()) // _merge(vlm) ** 2
+        expected = family.image_tokens(vlm.config, p)
         if not p.ids or n_tokens != expected:
             raise ValueError(f"group {g}: the prompt has {n_tokens} image tokens but its images make {expected}"
                              + ("" if p.ids else " (the prompt is empty)"))
     return vlm.model
-
-
-def _merge(vlm) -> int:
-    return vlm.config.vision_config.spatial_merge_size
 
 
 def _device(vlm) -> torch.device:
@@ -111,9 +109,11 @@ def _forward_shared(vlm, core, prompts, comps, temperature, want_entropy):
     if not any(len(r) for cs in comps for r in cs):
         return torch.zeros(0, device=device), torch.zeros(0, device=device)
     text = core.language_model
-    layout = build_layout([p.ids for p in prompts], comps, device)
+    image_id = vlm.config.image_token_id
+    layout = build_layout([p.ids for p in prompts], comps, device,
+                          bidirectional=[family_of(vlm).bidirectional(p.ids, image_id) for p in prompts])
     embeds, extra = _embeddings(vlm, core, prompts, layout)  # steps 1-2
-    positions = packed_positions(core, prompts, comps, vlm.config.image_token_id).to(device)  # step 3
+    positions = packed_positions(core, prompts, comps, image_id).to(device)  # step 3
     with switched_attention(text, state=layout):  # step 4: the vision tower ran outside, with its own attention
         out = text(inputs_embeds=embeds, position_ids=positions, attention_mask=placeholder_mask(device),
                    use_cache=False, **extra, **{LAYOUT_KWARG: layout})
@@ -123,25 +123,23 @@ def _forward_shared(vlm, core, prompts, comps, temperature, want_entropy):
 
 
 def _embeddings(vlm, core, prompts, layout) -> tuple[torch.Tensor, dict]:
-    """(1, T, hidden): the packed row's token embeddings with every prompt's image features in its image tokens, and
-    the language model's extra inputs: Qwen3-VL's deepstack features (the tower's intermediate features, added to
-    the image tokens' hidden states after the first language layers) with the mask of their slots."""
-    embeds = core.get_input_embeddings()(layout.input_ids)
+    """(1, T, hidden): the packed row's token embeddings (the model's own: Gemma 3's scaled by sqrt(hidden)) with
+    every prompt's image features in its image tokens, and the language model's extra inputs: Qwen3-VL's deepstack
+    features (the tower's intermediate features, added to the image tokens' hidden states after the first language
+    layers) with the mask of their slots."""
+    slots = image_slots(layout, prompts, vlm.config.image_token_id)
+    ids = layout.input_ids.index_put((torch.zeros_like(slots), slots), torch.zeros_like(slots))  # overwritten below
+    embeds = core.get_input_embeddings()(ids)  # (an image id past the vocabulary, as Gemma 3's may be, embeds as 0)
     with_images = [p for p in prompts if p.n_images]
     if not with_images:
         return embeds, {}
-    pixels = torch.cat([p.pixel_values for p in with_images]).to(embeds.device)
-    grids = torch.cat([p.image_grid_thw for p in with_images]).to(embeds.device)
-    out = core.get_image_features(pixels, grids, return_dict=True)
-    feats = torch.cat(out.pooler_output).to(embeds.dtype)
-    slots = image_slots(layout, prompts, vlm.config.image_token_id)
+    feats, deepstack = family_of(vlm).features(core, with_images)
     extra = {}
-    if getattr(out, "deepstack_features", None):
+    if deepstack:
         mask = torch.zeros_like(layout.input_ids, dtype=torch.bool)
         mask[0, slots] = True  # the model adds the features at the mask's True slots, in order: slots ascend
-        extra = {"visual_pos_masks": mask,
-                 "deepstack_visual_embeds": [torch.cat(f).to(embeds.dtype) for f in out.deepstack_features]}
-    return embeds.index_put((torch.zeros_like(slots), slots), feats), extra
+        extra = {"visual_pos_masks": mask, "deepstack_visual_embeds": [f.to(embeds.dtype) for f in deepstack]}
+    return embeds.index_put((torch.zeros_like(slots), slots), feats.to(embeds.dtype)), extra
 
 
 def image_slots(layout, prompts, image_token_id: int) -> torch.Tensor:
@@ -151,37 +149,34 @@ def image_slots(layout, prompts, image_token_id: int) -> torch.Tensor:
 
 
 def packed_positions(core, prompts, comps, image_token_id: int) -> torch.Tensor:
-    """(3, 1, T): the 3-D rotary positions of the packed row, in the order of grpo/engine/layout.py's ``_pack``:
-    each prompt's own (images laid out on their grids), then every completion of its group from the same start,
-    ``max(prompt positions) + 1``."""
+    """The rotary positions of the packed row, in the order of grpo/engine/layout.py's ``_pack``: each prompt's own
+    (Qwen-VL: images laid out on their grids), then every completion of its group from the same start,
+    ``max(prompt positions) + 1``. (3, 1, T) for Qwen-VL's 3-D positions, (1, T) for 1-D ones."""
     parts = []
     for p, cs in zip(prompts, comps):
         pos = prompt_positions(core, p, image_token_id)
         parts.append(pos)
         start = int(pos.max()) + 1
-        parts.extend(completion_positions(start, len(r)) for r in cs)
-    return torch.cat(parts, dim=1)[:, None, :]
+        parts.extend(completion_positions(start, len(r), len(pos)) for r in cs)
+    pos = torch.cat(parts, dim=1)
+    return pos if len(pos) == 1 else pos[:, None, :]
 
 
 def prompt_positions(core, prompt, image_token_id: int) -> torch.Tensor:
-    """(3, P): the prompt's positions as the model computes them (``get_rope_index``); 0..P-1 without images."""
-    ids = torch.tensor(prompt.ids, dtype=torch.long)
-    if prompt.n_images == 0:
-        return ids.new_tensor(range(len(ids)))[None, :].expand(3, -1)
-    kinds = (ids == image_token_id).int()[None, :]
-    pos, _ = core.get_rope_index(ids[None, :], mm_token_type_ids=kinds, image_grid_thw=prompt.image_grid_thw.cpu())
-    return pos[:, 0, :]
+    """(axes, P): the prompt's positions as the model computes them (grpo/engine/vision_families.py)."""
+    return family_of(core).positions(core, prompt, image_token_id)
 
 
-def completion_positions(start: int, n: int) -> torch.Tensor:
-    """(3, n): a completion's text positions, from ``start`` in all three axes."""
-    return torch.arange(start, start + n)[None, :].expand(3, -1)
+def completion_positions(start: int, n: int, axes: int = 3) -> torch.Tensor:
+    """(axes, n): a completion's text positions, from ``start`` in every axis."""
+    return torch.arange(start, start + n)[None, :].expand(axes, -1)
 
 
 # --------------------------------------------------------------------------------------------- standard layout
 def _forward_standard(vlm, core, prompts, comps, temperature, want_entropy):
     """Right-padded rows [P; R_i], each with its own copy of its prompt's pixels, through the model's own forward."""
     device = _device(vlm)
+    family = family_of(vlm)
     rows = [(p, r) for p, cs in zip(prompts, comps) for r in cs if len(r)]
     if not rows:
         return torch.zeros(0, device=device), torch.zeros(0, device=device)
@@ -197,12 +192,9 @@ def _forward_standard(vlm, core, prompts, comps, temperature, want_entropy):
         pred.extend(n * L + len(p.ids) - 1 + k for k in range(len(r)))
         targets.extend(r)
     with_images = [p for p, _ in rows if p.n_images]
-    images = {}
-    if with_images:
-        images = {"pixel_values": torch.cat([p.pixel_values for p in with_images]).to(device),
-                  "image_grid_thw": torch.cat([p.image_grid_thw for p in with_images]).to(device)}
-    out = core(input_ids=ids.to(device), attention_mask=mask.to(device), mm_token_type_ids=kinds.to(device),
-               use_cache=False, **images)
+    images = {k: v.to(device) for k, v in family.image_inputs(with_images).items()} if with_images else {}
+    out = core(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False,
+               **{family.kinds_kwarg: kinds.to(device)}, **images)
     hidden = out.last_hidden_state
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, torch.tensor(pred, device=device))
     tgt = torch.tensor(targets, dtype=torch.long, device=device)

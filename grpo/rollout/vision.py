@@ -1,13 +1,15 @@
-"""Rollout for prompts with images (Qwen2.5-VL): each prompt's images and text prefilled once, G samples decoded.
+"""Rollout for prompts with images (Qwen-VL, Gemma 3): each prompt's images and text prefilled once, G samples decoded.
 
 For every group, in order:
 
-1. prefill the prompt once through the model's own forward, pixels included: the vision tower runs once per prompt,
-   and the model computes the prompt's 3-D rotary positions;
+1. prefill the prompt once through the model's own forward, pixels and token kinds included: the vision tower runs
+   once per prompt, and the model computes the prompt's rotary positions (Qwen-VL's 3-D ones) and its own mask
+   (Gemma 3: each image's tokens attend to each other both ways), as ``generate`` prefills;
 2. fork the prompt's cache (K/V, and a hybrid's recurrent states) to the G rows (``reorder_cache``) and sample
    each row's first token from the prompt's last logits;
-3. decode: step k feeds each row's last token at the text position ``max(prompt positions) + 1 + k`` (all three
-   axes), the position the per-sequence forward and grpo/engine/vision_logprobs.py give it.
+3. decode: step k feeds each row's last token at the text position ``max(prompt positions) + 1 + k`` (every
+   axis), the position the per-sequence forward and grpo/engine/vision_logprobs.py give it; no token kinds (a
+   decoded token is text, as ``generate`` passes none after the prefill).
 
 Sampling is exactly softmax(logits / T) (or argmax), as in grpo/rollout/hf.py; the log-prob of every sampled token
 is returned alongside, so a caller can check it against the trainer's. Groups are decoded one after the other (not
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from grpo.engine.unwrap import unwrap_model
+from grpo.engine.vision_families import family_of
 from grpo.engine.vision_logprobs import prompt_positions
 from grpo.rollout.base import Completions, Sampling, cut_at_eos
 from grpo.vision.images import ImagePrompt
@@ -49,13 +52,11 @@ def generate_with_images(model, prompts, group_size: int, sampling: Sampling, eo
 
 def _group(vlm, prompt, G, sampling, eos, gen):
     """(G token lists, G log-prob tensors) of one prompt, each ``max_new_tokens`` long or stopped at EOS."""
-    device = vlm.device
+    device, family = vlm.device, family_of(vlm)
     ids = torch.tensor([prompt.ids], device=device)
-    images = {}
-    if prompt.n_images:
-        images = {"pixel_values": prompt.pixel_values.to(device), "image_grid_thw": prompt.image_grid_thw.to(device)}
+    images = {k: v.to(device) for k, v in family.image_inputs([prompt]).items()} if prompt.n_images else {}
     image_id = vlm.config.image_token_id
-    out = vlm(input_ids=ids, mm_token_type_ids=(ids == image_id).int(), use_cache=True, **images)  # step 1
+    out = vlm(input_ids=ids, **{family.kinds_kwarg: (ids == image_id).int()}, use_cache=True, **images)  # step 1
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
     cache.reorder_cache(torch.zeros(G, dtype=torch.long, device=device))  # step 2: every layer kind, recurrent too
     logits = out.logits[:, -1].float().expand(G, -1)
@@ -72,7 +73,8 @@ def _group(vlm, prompt, G, sampling, eos, gen):
         if bool(done.all()) or k + 1 == sampling.max_new_tokens:
             break
         mask = torch.cat([mask, mask.new_ones(G, 1)], dim=1)
-        pos = torch.full((3, G, 1), start + k, dtype=torch.long, device=device)  # step 3
+        pos = torch.full((family.axes, G, 1), start + k, dtype=torch.long, device=device)  # step 3
+        pos = pos[0] if family.axes == 1 else pos
         out = vlm(input_ids=nxt[:, None], position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
         logits = out.logits[:, -1].float()
     toks = torch.stack(tokens, 1).tolist()

@@ -33,6 +33,7 @@ import math
 import os
 import re
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from grpo.runtime.deepspeed_config import TAG, WORLD_FILE, check, ds_config, lau
 # what gloo / NCCL say when a collective timed out or a peer went away
 PEER_LOST = ("timed out waiting", "connection closed by peer", "connection reset by peer", "broken pipe",
              "communicator was aborted", "collective operation timeout")
+STORE: list = []  # the store the process group was made with (one per process, kept for `_roll_call`)
 
 
 # ----------------------------------------------------------------------------------- runtime
@@ -84,13 +86,14 @@ class DeepSpeedRuntime(Runtime):
         self.timeout = datetime.timedelta(seconds=float(d.timeout_s))
         if not torch.distributed.is_initialized():
             kwargs = {"device_id": self.device} if use_cuda else {}
-            torch.distributed.init_process_group(self.backend, store=_attempt_store(self.rank, self.world_size,
-                                                                                    self.timeout),
+            STORE[:] = [_attempt_store(self.rank, self.world_size, self.timeout)]
+            torch.distributed.init_process_group(self.backend, store=STORE[0],
                                                  rank=self.rank, world_size=self.world_size, timeout=self.timeout,
                                                  **kwargs)
             atexit.register(_destroy_process_group)
         deepspeed.init_distributed(dist_backend=self.backend, auto_mpi_discovery=False, verbose=False,
                                    timeout=self.timeout)
+        self.store, self.lost = (STORE or [None])[0], None  # the launcher's store: a roll call when a rank is lost
         self.engine = self.model = self.optimizer = self.scheduler = None
         self.reference_engine = None
         self.node_local = False
@@ -219,10 +222,12 @@ class DeepSpeedRuntime(Runtime):
         if not (isinstance(error, torch.distributed.DistError) or any(k in text.lower() for k in PEER_LOST)):
             return None
         first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]) if text else type(error).__name__  # [file.cc:78]
+        lost = _roll_call(self)
+        who = (f"rank {', '.join(map(str, lost))} did not answer within {ROLL_CALL_S:g} s: it failed (its message is "
+               "above), was killed, or hangs" if lost else "another rank failed (its message is above) or hangs")
         return PeerLostError(
             f"rank {self.rank} of {self.world_size}: a collective timed out or lost another rank ({first[:160]}); "
-            f"another rank failed (its message is above) or hangs, or a step takes longer than "
-            f"distributed.timeout_s={self.timeout.total_seconds():g}")
+            f"{who}, or a step takes longer than distributed.timeout_s={self.timeout.total_seconds():g}")
 
     def node_local_checkpoints(self, on: bool) -> None:
         """Nodes without a shared filesystem: each node's first rank writes the model states DeepSpeed
@@ -320,6 +325,34 @@ def _param_offload(engine):
         return None
     opt = engine.optimizer
     return getattr(opt, "parameter_offload", opt)
+
+
+ROLL_CALL_S = 5.0  # how long a rank that lost a collective waits for the others to say they are alive
+
+
+def _roll_call(rt) -> list[int]:
+    """The ranks that do not answer within `ROLL_CALL_S` after ``rt``'s rank found a collective broken: every rank
+    that finds one says so in the launcher's store (which outlives any rank under torchrun), so the ranks that never do
+    are the lost ones (killed, failed, hung). Asked once per process; [] where the store cannot tell (none, or gone with
+    the rank that hosted it)."""
+    if getattr(rt, "lost", None) is not None:
+        return rt.lost
+    store, rt.lost = getattr(rt, "store", None), []
+    if store is None:
+        return rt.lost
+    try:
+        store.set_timeout(datetime.timedelta(seconds=ROLL_CALL_S))
+        store.set(f"alive/{rt.rank}", "1")
+        deadline = time.monotonic() + ROLL_CALL_S
+        while True:
+            missing = [r for r in range(rt.world_size) if not store.check([f"alive/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - the store went with its host: the message says less
+        return rt.lost
+    rt.lost = missing
+    return missing
 
 
 def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta):

@@ -187,8 +187,9 @@ class AsyncBatches:
     def _receive(self) -> None:
         try:
             got = self.gen.receive()
-        except GeneratorError as e:
-            raise SetupError(str(e)) from None
+        except GeneratorError as e:  # the server generator's workers lost a rank in their collectives: one line
+            lost = self.run.runtime.peer_failure(e.__cause__) if isinstance(e.__cause__, Exception) else None
+            raise (lost or SetupError(str(e))) from None
         self.ready[got.step] = got
         if got.step == max(self.submitted):  # the generator has drawn every prompt asked for so far
             self.sampler = got.sampler

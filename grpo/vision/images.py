@@ -4,12 +4,14 @@ A row carries its images in a column (``images``: one image or a list), each a P
 a ``{"bytes": ..., "path": ...}`` dict (how `datasets` stores an ``Image`` feature in Parquet). Its prompt is TRL's
 conversational format: messages whose ``content`` is a list of ``{"type": "text", "text": ...}`` and
 ``{"type": "image"}`` parts, the images taken in order. The chat template renders one placeholder per image part;
-:func:`encode` repeats its image token once per token the vision tower makes of that image (what a transformers
-processor does) and returns an :class:`ImagePrompt`.
+:func:`encode` expands it into the image's tokens as the family's transformers processor does (:data:`FORMS`: Qwen's
+image token once per merged patch of the image's grid; Gemma 3's begin-of-image, a fixed number of image tokens,
+end-of-image) and returns an :class:`ImagePrompt`.
 """
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +23,8 @@ if TYPE_CHECKING:  # no torch at import: grpo/data.py imports this module, and t
 
 class ImagePrompt(list):
     """One prompt's token ids (image tokens expanded), a list like any prompt's, carrying the pixels of its images in
-    order (``(patches, channels * patch area)``, Qwen-VL's flattened patches) and their ``(t, h, w)`` patch grids.
+    order (Qwen-VL: ``(patches, channels * patch area)`` flattened patches, with their ``(t, h, w)`` patch grids;
+    Gemma 3: ``(images, channels, height, width)`` at the tower's fixed size, no grid).
     Everything that handles token lists handles it; the engine and the rollout read its images. ``images``: the
     RGB images themselves (PIL), what a vLLM rollout sends (vLLM runs its own processor on them)."""
 
@@ -36,7 +39,9 @@ class ImagePrompt(list):
 
     @property
     def n_images(self) -> int:
-        return 0 if self.image_grid_thw is None else len(self.image_grid_thw)
+        if self.image_grid_thw is not None:  # Qwen's patches: one grid per image
+            return len(self.image_grid_thw)
+        return 0 if self.pixel_values is None else len(self.pixel_values)  # one (C, H, W) per image
 
     def __reduce__(self):  # pickled with its images (checkpoints of in-flight batches, spawned generators)
         return type(self), (list(self), self.pixel_values, self.image_grid_thw, self.images)
@@ -71,6 +76,33 @@ def image_parts(messages: list[dict]) -> int:
                for part in m["content"] if part.get("type") == "image")
 
 
+@dataclass(frozen=True)
+class ImageForm:
+    """How a family's processor writes an image into the prompt text: the chat template renders ``placeholder`` once
+    per image, which becomes ``before + image_token * n + after`` (n: the image's number of tokens)."""
+
+    placeholder: str
+    image_token: str
+    before: str = ""
+    after: str = ""
+
+    def tokens(self, image_processor, out) -> list[int]:
+        """The number of image tokens of every image the processor returned in ``out``: Qwen's merged patches of
+        its grid, or the fixed count of a fixed-size tower (Gemma 3's ``image_seq_length``)."""
+        if "image_grid_thw" in out:
+            return [int(g.prod()) // image_processor.merge_size ** 2 for g in out["image_grid_thw"]]
+        return [image_processor.image_seq_length] * len(out["pixel_values"])
+
+
+_QWEN = ImageForm("<|image_pad|>", "<|image_pad|>")
+# Gemma3Processor's full_image_sequence: "\n\n<start_of_image>" + image tokens + "<end_of_image>\n\n"; pan-and-scan off
+_GEMMA3 = ImageForm("<start_of_image>", "<image_soft_token>", before="\n\n<start_of_image>",
+                    after="<end_of_image>\n\n")
+# image processor class -> how its images go into the prompt
+FORMS = {"Qwen2VLImageProcessorPil": _QWEN, "Qwen2VLImageProcessor": _QWEN,
+         "Gemma3ImageProcessorPil": _GEMMA3, "Gemma3ImageProcessor": _GEMMA3}
+
+
 def encode(messages: list[dict], images: list, tokenizer, image_processor, where: str = "data row") -> ImagePrompt:
     """Render ``messages`` with the tokenizer's chat template (generation prompt added) and tokenize them, with
     ``images`` (one per image part, in order) through ``image_processor``."""
@@ -79,18 +111,21 @@ def encode(messages: list[dict], images: list, tokenizer, image_processor, where
         raise DataError(f"{where}: the prompt has {image_parts(messages)} image part(s) but the row has "
                         f"{len(images)} image(s); give one image per {{'type': 'image'}} part")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    image_token = "<|image_pad|>"
     pixel_values = grid = None
     if images:
+        form = FORMS.get(type(image_processor).__name__)
+        if form is None:
+            raise DataError(f"image processor {type(image_processor).__name__} is not supported; supported: "
+                            + ", ".join(FORMS))
         out = image_processor(images=images, return_tensors="pt")
-        pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
-        per_token = image_processor.merge_size ** 2
-        pieces = text.split(image_token)
+        pixel_values, grid = out["pixel_values"], out.get("image_grid_thw")
+        pieces = text.split(form.placeholder)
         if len(pieces) != len(images) + 1:
             raise DataError(f"{where}: the chat template rendered {len(pieces) - 1} image placeholder(s) for "
-                            f"{len(images)} image(s); the model's template must place one {image_token} per image")
-        text = pieces[0] + "".join(image_token * (int(g.prod()) // per_token) + rest
-                                   for g, rest in zip(grid, pieces[1:]))
+                            f"{len(images)} image(s); the model's template must place one {form.placeholder} per "
+                            "image")
+        text = pieces[0] + "".join(form.before + form.image_token * n + form.after + rest
+                                   for n, rest in zip(form.tokens(image_processor, out), pieces[1:]))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return ImagePrompt(ids=ids, pixel_values=pixel_values, image_grid_thw=grid, images=images or None)
 

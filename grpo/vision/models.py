@@ -1,5 +1,5 @@
-"""``tiny:qwen2_5_vl``, ``tiny:qwen2_vl``, ``tiny:qwen3_vl``, ``tiny:qwen3_vl_moe``, ``tiny:qwen3_5``: tiny
-random Qwen-VL models and their processor, with no download.
+"""``tiny:qwen2_5_vl``, ``tiny:qwen2_vl``, ``tiny:qwen3_vl``, ``tiny:qwen3_vl_moe``, ``tiny:qwen3_5``, ``tiny:gemma3``:
+tiny random vision-language models and their processor, with no download.
 
 The language model has the shapes of ``tiny:qwen2`` (grpo/models.py: hidden 64, 2 layers, 4 heads) with
 3-D multimodal rotary positions (``mrope_section`` [2, 3, 3] of the 8 rotary frequencies, interleaved for Qwen3-VL
@@ -9,6 +9,13 @@ every block; Qwen2.5-VL: windowed blocks and one full one; Qwen3-VL: learned pos
 features from block 0, and its mixture-of-experts form, 4 experts of which 2 per token; Qwen3.5: Qwen3-VL's without
 deepstack). The tokenizer is the character tokenizer of the text
 tiny models plus Qwen's vision tokens. grpo/models.py builds both; this module imports nothing of it.
+
+``tiny:gemma3`` (Gemma3ForConditionalGeneration): the same language model widths in Gemma 3's form (its scaled
+embeddings, q/k norms, ``query_pre_attn_scalar`` 24 for heads of 16, a sliding-window layer of 8 tokens then a
+global one with its own linearly scaled rotary base, as Gemma 3's 4B and larger), a 2-block SigLIP tower on 32x32
+images in 4x4 patches, pooled 2x2 by the multi-modal projector into 16 image tokens (its projection seeded, not
+Gemma's zeros, so images matter), Gemma 3's image tokens (``<start_of_image>``, ``<image_soft_token>``,
+``<end_of_image>``) and Gemma 3's image processor at 32x32 (pan-and-scan off).
 """
 from __future__ import annotations
 
@@ -18,16 +25,24 @@ from grpo.errors import ModelError
 from grpo.tiny_models import HYBRID_FAMILIES
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
-TINY_VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+GEMMA3_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
+TINY_VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "gemma3")
 
-# The prompt as the chat template renders it: an image part becomes <|vision_start|><|image_pad|><|vision_end|>,
-# and the processor repeats <|image_pad|> once per image token (grpo/vision/images.py).
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
+
+def _template(image: str) -> str:
+    """The prompt as the chat template renders it, ``image`` for an image part (the processor expands it:
+    grpo/vision/images.py)."""
+    return ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+            "{% for c in m['content'] %}{% if c['type'] == 'image' %}" + image +
+            "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+# Qwen: <|vision_start|><|image_pad|><|vision_end|>, <|image_pad|> repeated once per image token
+CHAT_TEMPLATE = _template("<|vision_start|><|image_pad|><|vision_end|>")
+# Gemma 3: <start_of_image>, expanded into "\n\n<start_of_image>", the image tokens, "<end_of_image>\n\n"
+GEMMA3_CHAT_TEMPLATE = _template("<start_of_image>")
+GEMMA3_IMAGE = dict(image_size=32, patch_size=4, mm_tokens_per_image=16)
 
 _PATCHES = dict(patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
 # family -> (config class, model class, vision config kwargs; the tower's output width is the language model's)
@@ -56,16 +71,26 @@ _MOE_TEXT = {"qwen3_vl_moe": dict(num_experts=4, num_experts_per_tok=2, moe_inte
 _HYBRID_TEXT = {"qwen3_5": "qwen3_5_text"}
 
 
-def with_vision_tokens(tok):
-    """``tok`` (grpo/models.py's character tokenizer) with Qwen's vision tokens added and the chat template above."""
-    tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
-    tok.chat_template = CHAT_TEMPLATE
+def with_vision_tokens(tok, family: str = "qwen2_5_vl"):
+    """``tok`` (grpo/models.py's character tokenizer) with the family's vision tokens and chat template (Qwen's, or
+    Gemma 3's)."""
+    gemma = family == "gemma3"
+    tok.add_special_tokens({"additional_special_tokens": list(GEMMA3_TOKENS if gemma else VISION_TOKENS)})
+    tok.chat_template = GEMMA3_CHAT_TEMPLATE if gemma else CHAT_TEMPLATE
     return tok
 
 
-def image_processor(min_pixels: int = 16 * 16, max_pixels: int = 64 * 64):
-    """Qwen2-VL's image processor (the PIL one: no torchvision needed) at the tiny tower's patch sizes. An image
-    is resized to a multiple of 8 pixels a side with between ``min_pixels`` and ``max_pixels`` pixels."""
+def image_processor(family: str = "qwen2_5_vl", min_pixels: int = 16 * 16, max_pixels: int = 64 * 64):
+    """The family's image processor (a PIL one: no torchvision needed) at the tiny tower's sizes. Qwen2-VL's
+    resizes an image to a multiple of 8 pixels a side with between ``min_pixels`` and ``max_pixels`` pixels;
+    Gemma 3's to 32x32, with ``image_seq_length`` (Gemma3Processor's: the image tokens per image) set."""
+    if family == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        side = GEMMA3_IMAGE["image_size"]
+        proc = Gemma3ImageProcessorPil(size={"height": side, "width": side}, do_pan_and_scan=False)
+        proc.image_seq_length = GEMMA3_IMAGE["mm_tokens_per_image"]
+        return proc
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     v = _PATCHES
@@ -83,6 +108,8 @@ def tiny_vlm(family: str, tokenizer, text: dict, seed: int = 0):
     if family not in TINY_VLM_FAMILIES:
         raise ModelError(f"tiny:{family} is not a vision-language family; choose one of: "
                          + ", ".join(TINY_VLM_FAMILIES))
+    if family == "gemma3":
+        return _tiny_gemma3(tokenizer, text, seed)
     ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(t)
            for name, t in zip(("vision_start", "image", "vision_end", "video"), VISION_TOKENS)}
     text = dict(text)
@@ -110,9 +137,46 @@ def tiny_vlm(family: str, tokenizer, text: dict, seed: int = 0):
                          f"{str(e).strip().splitlines()[0][:200]}") from None
 
 
+def _tiny_gemma3(tokenizer, text: dict, seed: int):
+    """Gemma3ForConditionalGeneration with the language model ``text`` in Gemma 3's form (see the module doc)."""
+    import transformers
+
+    ids = {f"{name}_token_index": tokenizer.convert_tokens_to_ids(t)
+           for name, t in zip(("boi", "image", "eoi"), GEMMA3_TOKENS)}
+    text = {"head_dim": text["hidden_size"] // text["num_attention_heads"], "query_pre_attn_scalar": 24,
+            "sliding_window": 8, "layer_types": [("sliding_attention", "full_attention")[i % 2]
+                                                 for i in range(text["num_hidden_layers"])],
+            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
+            **text}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=GEMMA3_IMAGE["image_size"], patch_size=GEMMA3_IMAGE["patch_size"])
+    try:
+        config = transformers.Gemma3Config(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                                           mm_tokens_per_image=GEMMA3_IMAGE["mm_tokens_per_image"], **ids)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = transformers.Gemma3ForConditionalGeneration(config)
+            torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.05)
+        return model
+    except (ValueError, TypeError) as e:
+        raise ModelError(f"model.tiny={text} does not make a valid gemma3 model: "
+                         f"{str(e).strip().splitlines()[0][:200]}") from None
+
+
+TOWERS = ("visual", "vision_tower")  # the core's attribute holding the vision tower: Qwen-VL's, Gemma 3's
+
+
+def vision_tower(model):
+    """The vision tower of a vision-language model (``model.model.visual`` / ``.vision_tower``), or None."""
+    core = getattr(model, "model", None)
+    return next((getattr(core, a) for a in TOWERS if getattr(core, a, None) is not None), None)
+
+
 def freeze_vision_tower(model, name: str = "the model") -> None:
-    """``model.freeze_vision_tower``: the vision tower's parameters get no gradient (the optimizer skips them)."""
-    tower = getattr(getattr(model, "model", None), "visual", None)
+    """``model.freeze_vision_tower``: the vision tower's parameters get no gradient (the optimizer skips them).
+    Gemma 3's multi-modal projector (pooling, norm, projection) is not part of its tower: it still trains."""
+    tower = vision_tower(model)
     if tower is None:
         raise ModelError(f"model.freeze_vision_tower=true but {name} has no vision tower (a text model); "
                          "set model.freeze_vision_tower=false")

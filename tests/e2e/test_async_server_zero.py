@@ -101,7 +101,8 @@ def test_zero3_and_zero2_on_two_processes_with_the_server_as_the_generator(tmp_p
     (K = 0) and K = 1 on ZeRO-3, K = 2 on ZeRO-2: the staleness and the servers' version lag as scheduled, the sync
     check passing after each push (one per version), the servers asked for exactly the synchronous run's prompts and
     seeds (refill rounds agreed over both ranks); each resumed from its step-2 checkpoint, which holds each rank's
-    batches in flight: the uninterrupted run's metrics."""
+    batches in flight: the uninterrupted run's metrics. And K = 1 against two servers, the second restarting mid-run:
+    dropped, taken back by both ranks before a later push (rollout.server.rejoin_every_s=0), the K = 1 run's metrics."""
     from grpo.config.schema import load
     from grpo.models import load_model, load_tokenizer
     from tests.e2e.test_async_distributed import doc_command
@@ -117,6 +118,9 @@ def test_zero3_and_zero2_on_two_processes_with_the_server_as_the_generator(tmp_p
     vocab = len(load_tokenizer(cfg.model.name_or_path))
     server = FakeServer(model=load_model(cfg.model, vocab, seed=5), name=cfg.model.name_or_path, max_model_len=1024,
                         vocab=vocab).start()
+    # a second server for one run: it dies under its fourth group and is up again at once, fresh, and rejoins
+    second = FakeServer(model=load_model(cfg.model, vocab, seed=5), name=cfg.model.name_or_path, max_model_len=1024,
+                        vocab=vocab, restart_after=3).start()
     try:
         common = [f"rollout.server.urls=[{server.url}]", "rollout.server.connect_timeout_s=30",
                   "rollout.prompts_per_step=4", "logging.sample_every=0", "logging.plot=false"]
@@ -128,21 +132,26 @@ def test_zero3_and_zero2_on_two_processes_with_the_server_as_the_generator(tmp_p
                   f"+reward.functions.first.fn=tests.e2e.{Path(__file__).stem}:flat_or_first",
                   "algorithm.filter_zero_std_groups=true", "algorithm.resample_zero_std=2"]
         z2, z3 = ["distributed=zero2"], [f"distributed={given['distributed']}", *ZERO3[1:]]
-        run = {name: tmp_path / name for name in ("sync", "k1", "k1r", "k2", "k2r")}
-        launch(Path(__file__), "pipeline", tmp_path / "pipe", *ZERO3, "rollout.backend=server", *common,
+        run = {name: tmp_path / name for name in ("sync", "k1", "k1r", "k1j", "k2", "k2r")}
+        both = [a for a in refill if not a.startswith("rollout.server.urls=")] + [
+            f"rollout.server.urls=[{server.url},{second.url}]", "rollout.server.rejoin_every_s=0"]
+        p = launch(Path(__file__), "pipeline", tmp_path / "pipe", *ZERO3, "rollout.backend=server", *common,
                "rollout.max_staleness=2",
                THEN, "train", run["sync"], *z3, *refill, f"trainer.output_dir={run['sync']}",
                THEN, "train", run["k1"], *z3, *refill, f"rollout.max_staleness={given['rollout.max_staleness']}",
                f"trainer.output_dir={run['k1']}",
                THEN, "resume", run["k1"], *z3, *refill, "rollout.max_staleness=1",
                f"trainer.output_dir={run['k1r']}", f"trainer.resume={run['k1r'] / 'checkpoints' / 'step_2'}",
+               THEN, "train", run["k1j"], *z3, *both, "rollout.max_staleness=1", f"trainer.output_dir={run['k1j']}",
                THEN, "train", run["k2"], *z2, *refill, "rollout.max_staleness=2", f"trainer.output_dir={run['k2']}",
                THEN, "resume", run["k2"], *z2, *refill, "rollout.max_staleness=2",
                f"trainer.output_dir={run['k2r']}", f"trainer.resume={run['k2r'] / 'checkpoints' / 'step_2'}",
                cwd=tmp_path, phase_s=300)
         asked, pushes = _by_phase(server)
+        asked_second, _ = _by_phase(second)
     finally:
         server.stop()
+        second.stop()
     # the pipeline at K = 2 on ZeRO-3: each rank trains on its own batch of the scheduled version
     ranks = [torch.load(tmp_path / "pipe" / f"pipeline_rank{r}.pt", weights_only=False) for r in (0, 1)]
     for t, (a, b) in enumerate(zip(*ranks), start=1):
@@ -174,3 +183,10 @@ def test_zero3_and_zero2_on_two_processes_with_the_server_as_the_generator(tmp_p
         assert asked[name + "r"] and not asked[name + "r"] - asked[name]
         assert sum(asked[name + "r"].values()) < sum(asked[name].values())
     assert pushes["sync"] == T  # the synchronous run: one push per step, not one per rank
+    # K = 1 with two servers, one restarting mid-run: dropped on both ranks, taken back on both before a later push,
+    # the uninterrupted run's metrics (the same prompts and seeds asked, whichever server answered)
+    assert second.restarts == 1 and p.stderr.count(f"rollout server {second.url} rejoined at version") == 1
+    same_numbers(steps(run["k1"]), steps(run["k1j"]))
+    assert set(asked["k1j"] + asked_second["k1j"]) == set(asked["sync"])
+    up = [m["server/servers_up"] for _, m in sorted(steps(run["k1j"]).items())]
+    assert min(up) == 1 and up[-1] == 2, up

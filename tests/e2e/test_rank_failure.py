@@ -25,7 +25,7 @@ if __name__ == "__main__":
 # ------------------------------------------------------------------------------------ the tests
 import pytest  # noqa: E402
 
-from tests.e2e.test_distributed import SMOKE, torchrun  # noqa: E402
+from tests.e2e.test_distributed import SMOKE, ZERO3, torchrun  # noqa: E402
 from tests.helpers import THEN  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -108,12 +108,14 @@ import signal
 calls = {}
 
 
-def killed_once(prompts, completions, die_at: int = 0, **kwargs):
-    """0 for every completion; with die_at > 0, rank 1 SIGKILLs itself in the middle of step ``die_at``
-    (its reward call of that step: one prompt per rank and step; the calls counted per die_at, each run its own) of
-    the group's first attempt only."""
-    calls[die_at] = calls.get(die_at, 0) + 1
-    if calls[die_at] == die_at and os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+def killed_once(prompts, completions, die_at: int = 0, rank: int = 1, attempt: int = 0, **kwargs):
+    """0 for every completion; with die_at > 0, ``rank`` SIGKILLs itself in the middle of step ``die_at``
+    (its reward call of that step: one prompt per rank and step; the calls counted per run, by its arguments) of
+    the group's attempt ``attempt`` only (torchrun's restart count)."""
+    key = (die_at, rank, attempt)
+    calls[key] = calls.get(key, 0) + 1
+    if calls[key] == die_at and os.environ["RANK"] == str(rank) and \
+            os.environ.get("TORCHELASTIC_RESTART_COUNT") == str(attempt):
         os.kill(os.getpid(), signal.SIGKILL)
     return [0.0] * len(completions)
 '''
@@ -148,3 +150,63 @@ def test_a_killed_rank_restarts_the_group_and_the_run_resumes_exactly(tmp_path):
     assert sorted(got) == sorted(want) == [1, 2, 3]
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-9), step
+
+
+
+@pytest.mark.slow
+def test_a_killed_rank_with_the_server_generator_stops_and_resumes_exactly(tmp_path):
+    """The same with the rollout server as the asynchronous generator (K = 1, ZeRO-3, a fake server holding a real
+    tiny model in this process), torchrun --max-restarts 2, one launch of three runs: an uninterrupted one; one whose
+    rank 1 SIGKILLs itself on its worker thread sampling step 3 ahead (its trainer on step 2); one whose rank 0, the
+    rank that pushes the weights, does so sampling step 4 (after pushing version 2). Each time the other rank stops by
+    itself with one line naming the lost rank (a rank stuck on the dead one would be killed silently by torchrun), the
+    server stays usable, and the resumed run (trainer.resume=auto) pushes the checkpoint's weights to it and ends with
+    every step's metrics equal to the uninterrupted run's."""
+    import json
+
+    from grpo.config.schema import load
+    from grpo.models import load_model, load_tokenizer
+    from tests.helpers import compose_recipe
+    from tests.rollout.server.fake_server import FakeServer
+
+    (tmp_path / "kill_rewards.py").write_text(KILLER)
+    cfg = load(compose_recipe("smoke", [f"trainer.output_dir={tmp_path / 'unused'}"]))
+    vocab = len(load_tokenizer(cfg.model.name_or_path))
+    server = FakeServer(model=load_model(cfg.model, vocab, seed=5), name=cfg.model.name_or_path, max_model_len=1024,
+                        vocab=vocab).start()
+    common = [*SMOKE, *ZERO3, "data.num_eval=0", "trainer.max_steps=4", "trainer.save_every=1",
+              "trainer.resume=auto", "distributed.timeout_s=120", "rollout.backend=server", "rollout.max_staleness=1",
+              f"rollout.server.urls=[{server.url}]", "rollout.server.connect_timeout_s=60"]
+
+    def run(name: str, die_at: int = 0, rank: int = 1, attempt: int = 0) -> list[str]:
+        fn = f"+reward.functions.kill={{fn: 'kill_rewards:killed_once', die_at: {die_at}, rank: {rank}, " \
+             f"attempt: {attempt}}}"
+        return ["train", str(tmp_path / name), *common, fn, f"trainer.output_dir={tmp_path / name}"]
+
+    def metrics(name: str) -> dict:
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: (r["loss"], r["reward_mean"], r["grad_norm"], r["async/version"]) for r in rows
+                if "loss" in r}
+
+    try:
+        p = torchrun("--max-restarts", "2", str(Path(__file__)), *run("straight"), THEN, *run("lost1", 3), THEN,
+                     *run("lost0", 4, rank=0, attempt=1), cwd=tmp_path, timeout=600)
+    finally:
+        server.stop()
+    assert p.returncode == 0, p.stderr[-4000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2, p.stderr[-4000:]
+    for line, (me, lost) in zip(errors, ((0, 1), (1, 0))):
+        assert line.startswith(f"error: rank {me} of 2: a collective timed out or lost another rank ("), line
+        assert f"; rank {lost} did not answer within 5 s: it failed (its message is above), was killed" in line
+    for name, step in (("lost1", 1), ("lost0", 2)):
+        assert f"resumed from {tmp_path / name}/checkpoints/step_{step} (step {step})" in p.stderr, p.stderr[-4000:]
+    want = metrics("straight")
+    assert sorted(want) == [1, 2, 3, 4]
+    for name in ("lost1", "lost0"):
+        got = metrics(name)
+        assert sorted(got) == sorted(want), name
+        for step in want:
+            assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-9), (name, step)
+    joins = sum(path == "/collective_rpc" and body["method"] == "grpo_join" for path, body in server.requests)
+    assert joins == 5  # each run's rank 0 joined the server's channel, and both resumed runs again: it stayed usable

@@ -238,8 +238,8 @@ def test_bands_are_whole_blocks_within_the_element_budget(monkeypatch, blocks_pe
     band = blocks_per_band * T * block + extra
     rows = []
 
-    def recording(seg, pseg):
-        inner = segment_mask_mod(seg, pseg)
+    def recording(seg, pseg, blocks=None):
+        inner = segment_mask_mod(seg, pseg, blocks)
 
         def mask_mod(b, h, q, kv):
             rows.append(q.numel())

@@ -1,18 +1,22 @@
 """vision_token_logprobs on every served family (vision_logprobs.VISION_FAMILIES, each a tiny: model): log-probs and
 gradients (vision tower included, trainable or frozen; LoRA on the language model) equal the model's own
 per-sequence forward, in the shared layout (each prompt's images encoded once) and the standard one; planted bugs
-(completion positions not restarting, 1-D positions, image features at per-row slots, deepstack dropped) fail."""
+(completion positions not restarting, 1-D positions, image features at per-row slots, deepstack dropped, Gemma 3's
+image block made causal) fail."""
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from grpo.engine import plan_micro_batches, token_logprobs
+from grpo.engine import vision_families as vf
 from grpo.engine import vision_logprobs as vl
 from grpo.engine.vision_logprobs import vision_token_logprobs
 from grpo.models import load_image_processor, load_tokenizer, tiny_model
 from grpo.tasks.shapes import draw
 from grpo.vision.images import encode
+from grpo.vision.models import vision_tower
 
 ATOL_LP, ATOL_GRAD = 2e-5, 5e-5
 
@@ -50,6 +54,21 @@ def _completions(sizes, seed=0):
     return [[[rng.randrange(3, 100) for _ in range(rng.randint(1, 7))] for _ in range(G)] for G in sizes]
 
 
+def _model_inputs(model, p, ids):
+    """What the family's own forward takes beside the ids, as its transformers processor returns it: Qwen-VL's
+    ``mm_token_type_ids``, pixels and grids; Gemma 3's ``token_type_ids`` (its bidirectional image blocks) and
+    pixels."""
+    kinds = (ids == model.config.image_token_id).long()
+    if model.config.model_type == "gemma3":
+        return {"token_type_ids": kinds, **({"pixel_values": p.pixel_values} if p.n_images else {})}
+    images = {} if not p.n_images else {"pixel_values": p.pixel_values, "image_grid_thw": p.image_grid_thw}
+    return {"mm_token_type_ids": kinds.int(), **images}
+
+
+def _tower_name(model) -> str:
+    return "." + vf.family_of(model).tower + "."
+
+
 def _reference(model, prompts, comps):
     """Every prompt + completion alone through the model's own forward (logits, log-softmax)."""
     out = []
@@ -57,9 +76,7 @@ def _reference(model, prompts, comps):
         row = []
         for r in cs:
             ids = torch.tensor([p.ids + r])
-            images = {} if not p.n_images else {"pixel_values": p.pixel_values, "image_grid_thw": p.image_grid_thw}
-            logits = model(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).int(),
-                           **images).logits[0].float()
+            logits = model(input_ids=ids, **_model_inputs(model, p, ids)).logits[0].float()
             row.append(torch.log_softmax(logits, -1)[len(p.ids) - 1:-1].gather(-1, torch.tensor(r)[:, None])[:, 0])
         out.append(row)
     return out
@@ -83,7 +100,7 @@ def _check_grads(model, prompts, comps, shared, tower_trains=True):
     assert _max_diff(got, ref) < ATOL_LP
     g_got = _grads(model, got, weights)
     assert set(g_got) == set(g_ref) and g_got
-    assert any(".visual." in n for n in g_got) == tower_trains  # the tower trains too, unless frozen
+    assert any(_tower_name(model) in n for n in g_got) == tower_trains  # the tower trains too, unless frozen
     for n in g_ref:
         assert torch.allclose(g_got[n], g_ref[n], atol=ATOL_GRAD), n
 
@@ -101,22 +118,24 @@ def test_a_frozen_tower_gets_no_gradient_and_the_rest_stays_exact(setup):
     from grpo.vision.models import freeze_vision_tower
 
     model, prompts = setup
+    visual = vision_tower(model)
     try:
         freeze_vision_tower(model)
         _check_grads(model, prompts, _completions((2, 5, 1)), shared=True, tower_trains=False)
-        tower = {n: p.detach().clone() for n, p in model.model.visual.named_parameters()}
-        assert all(p.grad is None for p in model.model.visual.parameters())
+        tower = {n: p.detach().clone() for n, p in visual.named_parameters()}
+        assert all(p.grad is None for p in visual.parameters())
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
         opt.step()
-        assert all(torch.equal(p, tower[n]) for n, p in model.model.visual.named_parameters())
+        assert all(torch.equal(p, tower[n]) for n, p in visual.named_parameters())
     finally:
         model.zero_grad(set_to_none=True)
-        model.model.visual.requires_grad_(True)
+        visual.requires_grad_(True)
 
 
 def test_lora_on_the_language_model_is_exact(setup):
     """LoRA adapters on the language model's attention (the tower's layers are named qkv/proj, so it keeps its full
-    weights): the adapters' and the tower's gradients equal the per-sequence forward's through the peft model."""
+    weights; Gemma 3's SigLIP tower, whose attention is named q_proj/k_proj/v_proj too, is excluded by name): the
+    adapters' gradients equal the per-sequence forward's through the peft model."""
     import copy
 
     from grpo.config.schema import LoraConfig
@@ -128,17 +147,19 @@ def test_lora_on_the_language_model_is_exact(setup):
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.1)
     assert any("lora_" in n for n, p in peft_model.named_parameters() if p.requires_grad)
+    assert not any("lora_" in n and _tower_name(model) in n for n, _ in peft_model.named_parameters())
     _check_grads(peft_model, prompts, _completions((2, 1, 5)), shared=True, tower_trains=False)
 
 
 def test_micro_batches_and_entropy(setup):
     model, prompts = setup
     comps = _completions((2, 3, 1), seed=1)
-    plan = plan_micro_batches([len(p.ids) for p in prompts], [[len(r) for r in cs] for cs in comps], 75)
+    budget = max(75, len(prompts[1].ids) + 8)  # Gemma 3's two images make a longer prompt
+    plan = plan_micro_batches([len(p.ids) for p in prompts], [[len(r) for r in cs] for cs in comps], budget)
     assert len(plan) >= 3 and any(g == 1 for g, _ in plan[1])  # the two-image group is cut in two
     with torch.no_grad():
         ref = _reference(model, prompts, comps)
-        got, ent = vision_token_logprobs(model, prompts, comps, max_tokens_per_micro_batch=75, return_entropy=True)
+        got, ent = vision_token_logprobs(model, prompts, comps, max_tokens_per_micro_batch=budget, return_entropy=True)
     assert _max_diff(got, ref) < ATOL_LP
     assert all(e.shape == lp.shape and (e > 0).all() for es, lps in zip(ent, got) for e, lp in zip(es, lps))
 
@@ -147,7 +168,9 @@ def test_vision_tower_runs_once_per_prompt_in_the_shared_layout(setup):
     model, prompts = setup
     comps = _completions((3, 2, 3))
     seen = []
-    handle = model.model.visual.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    handle = vision_tower(model).register_forward_hook(  # Qwen's tower takes the pixels by position, SigLIP by name
+        lambda m, args, kwargs, out: seen.append((args[0] if args else kwargs["pixel_values"]).shape[0]),
+        with_kwargs=True)
     try:
         with torch.no_grad():
             vision_token_logprobs(model, prompts, comps, shared_prefix=True)
@@ -166,9 +189,10 @@ def _cumulative(core, prompts, comps, image_token_id):
         parts.append(pos)
         start = int(pos.max()) + 1
         for r in cs:
-            parts.append(vl.completion_positions(start, len(r)))
+            parts.append(vl.completion_positions(start, len(r), len(pos)))
             start += len(r)
-    return torch.cat(parts, dim=1)[:, None, :]
+    pos = torch.cat(parts, dim=1)
+    return pos if len(pos) == 1 else pos[:, None, :]
 
 
 def _one_dimensional(core, prompts, comps, image_token_id):
@@ -189,6 +213,8 @@ def _per_row_slots(layout, prompts, image_token_id):
 @pytest.mark.parametrize("bug", [_cumulative, _one_dimensional, _per_row_slots])
 def test_a_wrong_position_restart_is_caught(setup, monkeypatch, bug):
     model, prompts = setup
+    if bug is _one_dimensional and vf.family_of(model).axes == 1:
+        pytest.skip("1-D rotary positions are this family's own (Gemma 3)")
     comps = _completions((3, 2, 3))
     with torch.no_grad():
         ref = _reference(model, prompts, comps)
@@ -221,12 +247,12 @@ def test_bad_inputs_say_what_is_wrong(setup):
 
 def test_a_family_the_engine_cannot_serve_exactly_is_refused_in_one_line(setup):
     model, prompts = setup
-    model.config.model_type = "gemma3"  # what the check reads: the family's name
+    model.config.model_type = "idefics3"  # what the check reads: the family's name
     try:
-        with pytest.raises(ValueError, match="gemma3 is not served: its image tokens attend to each other "
-                                             f"bidirectionally.*; served: {', '.join(FAMILIES)}$"):
+        with pytest.raises(ValueError, match="idefics3 is not served: its images are split into tiles with pixel "
+                                             f"masks.*; served: {', '.join(FAMILIES)}$"):
             vision_token_logprobs(model, prompts[:1], [[[5]]])
-        with pytest.raises(ValueError, match="gemma3 is not served"):  # the trainer's entry point refuses it too
+        with pytest.raises(ValueError, match="idefics3 is not served"):  # the trainer's entry point refuses it too
             token_logprobs(model, prompts[:1], [[[5]]])
     finally:
         model.config.model_type = type(model.config).model_type
@@ -241,4 +267,32 @@ def test_dropping_qwen3_vl_deepstack_features_is_caught(monkeypatch):
     with torch.no_grad():
         ref = _reference(model, prompts, comps)
         monkeypatch.setattr(vl, "_embeddings", lambda *a: (embeddings(*a)[0], {}))
+        assert _max_diff(vision_token_logprobs(model, prompts, comps), ref) > 1e-3
+
+
+def _causal(ids, image_token_id):
+    """Planted bug: Gemma 3's image tokens attend causally, like text (no bidirectional block)."""
+    return ()
+
+
+def _with_edges(ids, image_token_id):
+    """Planted bug: each block also holds the image's begin- and end-of-image tokens (token_type_ids is 1 at the
+    image tokens only)."""
+    return [(max(0, s - 1), min(len(ids), e + 1)) for s, e in vf.image_runs(ids, image_token_id)]
+
+
+@pytest.mark.parametrize("bug", [_causal, _with_edges])
+def test_gemma3_image_blocks_are_bidirectional_exactly(monkeypatch, bug):
+    """Gemma 3: the tokens of one image attend to each other both ways (within the sliding window's reach behind,
+    all of the block ahead), text and the begin/end-of-image tokens causally; the tiny model's image blocks (16
+    tokens) are longer than its window (8), so both layer kinds see the rule."""
+    model, prompts = _build("gemma3")
+    text = model.config.text_config
+    assert text.sliding_window < model.config.mm_tokens_per_image and set(text.layer_types) == {
+        "sliding_attention", "full_attention"}
+    comps = _completions((2, 1, 2))
+    with torch.no_grad():
+        ref = _reference(model, prompts, comps)
+        assert _max_diff(vision_token_logprobs(model, prompts, comps), ref) < ATOL_LP
+        monkeypatch.setitem(vf.FAMILIES, "gemma3", dataclasses.replace(vf.FAMILIES["gemma3"], bidirectional=bug))
         assert _max_diff(vision_token_logprobs(model, prompts, comps), ref) > 1e-3

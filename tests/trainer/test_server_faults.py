@@ -13,16 +13,17 @@ from tests.rollout.server.conftest import fakes  # noqa: F401  (the fixture)
 
 @pytest.fixture
 def make(cfg_factory, fakes):  # noqa: F811
-    """make(out, K, servers=[{kill_after: N}, ...], **trainer) -> (config, fake servers)"""
+    """make(out, K, servers=[{kill_after: N}, ...], server={rollout.server keys}, **trainer) -> (config, fakes)"""
     cfg = cfg_factory()
     vocab = len(load_tokenizer(cfg.model.name_or_path))
 
-    def build(out, K, servers, **trainer):
+    def build(out, K, servers, server=None, **trainer):
         made = [fakes(model=load_model(cfg.model, vocab, seed=5), name=cfg.model.name_or_path, max_model_len=1024,
                       vocab=vocab, **kw) for kw in servers]
         return cfg_factory({
             "rollout": {"backend": "server", "max_staleness": K,
-                        "server": {"urls": [s.url for s in made], "connect_timeout_s": 10, "retries": 0}},
+                        "server": {"urls": [s.url for s in made], "connect_timeout_s": 10, "retries": 0,
+                                   **(server or {})}},
             "data": {"num_eval": 0}, "logging": {"sample_every": 0},
             "trainer": {"max_steps": 4, "save_every": 2, "output_dir": str(out), **trainer}}), made
 
@@ -60,6 +61,49 @@ def test_the_only_server_killed_stops_the_run_in_one_line_and_a_resume_is_exact(
     got = steps(out)
     same_numbers({t: steps(tmp_path / "whole")[t] for t in (3, 4)}, {t: got[t] for t in (3, 4)})
     assert fresh.received >= 1  # the checkpoint's weights were pushed to it before it sampled
+
+
+
+def _generations(fake) -> list[str]:
+    """The weight label ``fake`` held at the start of each generation request it answered."""
+    return [held for path, body, _, _, held in fake.spans if path == "/v1/completions" and "n" in body]
+
+
+@pytest.mark.parametrize("K", [0, 2])
+def test_a_restarted_server_rejoins_at_the_next_version_and_the_run_goes_on_exactly(make, tmp_path, capfd, K):
+    """Server a dies under its third group and is up again at once, fresh (its first weights, no label): it is
+    dropped, then probed before the next push, checked, pushed the version and taken back, while (K = 2) two batches
+    are in flight; every group it answered was sampled with this run's weights, and the metrics are the uninterrupted
+    run's (the same prompts and seeds, whichever server answers)."""
+    whole, _ = make(tmp_path / "whole", K, [{}, {}])
+    fit(whole)
+    cut, (a, b) = make(tmp_path / "cut", K, [{"restart_after": 2}, {}], server={"rejoin_every_s": 0})
+    fit(cut)
+    err = capfd.readouterr().err
+    assert a.restarts == 1 and f"carrying on with 1 of 2 rollout servers ({b.url})" in err
+    assert err.count(f"rollout server {a.url} rejoined at version") == 1, err
+    got = steps(tmp_path / "cut")
+    same_numbers(steps(tmp_path / "whole"), got)
+    up = [got[t]["server/servers_up"] for t in sorted(got)]
+    assert min(up) == 1 and up[0] == up[-1] == 2, up
+    held = _generations(a)
+    assert len(held) > 2 and all(h is not None and h.endswith("@" + held[0].split("@")[1]) for h in held), held
+
+
+def test_a_server_another_run_took_over_never_rejoins(make, tmp_path, capfd):
+    whole, _ = make(tmp_path / "whole", 1, [{}, {}])
+    fit(whole)
+    other = "7@00000000beef"  # what the server says after its restart: another trainer's weights
+    cut, (a, b) = make(tmp_path / "cut", 1, [{"restart_after": 2, "restart_label": other}, {}],
+                       server={"rejoin_every_s": 0})
+    fit(cut)
+    err = capfd.readouterr().err
+    assert a.restarts == 1 and "rejoined" not in err
+    assert err.count(f"rollout server {a.url} is up again but holds another run's weights ('{other}')") == 1
+    got = steps(tmp_path / "cut")
+    same_numbers(steps(tmp_path / "whole"), got)
+    assert got[max(got)]["server/servers_up"] == 1 and a.version == other  # never pushed to again
+    assert other not in _generations(a)
 
 
 def _cluster_commands() -> list[list[str]]:

@@ -86,3 +86,29 @@ def test_vlm_smoke_samples_ahead_with_images(tmp_path):
     assert [r["async/staleness_max"] for r in rows] == [0, 1, 1]
     assert rows[0]["rollout_is/logp_diff_abs_max"] < 1e-4 < rows[1]["rollout_is/logp_diff_abs_max"]
     assert all(r["grad_norm"] > 0 for r in rows)
+
+
+def test_vlm_smoke_trains_gemma3_with_its_images_encoded_once(tmp_path, monkeypatch):
+    """`grpo-train recipe=vlm-smoke model.name_or_path=tiny:gemma3`: Gemma 3 (bidirectional image blocks, sliding
+    and global layers) trains through the image rollout and engine; the SigLIP tower sees each prompt's picture
+    once per forward (rollout: 1 image; update, policy and reference: the step's 2 prompts), and it learns."""
+    from transformers import Gemma3ForConditionalGeneration
+    from transformers.models.siglip import modeling_siglip as s
+
+    images: list[int] = []
+    forward = s.SiglipVisionModel.forward
+    monkeypatch.setattr(s.SiglipVisionModel, "forward",
+                        lambda self, pixel_values, **kw: images.append(len(pixel_values)) or forward(
+                            self, pixel_values, **kw))
+    out = tmp_path / "run"
+    cfg = compose_recipe("vlm-smoke", [f"trainer.output_dir={out}", "model.name_or_path=tiny:gemma3",
+                                       "trainer.max_steps=1"])
+    fit(load(OmegaConf.to_container(cfg, resolve=True)))
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in rows] == [1] and rows[0]["grad_norm"] > 0
+    assert set(images) == {1, 2} and images.count(1) == 2  # never G = 4 copies of a picture
+    final = Gemma3ForConditionalGeneration.from_pretrained(out / "final").state_dict()
+    start = tiny_model("gemma3", final["lm_head.weight"].shape[0], seed=cfg.trainer.seed).state_dict()
+    for name in ("model.vision_tower.encoder.layers.0.mlp.fc1.weight",
+                 "model.multi_modal_projector.mm_input_projection_weight"):
+        assert not torch.equal(final[name], start[name]), name

@@ -19,6 +19,7 @@
    weights. A server that stops answering (refused, reset, past ``request_timeout_s``), fails its push or its
    check, or restarted is dropped from the pool (`ServerPool.drop`, said once, ``server/servers_up``) and its
    groups are asked again of the others, with the same seeds; the last server's loss stops the run in one line.
+   A dropped server that restarted rejoins before a later push (`grpo.rollout.server.rejoin`).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from grpo.rollout.server.client import (
     prompt_logprobs,
 )
 from grpo.rollout.server.gloo import GlooTransfer
+from grpo.rollout.server.rejoin import Rejoiner
 from grpo.rollout.weights import as_they_are, counted, hf_weights
 
 MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -57,12 +59,14 @@ class ServerBackend:
     def __init__(self, model, pool: ServerPool, *, model_name: str, facts: dict, eos_ids: list[int],
                  max_model_len: int, check_ids: list[int], tol: float = 1e-3, sync_every: int = 1,
                  transfer=None, full_weights=None, rank: int = 0, barrier=None, all_max=None, device="cpu",
-                 lora_sync: str = "auto", lora_keep: int = 1):
+                 lora_sync: str = "auto", lora_keep: int = 1, rejoin_every_s: float | None = None):
         """``transfer``: the weight sender (`GlooTransfer`, `grpo.rollout.server.nccl.NCCLTransfer`), None on a
         rank that does not send. ``barrier``/``all_max``: the runtime's collectives (several training processes:
         every rank syncs, rank 0 sends); ``facts``: `model_facts` of the trainer's model; ``lora_sync``,
-        ``lora_keep``: LoRA's sync (rollout.vllm.lora_sync) and the adapter versions kept resident."""
+        ``lora_keep``: LoRA's sync (rollout.vllm.lora_sync) and the adapter versions kept resident;
+        ``rejoin_every_s``: how often a dropped server is probed (`grpo.rollout.server.rejoin`; None: never)."""
         self.pool, self.model_name, self.eos_ids = pool, model_name, list(eos_ids)
+        self.facts, self.max_model_len = facts, max_model_len  # what a rejoining server is checked against
         self.check_ids, self.tol, self.sync_every = list(check_ids), tol, sync_every
         self.transfer, self.full_weights, self.rank = transfer, full_weights, rank
         self.barrier, self.all_max, self.device = barrier or (lambda: None), all_max, device
@@ -79,6 +83,9 @@ class ServerBackend:
             gloo=isinstance(transfer, GlooTransfer) or transfer is None, say=pool.say)
         if transfer is not None:
             transfer.connect(pool.servers)
+        several = len(self.urls) > 1 and self.adapters is None and rejoin_every_s is not None
+        self.rejoiner = Rejoiner(rejoin_every_s, pool.say) if several else None
+        self.rejoined: list[str] = []  # servers back in the pool for the push under way (said after its check)
 
     # ------------------------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -136,6 +143,7 @@ class ServerBackend:
             self._drop_everywhere(failed, "failed its adapter push")
             self.version = version
             return
+        self._rejoin()
         sent: dict = {}
         weights, failed = counted(weights, sent), {}
         try:
@@ -151,6 +159,36 @@ class ServerBackend:
         self.barrier()  # no rank samples before rank 0's push is done
         self._drop_everywhere(failed, "failed its weight push")
         self.version = version
+
+    def _rejoin(self) -> None:
+        """Before a push, on every rank: the dropped servers that restarted back into the pool (rank 0 probes and
+        reconnects them, `grpo.rollout.server.rejoin`; every rank takes them back), so the push gives them the
+        version's weights before any request."""
+        if self.rejoiner is None:
+            return
+        up = {s.url for s in self.pool.servers}
+        out = [s for s in self.pool.known if s.url not in up]
+        back = [s.url for s in out if self._reconnect(s)] if self.transfer is not None and out and \
+            self.rejoiner.due() else []
+        if self.all_max is not None:
+            agreed = self.all_max({u: float(u in back) for u in self.urls})
+            back = [u for u in self.urls if agreed[u] > 0]
+        for url in back:
+            self.pool.add(url)
+        self.rejoined = back
+        self.metrics["server/servers_up"] = float(len(self.pool.servers))
+
+    def _reconnect(self, server) -> bool:
+        """Rank 0: whether ``server`` restarted, passes the connect checks and has joined a weight channel."""
+        if not self.rejoiner.restarted(server, self.run_id):
+            return False
+        try:
+            check_server(server, self.model_name, self.facts, self.max_model_len)
+            self.transfer.connect([server])
+        except ServerError as e:
+            self.rejoiner.refused(server, str(e))
+            return False
+        return True
 
     def _label(self, version: int, servers, prefix_cache: bool = True) -> dict[str, str]:
         """Label ``servers``' weights ``version`` (and drop their cached prompt K/V, which belong to the old
@@ -206,6 +244,10 @@ class ServerBackend:
             self.metrics["server/sync_logprob_gap"] = max(bad.values())
             raise ServerError(failed[max(bad, key=bad.get)])
         self._drop_everywhere(failed, "failed the weight sync check")
+        for url in [u for u in self.rejoined if u in {s.url for s in self.pool.servers}]:
+            self.pool.say(f"rollout server {url} rejoined at version {self.version}: {len(self.pool.servers)} of "
+                          f"{self.pool.started} rollout servers up")
+        self.rejoined = []
         gap = max((g for u, g in gaps.items() if u not in bad), default=0.0)
         self.metrics["server/sync_logprob_gap"] = gap
         return gap

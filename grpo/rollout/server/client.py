@@ -4,7 +4,8 @@
   ``--api-key``); a request that cannot connect or times out is tried again ``retries`` times (one second apart),
   then raises `ServerDown` naming the URL: one line, no traceback.
 - `ServerPool`: the run's servers. `drop` takes a server that died, hung or restarted out of the pool, saying so
-  once; the last one's loss stops the run (`ServerDown`, one line: which server, what happened, what to do).
+  once (`add` puts one that restarted back: `grpo.rollout.server.rejoin`); the last one's loss stops the run
+  (`ServerDown`, one line: which server, what happened, what to do).
   `wait_until_up` polls ``GET /health`` up to ``connect_timeout_s`` (saying once that it waits); `pick` chooses
   the server of the next group (``round_robin``: in turn; ``least_loaded``: the one with the fewest requests in
   flight); `group_request` / `parse_group` build one ``POST /v1/completions`` for a
@@ -97,9 +98,9 @@ class Server:
     def get(self, path: str, **kw):
         return self.request("GET", path, **kw)
 
-    def up(self) -> bool:
+    def up(self, timeout_s: float = 5.0) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout_s) as r:
                 return r.status == 200
         except (OSError, urllib.error.URLError):
             return False
@@ -109,6 +110,7 @@ class ServerPool:
     def __init__(self, urls: list[str], *, balance: str = "round_robin", timeout_s: float = 600.0, retries: int = 2,
                  connect_timeout_s: float = 300.0, say=None, api_key: str | None = None):
         self.servers = [Server(u, timeout_s, retries, api_key=api_key) for u in urls]
+        self.known = list(self.servers)  # every server of the run, dropped or not, in the order given
         self.started = len(self.servers)  # how many the run started with (`drop` says how many are left)
         self.balance, self.connect_timeout_s = balance, connect_timeout_s
         self.say = say or (lambda msg: print(f"[grpo] {msg}", file=sys.stderr, flush=True))
@@ -127,6 +129,13 @@ class ServerPool:
             self.servers = left
         self.say(f"{why.split('; ')[0]}: carrying on with {len(left)} of {self.started} rollout servers "
                  f"({', '.join(s.url for s in left)})")
+
+    def add(self, url: str) -> None:
+        """Put the run's server at ``url`` back into the pool (a server that restarted and rejoined:
+        `grpo.rollout.server.rejoin`), in its place in the order given."""
+        with self._lock:
+            back = {s.url for s in self.servers} | {url}
+            self.servers = [s for s in self.known if s.url in back]
 
     def wait_until_up(self, poll_s: float = 1.0) -> None:
         """Every server answers ``/health`` within ``connect_timeout_s`` (one line saying so while waiting)."""

@@ -64,7 +64,7 @@ def for_runtime(runtime, tokenizer, s, model_name: str, max_model_len: int, chec
                          tol=s.sync_check_tol, sync_every=s.sync_every, transfer=transfer,
                          full_weights=rt.full_weights, rank=rt.rank, barrier=rt.barrier if many else None,
                          all_max=rt.all_max if many else None, device=rt.device, lora_sync=lora_sync,
-                         lora_keep=lora_keep)
+                         lora_keep=lora_keep, rejoin_every_s=s.rejoin_every_s)
 
 
 def make(ctx) -> ServerBackend:

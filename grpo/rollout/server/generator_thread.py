@@ -97,7 +97,8 @@ class ServerGenerator:
 
     def receive(self, timeout: float | None = None) -> Generated:
         """The next finished batch. A failure on the worker thread is raised here: a `GRPOError` (a server that
-        stopped answering, a failed sync check) as it is, anything else as a one-line `GeneratorError`."""
+        stopped answering, a failed sync check) as it is, anything else as a one-line `GeneratorError` caused by it (a
+        collective of the workers that lost another rank: the trainer names the rank, `Runtime.peer_failure`)."""
         deadline = None if timeout is None else time.time() + timeout
         while True:
             try:
@@ -112,7 +113,7 @@ class ServerGenerator:
             if isinstance(payload, GRPOError):
                 raise payload
             raise GeneratorError(f"the server generator failed: {type(payload).__name__}: "
-                                 f"{str(payload).splitlines()[0] if str(payload) else ''}")
+                                 f"{str(payload).splitlines()[0] if str(payload) else ''}") from payload
         return payload
 
     def close(self, wait_s: float = 10.0) -> None:

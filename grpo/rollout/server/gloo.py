@@ -24,6 +24,8 @@ class GlooTransfer:
 
     def connect(self, servers) -> None:
         for s in servers:
+            if s.url in self.channels:  # a server that restarted and rejoins: its old channel is dead
+                self.channels.pop(s.url).close()
             self.channels[s.url] = self._join(s)
 
     def _join(self, server):

@@ -100,6 +100,8 @@ class NCCLTransfer:
         from grpo.runtime.transfer import free_port
 
         for s in servers:
+            if s.url in self.engines:  # a server that restarted and rejoins: its old group is dead
+                self._shut(s.url)
             source = self.make_source(self.device)
             port = free_port(self.host)
             try:

@@ -11,9 +11,10 @@ answered request in ``spans`` as (path, body, start, end, the weight version hel
 
 Faults: ``kill()`` (the process gone: no answers, its weight channel closed), ``restart()`` (up again at the same
 URL with other weights, no channel and no weight label, as a fresh vLLM), ``die_after`` tensors of a push (the
-server dies half way through receiving), ``kill_after`` generation requests (it dies mid-run), ``api_key``
-(every path but ``/health`` wants it as a bearer token, as grpo-serve's server does, and the weight channel's
-handshake proves it; ``channel_key``: another key for the channel only).
+server dies half way through receiving), ``kill_after`` generation requests (it dies mid-run), ``restart_after``
+generation requests (it dies under the next and is up again at once, with its first weights and ``restart_label``),
+``api_key`` (every path but ``/health`` wants it as a bearer token, as grpo-serve's server does, and the weight
+channel's handshake proves it; ``channel_key``: another key for the channel only).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class FakeServer:
     def __init__(self, model=None, name: str = "tiny:llama", max_model_len: int = 256, stale: bool = False,
                  tokens=(5, 6, 7), delay_s: float = 0.0, drop_first: int = 0, facts: dict | None = None,
                  vocab: int | None = None, api_key: str | None = None, die_after: int | None = None,
-                 kill_after: int | None = None, channel_key: str | None = None):
+                 kill_after: int | None = None, channel_key: str | None = None, restart_after: int | None = None,
+                 restart_label: str | None = None):
         self.model, self.name, self.max_model_len, self.stale = model, name, max_model_len, stale
         self.tokens, self.delay_s, self.drop_first = list(tokens), delay_s, drop_first
         self.facts, self.vocab = facts, vocab  # vocab: the first token is taken modulo it (a training run's seeds)
@@ -39,6 +41,10 @@ class FakeServer:
         self.lock = threading.Lock()
         self.api_key, self.die_after, self.dead, self.stopped = api_key, die_after, False, False
         self.kill_after = kill_after  # generation requests answered before the server dies
+        # generation requests answered before it restarts under the next one (its connection dropped; up again at once
+        # with its first weights and ``restart_label``: None as a fresh vLLM, or another run's that took it over)
+        self.restart_after, self.restart_label, self.restarts = restart_after, restart_label, 0
+        self.first = None if model is None else {k: v.clone() for k, v in model.state_dict().items()}
         self.channel_key = api_key if channel_key is None else channel_key  # what its weight channel proves
         fake = self
 
@@ -97,6 +103,15 @@ class FakeServer:
                 if self.kill_after == 0:
                     self.dead = True
                 self.kill_after -= 1
+            if self.restart_after is not None and h.path == "/v1/completions" and "n" in (body or {}):
+                self.restart_after -= 1
+                if self.restart_after < 0:  # it dies under this request and comes back at once, fresh
+                    self.restart_after, self.restarts = None, self.restarts + 1
+                    self._drop_channel()
+                    self.model.load_state_dict(self.first)
+                    self.version = self.restart_label
+                    h.close_connection = True
+                    return
             if self.dead:  # gone: the connection drops unanswered
                 h.close_connection = True
                 threading.Thread(target=self.kill, daemon=True).start()
