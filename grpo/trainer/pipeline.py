@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -85,8 +86,11 @@ def batches(run: Run, cfg: Config, state: LoopState, process: bool | None = None
     from grpo.trainer import generators
 
     thread = registry.capabilities(run.settings.sampler.backend).ahead == "thread"  # the servers, in this process
-    gen = generators.server_generator(run) if thread else generators.process_generator(run, cfg.model)
-    return AsyncBatches(run, gen, K, cfg.trainer.max_steps, saved, passes=cfg.algorithm.num_iterations)
+
+    def start():
+        return generators.server_generator(run) if thread else generators.process_generator(run, cfg.model)
+
+    return AsyncBatches(run, start, K, cfg.trainer.max_steps, saved, passes=cfg.algorithm.num_iterations)
 
 
 class InlineBatches:
@@ -108,11 +112,14 @@ class InlineBatches:
 
 class AsyncBatches:
     """K > 0: batches sampled ahead by ``generator`` on the fixed lag; ``saved``: a checkpoint's `in_flight`;
-    ``passes``: algorithm.num_iterations (`batch` is called at steps 1, 1 + passes, ...)."""
+    ``passes``: algorithm.num_iterations (`batch` is called at steps 1, 1 + passes, ...). ``generator`` may be a
+    function that starts one: it is called when the first batch is asked of it, so that a resume whose remaining
+    steps are all in flight in its checkpoint starts none (a generator process costs seconds to start)."""
 
-    def __init__(self, run: Run, generator: Generator, lag: int, max_steps: int, saved: dict | None = None,
-                 passes: int = 1):
-        self.run, self.gen, self.lag, self.max_steps, self.passes = run, generator, lag, max_steps, passes
+    def __init__(self, run: Run, generator: Generator | Callable[[], Generator], lag: int, max_steps: int,
+                 saved: dict | None = None, passes: int = 1):
+        self.run, self.lag, self.max_steps, self.passes = run, lag, max_steps, passes
+        self.gen, self.start = (generator, None) if hasattr(generator, "submit") else (None, generator)
         self.ready: dict[int, Generated] = dict(saved["batches"]) if saved else {}
         self.submitted = set(self.ready)    # steps asked of the generator (or stored by the checkpoint)
         self.published: int | None = None   # the last version this generator has
@@ -122,7 +129,7 @@ class AsyncBatches:
 
     def batch(self, step: int) -> Batch:
         t0 = time.time()
-        self._publish(step - 1)
+        t0 += self._publish(step - 1)  # the generator's start (at the first batch it samples) is not the publish's
         t1 = time.time()
         got = self._take(step)
         t2 = time.time()
@@ -141,16 +148,21 @@ class AsyncBatches:
             self._say(self.bottleneck())
         return batch
 
-    def _publish(self, version: int) -> None:
-        """Hand the generator ``version`` (the policy now) and the requests that sample with it."""
+    def _publish(self, version: int) -> float:
+        """Hand the generator ``version`` (the policy now) and the requests that sample with it (the generator
+        started first when none is yet). Returns the seconds the start took."""
         if self.published is not None and version <= self.published:
-            return
+            return 0.0
         # the batch steps up to the first that samples with this version (a fresh start: steps 1, 1 + mu, ...,
         # 1 + K mu use version 0)
         later = range(version + 1, min(version + self.lag * self.passes + 1, self.max_steps) + 1, self.passes)
         steps = [s for s in later if s not in self.submitted]
         if not steps:
-            return
+            return 0.0
+        t0 = time.time()
+        if self.gen is None:
+            self.gen = self.start()
+        started = time.time() - t0
         if getattr(self.gen, "reads_model", False):  # the servers' snapshot: each weight gathered on its own
             self.gen.publish(version, None)
         else:
@@ -162,6 +174,7 @@ class AsyncBatches:
         for s in steps:
             self.gen.submit(s, version)
             self.submitted.add(s)
+        return started
 
     def _take(self, step: int) -> Generated:
         if step not in self.ready and step not in self.submitted:
@@ -204,7 +217,8 @@ class AsyncBatches:
     def close(self) -> None:
         if self.waits["steps"]:
             self._say(self.bottleneck())
-        self.gen.close()
+        if self.gen is not None:
+            self.gen.close()
 
     def _say(self, msg: str) -> None:
         if self.run.runtime.is_main:

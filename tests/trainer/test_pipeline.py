@@ -127,6 +127,32 @@ def test_with_several_passes_per_batch_only_batch_steps_are_asked_for_and_the_la
     assert [c[1:] for c in again.calls] == [(4, ["bias", "weight"]), (7, 4)]  # step 9 is past max_steps
 
 
+def test_the_generator_starts_at_the_first_batch_it_samples_and_never_when_every_step_left_is_in_flight(no_finish):
+    """``generator`` given as the function that starts it: called once, at the first step that asks it for a batch
+    (a fresh run: step 1); a resume whose remaining steps are all stored in its checkpoint trains them without one."""
+    run, started = _run(), []
+
+    def start():
+        started.append(Recorder())
+        return started[-1]
+
+    src = AsyncBatches(run, start, lag=2, max_steps=4)
+    assert not started and src.close() is None  # nothing started: nothing to close
+    src.batch(1)
+    assert len(started) == 1 and started[0].calls[0][:2] == ("publish", 0)
+    src.batch(2)
+    saved = src.in_flight()
+    src.close()
+    assert len(started) == 1 and started[0].calls[-1] == ("close",)
+    resumed, started[:] = AsyncBatches(run, start, lag=2, max_steps=4, saved=saved), []
+    assert resumed.batch(3).versions == [0] and resumed.batch(4).versions == [1]  # the stored batches
+    assert resumed.in_flight()["batches"] == {} and not started
+    resumed.close()
+    again = AsyncBatches(run, start, lag=2, max_steps=5, saved=saved)  # one step more: asked of a generator
+    again.batch(3)
+    assert len(started) == 1 and [c[:2] for c in started[0].calls] == [("publish", 2), ("submit", 5)]
+
+
 def test_a_checkpoint_at_the_end_holds_nothing_in_flight(no_finish):
     src = AsyncBatches(_run(), Recorder(), lag=1, max_steps=2)
     src.batch(1), src.batch(2)
@@ -387,6 +413,8 @@ def test_batches_picks_the_source_and_builds_the_generator_of_this_rank(cfg_fact
     assert inline.in_flight() is None and inline.close() is None and not built
     src = pipeline.batches(run, cfg, state, process=True)
     assert isinstance(src, AsyncBatches) and (src.lag, src.max_steps, src.passes) == (0, 5, 2) and src.run is run
+    assert src.gen is None and not built  # started when the first batch is asked of it
+    assert isinstance(src.start(), Recorder)
     (spec, name), = built
     assert name == "grpo-generator-1" and (spec.rank, spec.world_size, spec.device) == (1, 2, "cpu")
     assert (spec.settings, spec.train_rows, spec.sampler, spec.threads) == (settings, [{"p": 1}], {"pos": 7},
@@ -402,15 +430,15 @@ def test_batches_picks_the_source_and_builds_the_generator_of_this_rank(cfg_fact
     on_servers = SimpleNamespace(**{**vars(run), "settings": SimpleNamespace(sampler=SimpleNamespace(
         backend="server"))})
     src = pipeline.batches(on_servers, server, state)
-    assert isinstance(src.gen, Recorder) and (src.lag, src.max_steps, src.passes) == (1, 3, 1) and len(built) == 2
+    assert isinstance(src.start(), Recorder) and (src.lag, src.max_steps, src.passes) == (1, 3, 1) and len(built) == 1
     assert src.run is on_servers and servers == [on_servers] and src.ready == {}
     resumed = pipeline.batches(on_servers, server, SimpleNamespace(in_flight={"lag": 1, "batches": {2: "stored"}}))
     assert resumed.ready == {2: "stored"} and resumed.submitted == {2}
     gpu = SimpleNamespace(**{**vars(run), "runtime": SimpleNamespace(device=torch.device("cuda", 1), rank=0,
                                                                        world_size=1)})
-    pipeline.batches(gpu, cfg, state, process=True)  # a CUDA rank's generator samples on that rank's device
+    pipeline.batches(gpu, cfg, state, process=True).start()  # a CUDA rank's generator samples on its device
     assert built[-1][0].device == "cuda:1" and built[-1][1] == "grpo-generator-0"
-    assert builders == [generators.build_process_side] * 3  # the child builds the process side from the spec
+    assert builders == [generators.build_process_side] * 2  # the child builds the process side from the spec
 
 
 def test_the_trainer_finishes_each_batch_and_its_waits_are_times_not_sums_of_clocks(monkeypatch):
