@@ -39,7 +39,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 TORCHVISION ?= torchvision==0.28.0
-VLLM_TESTS ?= tests/rollout/test_vllm.py tests/rollout/test_vllm_vision.py tests/rollout/test_vllm_lora.py tests/e2e/test_vllm_distributed.py tests/algorithm/test_rollout_is.py tests/rollout/test_backends.py tests/e2e/test_server.py tests/e2e/test_server_lora.py tests/e2e/test_eval_vllm.py
+VLLM_TESTS ?= tests/rollout/test_vllm.py tests/rollout/test_vllm_vision.py tests/rollout/test_vllm_lora.py tests/e2e/test_vllm_distributed.py tests/algorithm/test_rollout_is.py tests/rollout/test_backends.py tests/e2e/test_server.py tests/e2e/test_server_lora.py tests/e2e/test_eval_vllm.py tests/rollout/test_server_vision.py
 
 $(VLLM_STAMP): pyproject.toml scripts/torchvision_cpu_ops.py
 	test -x $(VLLM_VENV)/bin/pip || python3 -m venv --clear $(VLLM_VENV)

@@ -37,7 +37,22 @@ def settings(cfg, device: str):
                          kv_cache_gib=r.vllm.kv_cache_gib, enforce_eager=r.vllm.enforce_eager,
                          tensor_parallel_size=s.tensor_parallel_size,
                          weight_transfer=transfer_kind(s.weight_transfer, device), api_key=api_key(s),
-                         **lora_settings(cfg, device))
+                         vision=vision(cfg.model.name_or_path), **lora_settings(cfg, device))
+
+
+def vision(name: str) -> bool:
+    """Whether ``name`` is a vision-language model the server takes images for (refused in one line: one it does
+    not)."""
+    from grpo.models import load_image_processor
+    from grpo.rollout.vllm_images import VLLM_VISION_FAMILIES
+
+    if load_image_processor(name) is None:
+        return False
+    family = name.split(":", 1)[1] if name.startswith("tiny:") else name
+    if family not in VLLM_VISION_FAMILIES:
+        raise SetupError(f"grpo-serve takes images for {', '.join(VLLM_VISION_FAMILIES)} only (model.name_or_path="
+                         f"{name}); use rollout.backend=hf for this model (docs/vision-language.md)")
+    return True
 
 
 def lora_settings(cfg, device: str) -> dict:

@@ -174,3 +174,25 @@ def count_tower_patches(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(q.Qwen2_5_VisionTransformerPretrainedModel, "forward", counted)
     return patches
+
+
+def vision_setup(tiny: dict):
+    """The vLLM vision tests' trainer side: the tiny Qwen2.5-VL (``tiny``: model.tiny) with image features that move
+    the logits (so a test tells one picture from another), its tokenizer and image processor, and five prompts:
+    three with one 32x32 picture each, one with two, one with none."""
+    import torch
+
+    from grpo.models import load_image_processor, load_tokenizer, tiny_model
+    from grpo.tasks import get_task
+    from grpo.vision.images import encode
+
+    tok, proc = load_tokenizer("tiny:qwen2_5_vl"), load_image_processor("tiny:qwen2_5_vl")
+    model = tiny_model("qwen2_5_vl", len(tok), seed=0, **tiny)
+    with torch.no_grad():
+        model.model.visual.merger.mlp[-1].weight.mul_(30.0)
+    rows = get_task("shapes")(3, seed=0)
+    prompts = [encode(r["prompt"], r["images"], tok, proc) for r in rows]
+    two = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
+    prompts.append(encode(two, rows[0]["images"] + rows[1]["images"], tok, proc))
+    prompts.append(encode([{"role": "user", "content": "text only"}], [], tok, proc))
+    return model, tok, proc, prompts

@@ -107,7 +107,7 @@ def test_rows_of_three_formats_from_jsonl_and_parquet(tok_proc, tmp_path):
         encode_row(from_trl, "prompt", "image", tok, proc, where="row 0")
 
 
-def test_a_text_model_or_a_text_only_backend_given_images_is_one_line(tok_proc):
+def test_a_text_model_or_a_text_only_backend_given_images_is_one_line(tok_proc, monkeypatch):
 
     from omegaconf import OmegaConf
 
@@ -127,8 +127,12 @@ def test_a_text_model_or_a_text_only_backend_given_images_is_one_line(tok_proc):
     prepared, dropped = data.prepare(rows, cfg.data, tok, image_processor=proc)
     assert dropped == 0 and prepared[0]["prompt_ids"].n_images == 1
     assert prepared[0]["prompt"].startswith("user: <|vision_start|><|image_pad|><|vision_end|>How many")
+    registry.check_images(cfg.rollout.backend, "server", prepared, rollout=cfg.rollout)  # the servers take them
+    no_images = registry.Capabilities(remote=True)  # a backend registered without images
+    monkeypatch.setattr(registry, "capabilities", lambda name: no_images if name == "server" else
+                        registry.backend(name).capabilities)
     with pytest.raises(SetupError, match="rollout.backend=server \\(server\\) does not take images yet; .* need "
-                                         "rollout.backend=vllm or hf "):
+                                         "rollout.backend=vllm or hf or server "):
         registry.check_images(cfg.rollout.backend, registry.resolve(cfg.rollout.backend, "cpu"), prepared)
     with pytest.raises(SetupError, match="prompts with images are not supported under ZeRO-3 yet"):
         registry.check_images("hf", "hf", prepared, zero3=True)

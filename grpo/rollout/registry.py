@@ -119,11 +119,20 @@ def check(rollout, model, device: str) -> str:
     return name
 
 
-def check_images(given: str, name: str, rows: list[dict], zero3: bool = False) -> None:
-    """Prompts with images (``rows``: the training split) for a backend that does not take them, or under ZeRO-3:
-    one line. ``given``: rollout.backend as configured, ``name``: what it resolved to."""
+def check_images(given: str, name: str, rows: list[dict], zero3: bool = False, rollout=None,
+                 frozen_tower: bool = False) -> None:
+    """Prompts with images (``rows``: the training split) for a backend that does not take them, or under ZeRO-3,
+    or given to servers that would sample with another version than the tower's: one line. ``given``:
+    rollout.backend as configured, ``name``: what it resolved to; ``rollout``: the rollout section;
+    ``frozen_tower``: model.freeze_vision_tower."""
     if not any(getattr(r["prompt_ids"], "n_images", 0) for r in rows):
         return
+    lagging = rollout is not None and (rollout.max_staleness > 0 or rollout.server.sync_every > 1)
+    if name == "server" and lagging and not frozen_tower:  # the features come from the trainer's tower of now
+        raise SetupError("rollout.backend=server with images encodes them with the trainer's vision tower as it is "
+                         "when it samples, which is not the servers' weight version with rollout.max_staleness > 0 "
+                         "or rollout.server.sync_every > 1: set model.freeze_vision_tower=true (the tower is then "
+                         "every version's), or rollout.max_staleness=0 and rollout.server.sync_every=1")
     if zero3:  # the rollout runs the tower on each rank's own image prompts: unequal counts, unmatched gathers
         raise SetupError("prompts with images are not supported under ZeRO-3 yet (each rank would run the vision "
                          "tower's parameter gathers for its own prompts): use distributed=zero2 or one process")
@@ -154,7 +163,7 @@ register_backend("vllm", Capabilities(starts_synced=True, auto=("cuda",), images
 register_backend("hf", Capabilities(live_weights=True, seeded=False, ahead="process", auto=("cpu", "cuda"),
                                     images=True),
                  "grpo.rollout.backends:make_hf")
-register_backend("server", Capabilities(ahead="thread", remote=True, lora_adapters=True),
+register_backend("server", Capabilities(ahead="thread", remote=True, lora_adapters=True, images=True),
                  "grpo.rollout.server.connect:make", check=lambda r, m, device: _check_server(r.server),
                  refuse_ahead=lambda r, device: server_refusal(r.server, device))
 

@@ -54,6 +54,7 @@ def tower_features(model):
         out = core.get_image_features(pixel_values.to(device), grid.to(device), return_dict=True).pooler_output
         return torch.cat(list(out)).float().cpu()
 
+    features.model = model  # whose tower it is
     return features
 
 

@@ -142,7 +142,8 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction], toolset
                   default=cfg.data.max_prompt_tokens)
     backend = registry.resolve(cfg.rollout.backend, torch.device(runtime.device).type)
     registry.check_images(cfg.rollout.backend, backend, splits.train,
-                          zero3=cfg.distributed.backend == "deepspeed" and cfg.distributed.zero_stage == 3)
+                          zero3=cfg.distributed.backend == "deepspeed" and cfg.distributed.zero_stage == 3,
+                          rollout=cfg.rollout, frozen_tower=cfg.model.freeze_vision_tower)
     settings = derive(cfg, plan_memory(cfg, splits, runtime), chat=uses_chat(cfg.data, tokenizer), backend=backend,
                       longest_prompt=longest)
     progress = runtime.is_main and interactive()

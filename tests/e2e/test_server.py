@@ -56,9 +56,10 @@ def _free_port() -> int:
     return free_port()
 
 
-def docs_commands() -> dict[str, str]:
-    """docs/rollout.md's walkthrough: its grpo-serve and grpo-train command lines."""
-    text = (ROOT / "docs" / "rollout.md").read_text().split("### Two terminals", 1)[1].split("###", 1)[0]
+def docs_commands(doc: str = "rollout.md", after: str = "### Two terminals", until: str = "###") -> dict[str, str]:
+    """docs/rollout.md's walkthrough (or the part of ``doc`` from ``after`` to ``until``): its grpo-serve and
+    grpo-train command lines."""
+    text = (ROOT / "docs" / doc).read_text().split(after, 1)[1].split(until, 1)[0]
     out = {}
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():

@@ -16,20 +16,10 @@ pytestmark = pytest.mark.skipif(vllm_problem() is not None, reason=str(vllm_prob
 @pytest.fixture(scope="module")
 def setup():
     from grpo.engine.vision_logprobs import vision_token_logprobs  # noqa: F401 - fails early if the engine breaks
-    from grpo.models import load_image_processor, load_tokenizer, tiny_model
     from grpo.rollout.vllm import VLLMBackend
-    from grpo.tasks import get_task
-    from grpo.vision.images import encode
+    from tests.helpers import vision_setup
 
-    tok, proc = load_tokenizer("tiny:qwen2_5_vl"), load_image_processor("tiny:qwen2_5_vl")
-    model = tiny_model("qwen2_5_vl", len(tok), seed=0, **VLLM_TINY)
-    with torch.no_grad():  # image features that move the logits: the test tells one picture from another
-        model.model.visual.merger.mlp[-1].weight.mul_(30.0)
-    rows = get_task("shapes")(3, seed=0)
-    prompts = [encode(r["prompt"], r["images"], tok, proc) for r in rows]
-    two = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
-    prompts.append(encode(two, rows[0]["images"] + rows[1]["images"], tok, proc))
-    prompts.append(encode([{"role": "user", "content": "text only"}], [], tok, proc))
+    model, tok, proc, prompts = vision_setup(VLLM_TINY)
     engine = VLLMBackend(model, eos_ids=[tok.eos_token_id], max_model_len=256, seed=0, tokenizer=tok,
                          image_processor=proc)
     yield model, prompts, engine

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from grpo.errors import SetupError
 from grpo.rollout.base import Completions, Sampling, cut_at_eos, trainer_logprobs
 from grpo.rollout.lora_sync import Adapter, adapter_state
 from grpo.rollout.server.adapters import ServerAdapters, connect_adapters
@@ -43,7 +44,9 @@ from grpo.rollout.server.client import (
     prompt_logprobs,
 )
 from grpo.rollout.server.gloo import GlooTransfer
+from grpo.rollout.server.images import GENERATE, frozen_tower, image_request, parse_generate, vision_inputs
 from grpo.rollout.server.rejoin import Rejoiner
+from grpo.rollout.vllm_images import VLLM_VISION_FAMILIES
 from grpo.rollout.weights import as_they_are, counted, hf_weights
 
 MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -51,8 +54,10 @@ MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "n
 
 
 def model_facts(config) -> dict:
-    """What a server must agree on with the trainer's model (its config), compared at connect."""
-    return {k: getattr(config, k, None) for k in MODEL_KEYS}
+    """What a server must agree on with the trainer's model (its config; a vision-language model's language model's
+    sizes), compared at connect."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return {k: getattr(config if k == "model_type" else text, k, None) for k in MODEL_KEYS}
 
 
 class ServerBackend:
@@ -66,8 +71,11 @@ class ServerBackend:
         ``lora_keep``: LoRA's sync (rollout.vllm.lora_sync) and the adapter versions kept resident;
         ``rejoin_every_s``: how often a dropped server is probed (`grpo.rollout.server.rejoin`; None: never)."""
         self.pool, self.model_name, self.eos_ids = pool, model_name, list(eos_ids)
+        self.vision = vision_inputs(model)  # (image token, merge, the trainer's tower) of a vision-language model
         self.facts, self.max_model_len = facts, max_model_len  # what a rejoining server is checked against
-        self.check_ids, self.tol, self.sync_every = list(check_ids), tol, sync_every
+        # the sync check scores text: a prompt's image tokens have no image there (as the in-process backend's)
+        self.check_ids = [t for t in check_ids if self.vision is None or t != self.vision[0]]
+        self.tol, self.sync_every = tol, sync_every
         self.transfer, self.full_weights, self.rank = transfer, full_weights, rank
         self.barrier, self.all_max, self.device = barrier or (lambda: None), all_max, device
         self.version: int | None = None     # the weight version the servers hold (None: not pushed yet)
@@ -145,10 +153,13 @@ class ServerBackend:
             return
         self._rejoin()
         sent: dict = {}
+        skip = self._frozen_tower()
+        if skip:
+            weights = ((n, t) for n, t in weights if skip not in n)
         weights, failed = counted(weights, sent), {}
         try:
             if self.transfer is not None:
-                failed = dict(self.transfer.send(weights, self.pool.servers))
+                failed = dict(self.transfer.send(weights, self.pool.servers, **({"args": [skip]} if skip else {})))
                 failed.update(self._label(version, [s for s in self.pool.servers if s.url not in failed]))
             else:  # another rank sends; ZeRO-3 gathers each weight on every rank together
                 for _ in weights:
@@ -159,6 +170,14 @@ class ServerBackend:
         self.barrier()  # no rank samples before rank 0's push is done
         self._drop_everywhere(failed, "failed its weight push")
         self.version = version
+
+    def _frozen_tower(self) -> str:
+        """What the weights of a frozen vision tower are named by (``visual.``) once the servers hold it (after this
+        backend's first push, gloo channel): a push then leaves them out; "" when everything goes."""
+        if self.vision is None or self.version is None or not isinstance(self.transfer, GlooTransfer) or \
+                self.rejoined:  # a server back from a restart holds no tower yet
+            return ""
+        return "visual." if frozen_tower(self.vision) else ""
 
     def _rejoin(self) -> None:
         """Before a push, on every rank: the dropped servers that restarted back into the pool (rank 0 probes and
@@ -198,6 +217,8 @@ class ServerBackend:
             try:
                 if prefix_cache:
                     s.post("/reset_prefix_cache")
+                if prefix_cache and self.vision is not None:  # vLLM's reload emptied its worker's encoder cache,
+                    s.post("/reset_encoder_cache")            # not its scheduler's record of it: both, or a miss
                 s.post("/update_weight_version", {"new_version": self.label(version)})
             except ServerDown as e:
                 failed[s.url] = str(e)
@@ -256,13 +277,16 @@ class ServerBackend:
     def generate(self, prompt_ids, group_size, sampling: Sampling, seed=None, suffixes=None) -> Completions:
         from grpo.rollout.hf import flatten, regroup
 
+        if suffixes is not None and any(getattr(p, "n_images", 0) for p in prompt_ids):
+            raise SetupError("multi-turn episodes (rollout.tools / rollout.environment) do not take image prompts yet")
         if suffixes is not None:  # each prompt + suffix is a one-sample request
             out = self.generate(flatten(prompt_ids, suffixes), 1, sampling, seed)
             flat = [[g[0] for g in x] for x in (out.ids, out.truncated, out.logprobs)]
             return Completions(*(regroup(x, suffixes) for x in flat), versions=[self.version] * len(prompt_ids))
         # one seed per group: the server seeds a group's G samples seed, seed + 1, ...
-        bodies = [group_request(self.served(), p, group_size, sampling, self.eos_ids,
-                                None if seed is None else seed + i * group_size) for i, p in enumerate(prompt_ids)]
+        bodies = [self._request(p, group_request(self.served(), p, group_size, sampling, self.eos_ids,
+                                                 None if seed is None else seed + i * group_size))
+                  for i, p in enumerate(prompt_ids)]
         answers = self._all_groups(bodies)
         ids, truncated, logps = [], [], []
         for toks, lps in answers:
@@ -277,7 +301,18 @@ class ServerBackend:
             logps.append(gl)
         return Completions(ids, truncated, logps, versions=[self.version] * len(prompt_ids))
 
-    def _all_groups(self, bodies: list[dict]) -> list:
+    def _request(self, prompt, body: dict) -> tuple:
+        """(route, body, prompt) of one group: ``/v1/completions`` for a text prompt, vLLM's tokens-in route with the
+        images' features for a prompt with images (`grpo.rollout.server.images`)."""
+        if not getattr(prompt, "n_images", 0):
+            return "/v1/completions", body, None
+        if self.vision is None:
+            raise ServerError(f"rollout.backend=server takes images for {', '.join(VLLM_VISION_FAMILIES)} models "
+                              "only; use rollout.backend=hf for this one")
+        image_id, merge, tower = self.vision
+        return GENERATE, image_request(body, prompt, image_id, tower, merge), list(prompt)
+
+    def _all_groups(self, bodies: list[tuple]) -> list:
         """Every group's answer, each from a server that held this run's current weights when it answered: the
         servers that answered are asked their label afterwards, and the groups of one that restarted (or was taken
         over) are asked again of the others, as are those of a server that stopped answering."""
@@ -313,13 +348,15 @@ class ServerBackend:
                               f"this run's version {want!r}, so its samples were not used; {RESUME}")
         return out
 
-    def _one_group(self, body: dict):
-        """(the url of the server that answered, its answer); a server that stops answering is dropped and the
-        group asked of another."""
+    def _one_group(self, request: tuple):
+        """(the url of the server that answered, its answer) of a `_request`; a server that stops answering is
+        dropped and the group asked of another."""
+        path, body, prompt = request
         while True:
             s = self.pool.pick()
             try:
-                return s.url, parse_group(s.post("/v1/completions", body))
+                answer = s.post(path, body)
+                return s.url, parse_group(answer) if prompt is None else parse_generate(answer, prompt)
             except ServerDown as e:
                 self.pool.drop(s.url, str(e))
             finally:

@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpo.rollout.vllm_images import MAX_IMAGES_PER_PROMPT
+
 EXTENSION = "grpo.rollout.server.worker.GRPOWorkerExtension"
 GUARD = "grpo.rollout.server.guard.RequireKey"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -40,25 +42,30 @@ class ServeSettings:
     weight_transfer: str = "gloo"  # gloo (the extension) | nccl (vLLM's own engine)
     lora_rank: int = 0           # > 0: LoRA enabled up to this rank (the run's adapters are synced, not merged)
     max_loras: int = 1           # the adapter versions it holds at once (rollout.max_staleness + 1)
+    vision: bool = False         # a vision-language model: its tokens-in route (images as inputs) on
     api_key: str | None = None     # the key every request but /health must carry (None: none; then loopback only)
 
 
 def model_dir(s: ServeSettings, cache: Path) -> tuple[str, bool]:
     """(what vLLM loads, whether its weights are dummy). A tiny model: its config and the character tokenizer
     written once to a folder under ``cache`` named by its shape."""
-    from grpo.models import char_tokenizer, resolve_path, tiny_model
+    from grpo.models import load_image_processor, load_tokenizer, resolve_path, tiny_model
+    from grpo.rollout.vllm_images import save_processor
 
     if not s.model.startswith("tiny:"):
         return resolve_path(s.model), False
     key = hashlib.sha256(json.dumps([s.model, s.tiny], sort_keys=True).encode()).hexdigest()[:12]
     out = cache / "serve" / f"{s.model.replace(':', '-')}-{key}"
     if not (out / "config.json").exists():
-        tok = char_tokenizer()
+        tok, images = load_tokenizer(s.model), load_image_processor(s.model)  # a vision-language model's: both
         model = tiny_model(s.model.split(":", 1)[1], len(tok), **dict(s.tiny))
         model.config.architectures = [type(model).__name__]  # vLLM must build this class (it would guess)
         tmp = out.with_name(out.name + ".tmp")
         model.config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        if images is not None:  # vLLM's input processing loads them (the placeholders, the image tokens' count)
+            save_processor(str(tmp), tok, images)
+        else:
+            tok.save_pretrained(tmp)
         tmp.rename(out)
     return str(out), True
 
@@ -88,6 +95,9 @@ def serve_command(s: ServeSettings, cache: Path, extra: list[str] = ()) -> tuple
         argv += ["--gpu-memory-utilization", "0.9"]  # the server's GPUs are its own (CUDA_VISIBLE_DEVICES)
     if s.weight_transfer == "nccl":
         argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    if s.vision:  # prompts with images: token ids + the trainer's tower's features (`grpo.rollout.server.images`)
+        argv += ["--enable-scale-out", "--enable-mm-embeds",
+                 "--limit-mm-per-prompt", json.dumps({"image": MAX_IMAGES_PER_PROMPT, "video": 0})]
     if s.lora_rank:  # the trainer loads each version's adapter through vLLM's runtime LoRA endpoints
         argv += ["--enable-lora", "--max-lora-rank", str(s.lora_rank), "--max-loras", str(s.max_loras)]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"

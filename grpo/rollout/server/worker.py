@@ -23,8 +23,10 @@ class GRPOWorkerExtension:
         keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "intermediate_size")
         lora = getattr(self.model_runner, "lora_config", None)  # --enable-lora's settings, None without
-        return {**{k: getattr(hf, k, None) for k in keys}, "max_model_len": cfg.max_model_len,
-                "dtype": str(cfg.dtype).replace("torch.", ""), "pushes": getattr(self, "_grpo_pushes", 0),
+        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf  # a vision-language model's own
+        return {**{k: getattr(hf if k == "model_type" else text, k, None) for k in keys},
+                "max_model_len": cfg.max_model_len, "dtype": str(cfg.dtype).replace("torch.", ""),
+                "pushes": getattr(self, "_grpo_pushes", 0),
                 "max_lora_rank": lora.max_lora_rank if lora else 0, "max_loras": lora.max_loras if lora else 0,
                 "lora_dir": self._grpo_lora_dir() if lora else None}
 
@@ -83,9 +85,12 @@ class GRPOWorkerExtension:
         self._grpo_channel = channel
         return {"joined": True}
 
-    def grpo_receive(self) -> dict:
+    def grpo_receive(self, left_out: str = "") -> dict:
         """Receive one stream of weights from the trainer and load it in place; says how many tensors came and
-        which vLLM parameters (if any) they left unfilled."""
+        which vLLM parameters (if any) they left unfilled, but those whose names hold ``left_out`` (a frozen vision
+        tower's ``visual.``, which a push after the first leaves out: vLLM keeps what they hold)."""
+        import re
+
         from grpo.rollout.vllm import CaptureNotLoaded
 
         channel = getattr(self, "_grpo_channel", None)
@@ -99,4 +104,6 @@ class GRPOWorkerExtension:
         count = len(received)
         del received
         self._grpo_pushes = getattr(self, "_grpo_pushes", 0) + 1  # weight streams loaded since the server started
-        return {"received": count, "missing": missing.messages[:1]}
+        unfilled = [m for m in missing.messages if not left_out or
+                    any(left_out not in n for n in re.findall(r"'([^']+)'", m) or [m])]
+        return {"received": count, "missing": unfilled[:1]}

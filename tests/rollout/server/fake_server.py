@@ -1,6 +1,7 @@
 """A small stand-in for vLLM's server, in-process, for the client logic where vLLM is not installed.
 
 It speaks the few endpoints the server backend uses (``/health``, ``/v1/models``, ``/v1/completions``,
+the tokens-in ``/inference/v1/generate`` of prompts with images (canned, each log-prob -0.25),
 ``/collective_rpc``, ``/reset_prefix_cache``, ``/update_weight_version``) and holds a real HF model: the weights
 the trainer streams through the real gloo channel (`grpo.runtime.transfer`) are loaded into it, and the
 prompt log-probs of the sync check are that model's. ``stale=True``: it receives the weights but keeps its old
@@ -160,6 +161,8 @@ class FakeServer:
             return {"weight_version": self.version}
         if path == "/v1/completions":
             return self._completions(body)
+        if path == "/inference/v1/generate":  # vLLM's tokens-in route (prompts with images): canned, as above
+            return self._generate(body)
         return {}
 
     def _rpc_grpo_model_info(self):
@@ -178,7 +181,8 @@ class FakeServer:
         self.channel = channel
         return {"joined": True}
 
-    def _rpc_grpo_receive(self):
+    def _rpc_grpo_receive(self, *left_out):
+        self.left_out = left_out
         if self.channel is None:
             raise RuntimeError("no trainer has joined this server's weight channel")
         weights = {}
@@ -216,3 +220,11 @@ class FakeServer:
             lps = self._scored(prompt, toks, body["temperature"]) if self.vocab else [-0.5] * len(toks)
             choices.append({"index": i, "token_ids": toks, "logprobs": {"token_logprobs": lps}})
         return {"choices": choices[::-1]}  # out of order, as a server may answer
+
+    def _generate(self, body):
+        sp, seed = body["sampling_params"], body["sampling_params"].get("seed") or 0
+        choices = [{"index": i, "token_ids": [self.tokens[0] + seed + i] + self.tokens[1:],
+                    "logprobs": {"content": [{"token_id": t, "logprob": -0.25} for t in self.tokens]}}
+                   for i in range(sp["n"])]
+        ran = body["token_ids"] if body.get("return_token_ids") else None
+        return {"choices": choices[::-1], "prompt_token_ids": ran}
