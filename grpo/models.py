@@ -264,7 +264,9 @@ def apply_lora(model, lcfg):
     from peft import get_peft_model
 
     # adapters on the language model only: Gemma 3's SigLIP tower also names its attention q_proj, k_proj, v_proj
-    tower = r".*\.(" + "|".join(TOWERS) + r")\..*"
+    # (a text model has no tower: nothing to exclude, and peft warns when an exclusion matches no module)
+    has_tower = any(part in TOWERS for name, _ in model.named_modules() for part in name.split("."))
+    tower = r".*\.(" + "|".join(TOWERS) + r")\..*" if has_tower else None
     pcfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout, exclude_modules=tower,
                           target_modules=list(lcfg.target_modules), task_type="CAUSAL_LM")
     # transformers 5 renamed is_gradient_checkpointing (deprecated) to is_activation_checkpointing
