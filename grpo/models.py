@@ -33,6 +33,7 @@ from grpo.vision.models import (
     freeze_vision_tower,
     image_processor,
     tiny_vlm,
+    vision_tower,
     with_vision_tokens,
 )
 
@@ -265,8 +266,7 @@ def apply_lora(model, lcfg):
 
     # adapters on the language model only: Gemma 3's SigLIP tower also names its attention q_proj, k_proj, v_proj
     # (a text model has no tower: nothing to exclude, and peft warns when an exclusion matches no module)
-    has_tower = any(part in TOWERS for name, _ in model.named_modules() for part in name.split("."))
-    tower = r".*\.(" + "|".join(TOWERS) + r")\..*" if has_tower else None
+    tower = r".*\.(" + "|".join(TOWERS) + r")\..*" if vision_tower(model) is not None else None
     pcfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout, exclude_modules=tower,
                           target_modules=list(lcfg.target_modules), task_type="CAUSAL_LM")
     # transformers 5 renamed is_gradient_checkpointing (deprecated) to is_activation_checkpointing
