@@ -201,3 +201,31 @@ def test_tiny_gemma3_prompts_are_its_processors_and_its_tower_is_seeded():
     frozen = load_model(ModelConfig(name_or_path="tiny:gemma3", freeze_vision_tower=True), len(tok))
     assert not any(q.requires_grad for q in frozen.model.vision_tower.parameters())
     assert all(q.requires_grad for q in frozen.model.multi_modal_projector.parameters())
+
+
+def test_image_side_params_are_the_trainable_ones_outside_the_language_model():
+    """What grpo/runtime/deepspeed.py reduces in parameter order and the engine's zero term reaches: Qwen-VL's tower
+    (its merger inside), Gemma 3's tower and projector; nothing for a text model, a frozen tower or LoRA."""
+    from grpo.config.schema import LoraConfig, ModelConfig
+    from grpo.models import char_tokenizer, load_model
+    from grpo.vision.models import image_side_params
+
+    def names(model):
+        ids = {id(p) for p in image_side_params(model)}
+        return {n.split(".")[1] if n.startswith("model.") else n for n, p in model.named_parameters() if id(p) in ids}
+
+    vocab = len(load_tokenizer("tiny:qwen2_5_vl"))
+    qwen = load_model(ModelConfig(name_or_path="tiny:qwen2_5_vl"), vocab)
+    assert names(qwen) == {"visual"}
+    assert len(image_side_params(qwen)) == len(list(qwen.model.visual.parameters()))
+    assert image_side_params(qwen.model) == image_side_params(qwen)  # the core, as the engine passes it
+    gemma = load_model(ModelConfig(name_or_path="tiny:gemma3"), len(load_tokenizer("tiny:gemma3")))
+    assert names(gemma) == {"vision_tower", "multi_modal_projector"}
+    frozen = load_model(ModelConfig(name_or_path="tiny:gemma3", freeze_vision_tower=True),
+                        len(load_tokenizer("tiny:gemma3")))
+    assert names(frozen) == {"multi_modal_projector"}  # the projector still trains
+    assert image_side_params(load_model(ModelConfig(name_or_path="tiny:qwen2_5_vl", freeze_vision_tower=True),
+                                        vocab)) == []
+    lora = load_model(ModelConfig(name_or_path="tiny:qwen2_5_vl", lora=LoraConfig(enabled=True)), vocab)
+    assert image_side_params(lora) == []
+    assert image_side_params(load_model(ModelConfig(name_or_path="tiny:llama"), len(char_tokenizer()))) == []

@@ -34,6 +34,7 @@ from grpo.engine.prefix_attention import LAYOUT_KWARG
 from grpo.engine.unwrap import unwrap_model
 from grpo.engine.vision_families import FAMILIES, family_of
 from grpo.vision.images import ImagePrompt
+from grpo.vision.models import image_side_params
 
 __all__ = ["vision_token_logprobs", "VISION_FAMILIES"]
 
@@ -74,8 +75,19 @@ def vision_token_logprobs(model, prompts, completion_ids, *, shared_prefix: bool
     for mb in plan:
         lp, ent = forward(vlm, core, [prompts[g] for g, _ in mb], [comps[g][sl] for g, sl in mb], temperature,
                           return_entropy)
+        if torch.is_grad_enabled() and not any(prompts[g].n_images for g, _ in mb):
+            lp = lp + image_side_zero(core)
         scatter(mb, comps, lp, ent, logps, ents)
     return (logps, ents) if return_entropy else logps
+
+
+def image_side_zero(core) -> torch.Tensor | float:
+    """0, computed from every trainable parameter on the image side (grpo/vision/models.py's ``image_side_params``),
+    for a micro-batch without images: each such parameter gets a gradient of exactly 0 instead of none, so that every
+    rank of a DeepSpeed run reduces the same parameters (grpo/runtime/deepspeed.py), whether its prompts hold images
+    or not (text prompts, or an idle micro-batch matching another rank's count)."""
+    params = image_side_params(core)
+    return sum(p.sum() for p in params) * 0.0 if params else 0.0
 
 
 def _check(vlm, prompts, comps, temperature):

@@ -99,6 +99,7 @@ class DeepSpeedRuntime(Runtime):
         self.node_local = False
         self._expected: int | None = None
         self._backwards = 0
+        self.coalesce, self._coalescing = False, None
 
     # ---------------------------------------------------------------------------- building
     def setup(self, model, optimizer, scheduler):
@@ -112,7 +113,26 @@ class DeepSpeedRuntime(Runtime):
         self.engine, _, _, _ = self._ds.initialize(model=model, optimizer=optimizer, config=config,
                                                    dist_init_required=False)
         self.model, self.optimizer, self.scheduler = self.engine, optimizer, scheduler
+        self.coalesce = self._coalesce_needed(model)
         return self.model
+
+    def _coalesce_needed(self, model) -> bool:
+        """Whether each step's gradients are reduced once, after its last backward, in parameter order
+        (DeepSpeed's ``coalesce_grad_reduction``), instead of in every backward in the order its hooks fire:
+        a vision-language model whose image side trains under ZeRO-1/2. A backward with images reaches the
+        vision tower's parameters in the order of its graph, one without images (text prompts, an idle
+        micro-batch) only through a zero term (grpo/engine/vision_logprobs.py), in another order; reduced in
+        hook order, the ranks would add up the buckets of different parameters. Every rank then holds its
+        full gradients until the step (as ZeRO-1 does)."""
+        from grpo.vision.models import image_side_params
+
+        if self.stage >= 3 or not image_side_params(model):
+            return False
+        if not hasattr(self.engine, "coalesce_grad_reduction"):
+            raise SetupError(f"a vision-language model with a trainable vision tower under ZeRO-{self.stage} needs "
+                             "deepspeed>=0.19 (coalesce_grad_reduction); upgrade it, or set "
+                             "model.freeze_vision_tower=true")
+        return True
 
     def _cpu_adam(self, optimizer, scheduler):
         """ZeRO-Offload wants DeepSpeed's CPU Adam (a compiled op); keep torch AdamW when it cannot be built."""
@@ -145,16 +165,23 @@ class DeepSpeedRuntime(Runtime):
     def expect_backwards(self, n: int) -> None:
         """The next ``n`` backward calls (the same number on every rank) make one optimizer step."""
         self._expected, self._backwards = n, 0
+        if self.coalesce and n:
+            self._coalescing = self.engine.coalesce_grad_reduction()
+            self._coalescing.__enter__()
 
     def backward(self, loss: torch.Tensor) -> None:
         self._backwards += 1
         boundary = self._expected is None or self._backwards >= self._expected
-        self.engine.set_gradient_accumulation_boundary(boundary)
+        coalescing = self._coalescing is not None
+        self.engine.set_gradient_accumulation_boundary(boundary and not coalescing)
         opt = self.engine.optimizer
         if hasattr(opt, "clear_backward_seen_flag"):  # what engine.forward does; the prefix engine calls the module
             opt.clear_backward_seen_flag()
         # DeepSpeed averages gradients over ranks; this rank's loss is its share of the global loss
         self.engine.backward(loss * self.world_size)
+        if coalescing and boundary:  # the step's one reduction, every parameter in order
+            self._coalescing, context = None, self._coalescing
+            context.__exit__(None, None, None)
 
     def step(self, max_grad_norm: float) -> tuple[float, bool]:
         """One optimizer step (clipped by DeepSpeed); skipped when the global gradient norm is not finite."""

@@ -181,3 +181,20 @@ def freeze_vision_tower(model, name: str = "the model") -> None:
         raise ModelError(f"model.freeze_vision_tower=true but {name} has no vision tower (a text model); "
                          "set model.freeze_vision_tower=false")
     tower.requires_grad_(False)
+
+
+def image_side_params(model) -> list:
+    """The trainable parameters on the image side of a vision-language model (or of its core ``model.model``): those
+    of the core's modules other than the one holding the token embeddings (the vision tower, and a projector or
+    connector outside it). ``[]`` for a text model, a frozen tower, or LoRA on the language model."""
+    from grpo.engine.unwrap import unwrap_model
+
+    has_tower = lambda m: any(getattr(m, a, None) is not None for a in TOWERS)  # noqa: E731
+    model = unwrap_model(model)
+    core = model if has_tower(model) else getattr(model, "model", None)
+    if core is None or not has_tower(core):
+        return []
+    embeddings = core.get_input_embeddings()
+    return [p for m in core.children() if all(e is not embeddings for e in m.modules())
+            for p in m.parameters() if p.requires_grad]
+

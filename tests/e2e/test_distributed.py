@@ -37,7 +37,7 @@ def _params(rt) -> dict:
     return rt.full_parameters()
 
 
-def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...] = ()) -> None:
+def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...] = (), recipe: str = "smoke") -> None:
     from omegaconf import OmegaConf
 
     from grpo.algorithm.advantages import compute_advantages
@@ -51,7 +51,7 @@ def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...
     from grpo.update import policy_update
     from tests.helpers import compose_recipe
 
-    raw = compose_recipe("smoke", [f"trainer.output_dir={out / 'update-run'}", f"rollout.prompts_per_step={PROMPTS}",
+    raw = compose_recipe(recipe, [f"trainer.output_dir={out / 'update-run'}", f"rollout.prompts_per_step={PROMPTS}",
                                    f"algorithm.group_size={G}", f"engine.max_tokens_per_micro_batch={BUDGET}",
                                    *overrides])
     cfg = load(OmegaConf.to_container(raw, resolve=True))
@@ -81,7 +81,9 @@ def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...
               "held": {n: (getattr(p, "ds_tensor", p).numel(), getattr(p, "ds_numel", p.numel()))
                        for n, p in rt.unwrap().named_parameters()}}
     # forwards of the first softmax-attention layer in the first update: twice per micro-batch with checkpointing
-    layer = next(m.self_attn for m in unwrap_model(rt.model).model.layers if hasattr(m, "self_attn"))  # hybrids: not 0
+    core = unwrap_model(rt.model).model
+    layers = getattr(core, "language_model", core).layers  # a vision-language model: its language model's
+    layer = next(m.self_attn for m in layers if hasattr(m, "self_attn"))  # hybrids: not layer 0
     calls = []
     hook = layer.register_forward_hook(lambda *_: calls.append(1))
     for k in range(3):
@@ -98,11 +100,13 @@ def fixed_batch_updates(overrides: list[str], out: Path, dropped: tuple[int, ...
 
 
 def update(args: list[str], out: Path) -> None:
-    """``update`` with a phase's arguments: the config overrides it takes, and ``drop=G,...`` (groups left out)."""
+    """``update`` with a phase's arguments: the config overrides it takes, ``drop=G,...`` (groups left out) and
+    ``recipe=NAME`` (default: smoke)."""
     drop = [a for a in args if a.startswith("drop=")]
     dropped = tuple(int(g) for g in drop[0][5:].split(",")) if drop else ()
-    keys = ("distributed", "+distributed", "algorithm.", "model.")
-    fixed_batch_updates([a for a in args if a.startswith(keys)], out, dropped)
+    recipe = next((a.split("=", 1)[1] for a in args if a.startswith("recipe=")), "smoke")
+    keys = ("distributed", "+distributed", "algorithm.", "model.", "engine.")
+    fixed_batch_updates([a for a in args if a.startswith(keys)], out, dropped, recipe)
 
 
 def _saving_params(save_final):
