@@ -30,8 +30,9 @@ def _commands(port: int) -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
-    from grpo.rollout.server.backend import ServerBackend, model_facts
+    from grpo.rollout.server.backend import ServerBackend
     from grpo.rollout.server.client import ServerPool
+    from grpo.rollout.server.facts import model_facts
     from grpo.rollout.server.gloo import GlooTransfer
     from tests.e2e.test_server import Server, _free_port
     from tests.helpers import compose_recipe, vision_setup

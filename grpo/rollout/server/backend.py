@@ -49,16 +49,6 @@ from grpo.rollout.server.rejoin import Rejoiner
 from grpo.rollout.vllm_images import VLLM_VISION_FAMILIES
 from grpo.rollout.weights import as_they_are, counted, hf_weights
 
-MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "intermediate_size")
-
-
-def model_facts(config) -> dict:
-    """What a server must agree on with the trainer's model (its config; a vision-language model's language model's
-    sizes), compared at connect."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return {k: getattr(config if k == "model_type" else text, k, None) for k in MODEL_KEYS}
-
 
 class ServerBackend:
     def __init__(self, model, pool: ServerPool, *, model_name: str, facts: dict, eos_ids: list[int],

@@ -9,8 +9,9 @@ import torch
 
 from grpo.engine.unwrap import unwrap_model
 from grpo.rollout.base import eos_ids
-from grpo.rollout.server.backend import ServerBackend, model_facts
+from grpo.rollout.server.backend import ServerBackend
 from grpo.rollout.server.client import ServerPool
+from grpo.rollout.server.facts import model_facts
 from grpo.rollout.server.gloo import GlooTransfer
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -18,13 +18,11 @@ class GRPOWorkerExtension:
 
     def grpo_model_info(self) -> dict:
         """What the server serves, for the trainer's check at connect: the model's shape and its max length."""
+        from grpo.rollout.server.facts import model_facts
+
         cfg = self.model_runner.model_config
-        hf = cfg.hf_config
-        keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "intermediate_size")
         lora = getattr(self.model_runner, "lora_config", None)  # --enable-lora's settings, None without
-        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf  # a vision-language model's own
-        return {**{k: getattr(hf if k == "model_type" else text, k, None) for k in keys},
+        return {**model_facts(cfg.hf_config),
                 "max_model_len": cfg.max_model_len, "dtype": str(cfg.dtype).replace("torch.", ""),
                 "pushes": getattr(self, "_grpo_pushes", 0),
                 "max_lora_rank": lora.max_lora_rank if lora else 0, "max_loras": lora.max_loras if lora else 0,

@@ -166,7 +166,7 @@ class FakeServer:
         return {}
 
     def _rpc_grpo_model_info(self):
-        from grpo.rollout.server.backend import model_facts
+        from grpo.rollout.server.facts import model_facts
 
         facts = self.facts or model_facts(self.model.config)
         return {**facts, "max_model_len": self.max_model_len}

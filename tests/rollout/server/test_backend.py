@@ -8,8 +8,9 @@ import torch
 
 from grpo.models import char_tokenizer, tiny_model
 from grpo.rollout.base import Sampling
-from grpo.rollout.server.backend import ServerBackend, model_facts
+from grpo.rollout.server.backend import ServerBackend
 from grpo.rollout.server.client import ServerError, ServerPool
+from grpo.rollout.server.facts import model_facts
 from grpo.rollout.server.gloo import GlooTransfer
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)

@@ -9,8 +9,9 @@ import torch
 from grpo.errors import SetupError
 from grpo.models import load_image_processor, load_tokenizer, tiny_model
 from grpo.rollout.base import Sampling
-from grpo.rollout.server.backend import ServerBackend, model_facts
+from grpo.rollout.server.backend import ServerBackend
 from grpo.rollout.server.client import ServerError, ServerPool, group_request
+from grpo.rollout.server.facts import model_facts
 from grpo.rollout.server.gloo import GlooTransfer
 from grpo.rollout.server.images import GENERATE, image_runs, pack
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from grpo.models import char_tokenizer, tiny_model
-from grpo.rollout.server.backend import ServerBackend, model_facts
+from grpo.rollout.server.backend import ServerBackend
 from grpo.rollout.server.client import ServerPool
+from grpo.rollout.server.facts import model_facts
 from grpo.rollout.server.nccl import HTTPWeightSyncClient, NCCLTransfer, StreamSource
 from grpo.rollout.weights import hf_weights
 
