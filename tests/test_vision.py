@@ -271,3 +271,15 @@ def test_tiny_idefics3_is_seeded_and_its_frozen_tower_leaves_the_connector_train
     frozen = load_model(ModelConfig(name_or_path="tiny:idefics3", freeze_vision_tower=True), len(tok))
     assert not any(q.requires_grad for q in frozen.model.vision_model.parameters())
     assert all(q.requires_grad for q in frozen.model.connector.parameters())
+
+
+def test_grpo_serve_refuses_idefics3_in_one_line():
+    """vLLM takes images for Qwen2.5-VL only here: grpo-serve refuses tiny:idefics3 before any model loads, naming
+    the rollout that serves it."""
+    from grpo.errors import SetupError
+    from grpo.serve import vision
+
+    assert vision("tiny:qwen2_5_vl") and not vision("tiny:qwen2")
+    with pytest.raises(SetupError, match="grpo-serve takes images for qwen2_5_vl only .*tiny:idefics3.*; use "
+                                         "rollout.backend=hf for this model"):
+        vision("tiny:idefics3")
