@@ -258,17 +258,19 @@ def test_idefics3_tiles_pad_as_its_processor_pads_a_batch():
     assert got["pixel_attention_mask"][0, 3:].sum() == 0  # the first prompt's 3 tiles, then padding
 
 
-def test_tiny_idefics3_is_seeded_and_its_frozen_tower_leaves_the_connector_training():
+@pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
+def test_tiny_idefics3_is_seeded_and_its_frozen_tower_leaves_the_connector_training(family):
     from grpo.config.schema import ModelConfig
     from grpo.models import load_model
 
-    tok = load_tokenizer("tiny:idefics3")
-    a, b = (tiny_model("idefics3", len(tok), seed=0) for _ in range(2))
+    tok = load_tokenizer(f"tiny:{family}")
+    a, b = (tiny_model(family, len(tok), seed=0) for _ in range(2))
+    assert a.config.model_type == family
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert a.config.image_token_id == tok.convert_tokens_to_ids("<image>") < len(tok)
     assert a.config.text_config.model_type == "llama" and a.config.scale_factor == 2
     assert a.config.vision_config.num_hidden_layers == 2 and a.config.text_config.hidden_size == 64
-    frozen = load_model(ModelConfig(name_or_path="tiny:idefics3", freeze_vision_tower=True), len(tok))
+    frozen = load_model(ModelConfig(name_or_path=f"tiny:{family}", freeze_vision_tower=True), len(tok))
     assert not any(q.requires_grad for q in frozen.model.vision_model.parameters())
     assert all(q.requires_grad for q in frozen.model.connector.parameters())
 
@@ -283,3 +285,21 @@ def test_grpo_serve_refuses_idefics3_in_one_line():
     with pytest.raises(SetupError, match="grpo-serve takes images for qwen2_5_vl only .*tiny:idefics3.*; use "
                                          "rollout.backend=hf for this model"):
         vision("tiny:idefics3")
+
+
+def test_tiny_smolvlm_prompts_are_smolvlm_processors():
+    """tiny:smolvlm: each image's text is what SmolVLMProcessor writes for its rows and columns (its module's own
+    get_image_prompt_string; the processor itself wants a video processor), its pixels and masks its image
+    processor's."""
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    tok, proc = load_tokenizer("tiny:smolvlm"), load_image_processor("tiny:smolvlm")
+    images = [Image.new("RGB", (16, 40), "red"), Image.new("RGB", (32, 32), "blue")]
+    p = encode(_messages(2), images, tok, proc)
+    assert p.tiles.tolist() == [[2, 1], [2, 2]] and p.pixel_values.shape == (3 + 5, 3, 16, 16)
+    ref = proc(images=[images], return_tensors="pt")
+    assert torch.equal(p.pixel_values, ref["pixel_values"][0])
+    assert torch.equal(p.pixel_attention_mask, ref["pixel_attention_mask"][0])
+    text = "".join(get_image_prompt_string(r, c, proc.image_seq_len, "<fake_token_around_image>", "<image>",
+                                           "<global-img>") for r, c in p.tiles.tolist())
+    assert tok.decode(p.ids) == "user: " + text + "How many?\nassistant: "

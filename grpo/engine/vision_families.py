@@ -110,7 +110,7 @@ _GEMMA3 = VisionFamily(tower="vision_tower", kinds_kwarg="token_type_ids", axes=
                        bidirectional=image_runs)
 
 
-# --------------------------------------------------------------------------------------------- Idefics3
+# --------------------------------------------------------------------------------------------- Idefics3, SmolVLM2
 def _idefics3_image_tokens(config, prompt) -> int:
     """Every tile (and global image) is the connector's pixel shuffle of its patches: (H/p)(W/p) / scale^2 tokens."""
     if prompt.n_images == 0:
@@ -150,7 +150,7 @@ _IDEFICS3 = VisionFamily(tower="vision_model", kinds_kwarg=None, axes=1, image_t
 
 # model_type -> its entry: the families served (grpo.token_logprobs hands them to grpo/engine/vision_logprobs.py)
 FAMILIES: dict[str, VisionFamily] = {"qwen2_5_vl": _QWEN, "qwen2_vl": _QWEN, "qwen3_vl": _QWEN, "qwen3_vl_moe": _QWEN,
-                                     "qwen3_5": _QWEN, "gemma3": _GEMMA3, "idefics3": _IDEFICS3}
+                                     "qwen3_5": _QWEN, "gemma3": _GEMMA3, "idefics3": _IDEFICS3, "smolvlm": _IDEFICS3}
 
 
 def family_of(model) -> VisionFamily:

@@ -43,8 +43,6 @@ __all__ = ["vision_token_logprobs", "VISION_FAMILIES"]
 VISION_FAMILIES = tuple(FAMILIES)
 # vision-language families of transformers not served (yet), and why: refused in one line, not computed inexactly
 NOT_SERVED = {
-    "smolvlm": "SmolVLM2's own classes are not held to their per-sequence forward yet (SmolVLM checkpoints of model "
-               "type idefics3 are served)",
     "lfm2_vl": "its NaViT tower takes pixel masks and spatial shapes, which image prompts (Qwen's patches) lack",
 }
 

@@ -114,11 +114,12 @@ class ImageForm:
 
 @dataclass(frozen=True)
 class TiledForm(ImageForm):
-    """Idefics3's (SmolVLM's): a picture split into rows x columns of tiles plus its global image. The placeholder
-    becomes, as Idefics3Processor writes it, every tile's ``<fake_token_around_image><row_r_col_c>`` and image tokens
-    (a newline after each row), then a newline, ``<fake_token_around_image><global-img>``, the global image's tokens and
-    ``<fake_token_around_image>``; an image not split (0 rows) is its global image alone, without the newline. The
-    processor is asked for the rows and columns; ``image_seq_len`` (Idefics3Processor's) is the tokens per tile."""
+    """Idefics3's (SmolVLM's, SmolVLM2's): a picture split into rows x columns of tiles plus its global image. The
+    placeholder becomes, as Idefics3Processor writes it, every tile's ``<fake_token_around_image><row_r_col_c>`` and
+    image tokens (a newline after each row), then a newline, ``<fake_token_around_image><global-img>``, the global
+    image's tokens and ``<fake_token_around_image>``; an image not split (0 rows) is its global image alone, without
+    the newlines. The processor is asked for the rows and columns; ``image_seq_len`` (Idefics3Processor's) is the
+    tokens per tile."""
 
     def strings(self, image_processor, out) -> list[str]:
         return [self.image(image_processor.image_seq_len, rows, cols) for rows, cols in zip(out["rows"][0],
@@ -152,7 +153,8 @@ _IDEFICS3 = TiledForm("<image>", "<image>", before="<fake_token_around_image>",
 # image processor class -> how its images go into the prompt
 FORMS = {"Qwen2VLImageProcessorPil": _QWEN, "Qwen2VLImageProcessor": _QWEN,
          "Gemma3ImageProcessorPil": _GEMMA3, "Gemma3ImageProcessor": _GEMMA3,
-         "Idefics3ImageProcessorPil": _IDEFICS3, "Idefics3ImageProcessor": _IDEFICS3}
+         "Idefics3ImageProcessorPil": _IDEFICS3, "Idefics3ImageProcessor": _IDEFICS3,
+         "SmolVLMImageProcessorPil": _IDEFICS3, "SmolVLMImageProcessor": _IDEFICS3}
 
 
 def encode(messages: list[dict], images: list, tokenizer, image_processor, where: str = "data row") -> ImagePrompt:

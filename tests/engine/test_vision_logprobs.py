@@ -22,6 +22,7 @@ ATOL_LP, ATOL_GRAD = 2e-5, 5e-5
 
 
 FAMILIES = vl.VISION_FAMILIES
+TILED = ("idefics3", "smolvlm")  # pictures split into tiles (SmolVLM2's classes are Idefics3's architecture)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -42,7 +43,7 @@ def _build(family):
         return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
 
     last = picture(40)
-    if family == "idefics3":  # a wide picture: its tiles are 1x2, not 2x2 as a square one's
+    if family in TILED:  # a wide picture: its tiles are 1x2, not 2x2 as a square one's
         last = last.crop((0, 12, 40, 28))
     prompts = [  # ragged: one image, two images of other sizes (Idefics3: 5 tiles, then 5 and 3), none
         encode(user(1, "How many?"), [picture(32)], tok, proc),
@@ -62,7 +63,7 @@ def _model_inputs(model, p, ids):
     ``mm_token_type_ids``, pixels and grids; Gemma 3's ``token_type_ids`` (its bidirectional image blocks) and
     pixels; Idefics3's tiles and their pixel mask, a batch of one prompt."""
     kinds = (ids == model.config.image_token_id).long()
-    if model.config.model_type == "idefics3":
+    if model.config.model_type in TILED:
         return {} if not p.n_images else {"pixel_values": p.pixel_values[None],
                                           "pixel_attention_mask": p.pixel_attention_mask[None]}
     if model.config.model_type == "gemma3":
@@ -241,7 +242,7 @@ def test_bad_inputs_say_what_is_wrong(setup):
     broken = type(p)(fewer, pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw,
                      pixel_attention_mask=p.pixel_attention_mask, tiles=p.tiles)
     n, expected = fewer.count(image), p.ids.count(image)
-    assert 0 < n < expected and expected == {"idefics3": 20}.get(model.config.model_type, 16)
+    assert 0 < n < expected and expected == (20 if model.config.model_type in TILED else 16)
     with pytest.raises(ValueError, match=f"the prompt has {n} image tokens but its images make {expected}"):
         vision_token_logprobs(model, [broken], [[[5]]])
     with pytest.raises(ValueError, match="1 prompts but 2 completion groups"):

@@ -55,7 +55,7 @@ def _generate(model, p, max_new_tokens):
     """HF ``generate`` (greedy) with the inputs the family's transformers processor returns."""
     ids = torch.tensor([p.ids])
     kinds = (ids == model.config.image_token_id).long()
-    if model.config.model_type == "idefics3":  # a batch of one prompt: its tiles and their pixel mask
+    if model.config.model_type in ("idefics3", "smolvlm"):  # a batch of one prompt: its tiles and their pixel mask
         inputs = {"pixel_values": p.pixel_values[None], "pixel_attention_mask": p.pixel_attention_mask[None]}
     elif model.config.model_type == "gemma3":
         inputs = {"pixel_values": p.pixel_values, "token_type_ids": kinds}
