@@ -240,6 +240,11 @@ def test_tiny_idefics3_prompts_are_idefics3_processors(split):
         assert tok.decode(p.ids) == "user: " + ("<fake_token_around_image><global-img>" + tile
                                                 + "<fake_token_around_image>") * 2 + "How many?\nassistant: "
     assert p.n_images == 2
+    import pickle
+
+    back = pickle.loads(pickle.dumps(p))  # in-flight batches and spawned generators carry it pickled
+    assert back.ids == p.ids and torch.equal(back.tiles, p.tiles) and back.n_images == 2
+    assert torch.equal(back.pixel_attention_mask, p.pixel_attention_mask)
 
 
 def test_idefics3_tiles_pad_as_its_processor_pads_a_batch():

@@ -221,7 +221,7 @@ def _per_row_slots(layout, prompts, image_token_id):
 def test_a_wrong_position_restart_is_caught(setup, monkeypatch, bug):
     model, prompts = setup
     if bug is _one_dimensional and vf.family_of(model).axes == 1:
-        pytest.skip("1-D rotary positions are this family's own (Gemma 3, Idefics3)")
+        pytest.skip("1-D rotary positions are this family's own (Gemma 3, Idefics3, SmolVLM2)")
     comps = _completions((3, 2, 3))
     with torch.no_grad():
         ref = _reference(model, prompts, comps)

@@ -90,8 +90,8 @@ def test_greedy_matches_hf_generate_and_eos_stops(setup):
 
 
 def _one_position_per_image(core, p, image_id):
-    """Planted bug for 1-D families (Gemma 3, Idefics3): an image counted as one position (its tokens collapsed, as a
-    placeholder is before the processor expands it), so decoding starts too early."""
+    """Planted bug for 1-D families (Gemma 3, Idefics3, SmolVLM2): an image counted as one position (its tokens
+    collapsed, as a placeholder is before the processor expands it), so decoding starts too early."""
     n = sum(1 for t in p.ids if t != image_id) + p.n_images
     return torch.arange(n)[None]
 
