@@ -1,5 +1,5 @@
-"""grpo.vision: the tiny vision-language models (Qwen2.5-VL, Qwen2-VL, Gemma 3) and their processors built offline, and
-image prompts from every image form."""
+"""grpo.vision: the tiny vision-language models (Qwen2.5-VL, Qwen2-VL, Gemma 3, Idefics3) and their processors built
+offline, and image prompts from every image form."""
 import io
 
 import pytest
@@ -78,9 +78,11 @@ def test_bad_images_get_one_line(tok_proc, tmp_path):
         encode(_messages(1), [img], tok2, proc)
 
 
-def test_rows_of_three_formats_from_jsonl_and_parquet(tok_proc, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3"])
+def test_rows_of_three_formats_from_jsonl_and_parquet(family, tmp_path):
     """TRL's parts with image paths (JSONL), verl's <image> markers with {"bytes"} images (Parquet), a PIL column
-    (a built-in task): the same picture and question give the same prompt."""
+    (a built-in task): the same picture and question give the same prompt (Idefics3 too, whose image token is
+    verl's marker)."""
     import json
 
     import datasets
@@ -88,7 +90,7 @@ def test_rows_of_three_formats_from_jsonl_and_parquet(tok_proc, tmp_path):
     from grpo.tasks import get_task
     from grpo.vision.images import encode_row
 
-    tok, proc = tok_proc
+    tok, proc = load_tokenizer(f"tiny:{family}"), load_image_processor(f"tiny:{family}")
     row = get_task("shapes")(1, seed=0)[0]
     question = row["prompt"][0]["content"][1]["text"]
     path = tmp_path / "a.png"
@@ -101,7 +103,7 @@ def test_rows_of_three_formats_from_jsonl_and_parquet(tok_proc, tmp_path):
     from_trl = dict(datasets.load_dataset("json", data_files=str(trl), split="train")[0])
     from_verl = dict(datasets.load_dataset("parquet", data_files=str(verl), split="train")[0])
     got = [encode_row(r, "prompt", "images", tok, proc) for r in (row, from_trl, from_verl)]
-    assert got[0].ids == got[1].ids == got[2].ids
+    assert got[0].ids == got[1].ids == got[2].ids and got[0].n_images == 1
     assert all(torch.equal(got[0].pixel_values, g.pixel_values) for g in got[1:])
     with pytest.raises(DataError, match="row 0 has no image column 'image'; its columns are: prompt, images, answer"):
         encode_row(from_trl, "prompt", "image", tok, proc, where="row 0")
@@ -224,8 +226,115 @@ def test_image_side_params_are_the_trainable_ones_outside_the_language_model():
     frozen = load_model(ModelConfig(name_or_path="tiny:gemma3", freeze_vision_tower=True),
                         len(load_tokenizer("tiny:gemma3")))
     assert names(frozen) == {"multi_modal_projector"}  # the projector still trains
+    idefics = load_model(ModelConfig(name_or_path="tiny:idefics3"), len(load_tokenizer("tiny:idefics3")))
+    assert names(idefics) == {"vision_model", "connector"}
     assert image_side_params(load_model(ModelConfig(name_or_path="tiny:qwen2_5_vl", freeze_vision_tower=True),
                                         vocab)) == []
     lora = load_model(ModelConfig(name_or_path="tiny:qwen2_5_vl", lora=LoraConfig(enabled=True)), vocab)
     assert image_side_params(lora) == []
     assert image_side_params(load_model(ModelConfig(name_or_path="tiny:llama"), len(char_tokenizer()))) == []
+
+
+def _idefics3_processor(tok, proc):
+    """transformers' own Idefics3Processor on the tiny tokenizer and image processor: the reference expansion."""
+    from transformers import Idefics3Processor
+
+    return Idefics3Processor(image_processor=proc, tokenizer=tok, image_seq_len=proc.image_seq_len)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_tiny_idefics3_prompts_are_idefics3_processors(split):
+    """tiny:idefics3: an image part becomes what Idefics3Processor writes, each tile's <fake_token_around_image>,
+    <row_r_col_c> and 4 image tokens, a newline a row, then the global image (without splitting, the global image
+    alone); the same ids, tiles and pixel masks as the processor's, a square picture 2x2 tiles + 1 and a 40x16 one
+    1x2 + 1."""
+    tok, proc = load_tokenizer("tiny:idefics3"), load_image_processor("tiny:idefics3")
+    assert proc.do_image_splitting and proc.image_seq_len == 4
+    if not split:
+        proc.do_image_splitting = False
+    images = [Image.new("RGB", (24, 24), "red"), Image.new("RGB", (40, 16), "blue")]
+    p = encode(_messages(2), images, tok, proc)
+    text = tok.apply_chat_template(_messages(2), tokenize=False, add_generation_prompt=True)
+    ref = _idefics3_processor(tok, proc)(text=[text], images=[images], return_tensors="pt")
+    assert p.ids == ref["input_ids"][0].tolist()
+    assert torch.equal(p.pixel_values, ref["pixel_values"][0])
+    assert torch.equal(p.pixel_attention_mask, ref["pixel_attention_mask"][0])
+    tile = "<image>" * 4
+    if split:
+        assert p.tiles.tolist() == [[2, 2], [1, 2]] and p.pixel_values.shape == (5 + 3, 3, 16, 16)
+        wide = "<fake_token_around_image><row_1_col_1>" + tile + "<fake_token_around_image><row_1_col_2>" + tile
+        assert tok.decode(p.ids).startswith("user: " + wide + "\n" + wide.replace("row_1", "row_2") + "\n\n"
+                                            + "<fake_token_around_image><global-img>" + tile)
+    else:
+        assert p.tiles.tolist() == [[0, 0], [0, 0]] and p.pixel_values.shape == (2, 3, 16, 16)
+        assert tok.decode(p.ids) == "user: " + ("<fake_token_around_image><global-img>" + tile
+                                                + "<fake_token_around_image>") * 2 + "How many?\nassistant: "
+    assert p.n_images == 2
+    import pickle
+
+    back = pickle.loads(pickle.dumps(p))  # in-flight batches and spawned generators carry it pickled
+    assert back.ids == p.ids and torch.equal(back.tiles, p.tiles) and back.n_images == 2
+    assert torch.equal(back.pixel_attention_mask, p.pixel_attention_mask)
+
+
+def test_idefics3_tiles_pad_as_its_processor_pads_a_batch():
+    """The engine's batch of several prompts' tiles (grpo.engine.vision_families.pad_tiles) is the image processor's
+    own batch of those prompts: zero tiles with zero masks after a prompt's fewer tiles."""
+    from grpo.engine.vision_families import pad_tiles
+
+    tok, proc = load_tokenizer("tiny:idefics3"), load_image_processor("tiny:idefics3")
+    per_prompt = [[Image.new("RGB", (40, 16), "red")], [Image.new("RGB", (32, 32), "blue"), Image.new("RGB", (8, 20))]]
+    prompts = [encode(_messages(len(imgs)), imgs, tok, proc) for imgs in per_prompt]
+    ref = proc(images=per_prompt, return_tensors="pt")
+    got = pad_tiles(prompts)
+    assert got["pixel_values"].shape == ref["pixel_values"].shape == (2, 8, 3, 16, 16)
+    assert torch.equal(got["pixel_values"], ref["pixel_values"])
+    assert torch.equal(got["pixel_attention_mask"], ref["pixel_attention_mask"])
+    assert got["pixel_attention_mask"][0, 3:].sum() == 0  # the first prompt's 3 tiles, then padding
+
+
+@pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
+def test_tiny_idefics3_is_seeded_and_its_frozen_tower_leaves_the_connector_training(family):
+    from grpo.config.schema import ModelConfig
+    from grpo.models import load_model
+
+    tok = load_tokenizer(f"tiny:{family}")
+    a, b = (tiny_model(family, len(tok), seed=0) for _ in range(2))
+    assert a.config.model_type == family
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert a.config.image_token_id == tok.convert_tokens_to_ids("<image>") < len(tok)
+    assert a.config.text_config.model_type == "llama" and a.config.scale_factor == 2
+    assert a.config.vision_config.num_hidden_layers == 2 and a.config.text_config.hidden_size == 64
+    frozen = load_model(ModelConfig(name_or_path=f"tiny:{family}", freeze_vision_tower=True), len(tok))
+    assert not any(q.requires_grad for q in frozen.model.vision_model.parameters())
+    assert all(q.requires_grad for q in frozen.model.connector.parameters())
+
+
+def test_grpo_serve_refuses_idefics3_in_one_line():
+    """vLLM takes images for Qwen2.5-VL only here: grpo-serve refuses tiny:idefics3 before any model loads, naming
+    the rollout that serves it."""
+    from grpo.errors import SetupError
+    from grpo.serve import vision
+
+    assert vision("tiny:qwen2_5_vl") and not vision("tiny:qwen2")
+    with pytest.raises(SetupError, match="grpo-serve takes images for qwen2_5_vl only .*tiny:idefics3.*; use "
+                                         "rollout.backend=hf for this model"):
+        vision("tiny:idefics3")
+
+
+def test_tiny_smolvlm_prompts_are_smolvlm_processors():
+    """tiny:smolvlm: each image's text is what SmolVLMProcessor writes for its rows and columns (its module's own
+    get_image_prompt_string; the processor itself wants a video processor), its pixels and masks its image
+    processor's."""
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    tok, proc = load_tokenizer("tiny:smolvlm"), load_image_processor("tiny:smolvlm")
+    images = [Image.new("RGB", (16, 40), "red"), Image.new("RGB", (32, 32), "blue")]
+    p = encode(_messages(2), images, tok, proc)
+    assert p.tiles.tolist() == [[2, 1], [2, 2]] and p.pixel_values.shape == (3 + 5, 3, 16, 16)
+    ref = proc(images=[images], return_tensors="pt")
+    assert torch.equal(p.pixel_values, ref["pixel_values"][0])
+    assert torch.equal(p.pixel_attention_mask, ref["pixel_attention_mask"][0])
+    text = "".join(get_image_prompt_string(r, c, proc.image_seq_len, "<fake_token_around_image>", "<image>",
+                                           "<global-img>") for r, c in p.tiles.tolist())
+    assert tok.decode(p.ids) == "user: " + text + "How many?\nassistant: "

@@ -4,7 +4,8 @@ grpo/engine/vision_logprobs.py (the update) and grpo/rollout/vision.py (the hf r
 family is served by its :class:`VisionFamily` entry in :data:`FAMILIES`, which says
 
 * ``tower``: the attribute of the model's core (``model.model``) holding its vision tower;
-* ``kinds_kwarg``: the name under which its own forward takes the token-kind mask (1 at image tokens);
+* ``kinds_kwarg``: the name under which its own forward takes the token-kind mask (1 at image tokens), or None for
+  a forward that takes none (Idefics3: its image tokens are text positions in a causal language model);
 * ``axes``: how many rotary position axes its language model takes (Qwen-VL's temporal, height, width: 3);
 * ``image_tokens(config, prompt)``: how many image tokens the prompt's images make;
 * ``image_inputs(prompts)``: the pixel arguments of its own forward for those prompts' images, in order;
@@ -13,7 +14,8 @@ family is served by its :class:`VisionFamily` entry in :data:`FAMILIES`, which s
 * ``positions(core, prompt, image_token_id)``: the prompt's rotary positions (axes, P), as its forward computes them;
 * ``bidirectional(ids, image_token_id)``: the spans ``[start, end)`` of the prompt whose tokens attend to each other
   both ways (Gemma 3: each image's run of image tokens); ``()`` for a family that is causal throughout. The
-  engine's layout carries them to every attention kernel (grpo/engine/layout.py's ``blocks``).
+  engine's layout carries them to every attention kernel (grpo/engine/layout.py's ``blocks``);
+* ``text``: the attribute of the core holding its language model (``language_model``; Idefics3's ``text_model``).
 """
 from __future__ import annotations
 
@@ -26,13 +28,14 @@ import torch
 @dataclass(frozen=True)
 class VisionFamily:
     tower: str
-    kinds_kwarg: str
+    kinds_kwarg: str | None
     axes: int
     image_tokens: Callable
     image_inputs: Callable
     features: Callable
     positions: Callable
     bidirectional: Callable = lambda ids, image_token_id: ()
+    text: str = "language_model"
 
 
 # --------------------------------------------------------------------------------------------- Qwen-VL
@@ -85,7 +88,7 @@ def _gemma3_features(core, prompts):
     return out.pooler_output.flatten(0, 1), None
 
 
-def _gemma3_positions(core, prompt, image_token_id: int) -> torch.Tensor:
+def text_positions(core, prompt, image_token_id: int) -> torch.Tensor:
     return torch.arange(len(prompt.ids))[None, :]  # 1-D: image tokens are positions like any other
 
 
@@ -103,14 +106,58 @@ def image_runs(ids, image_token_id: int) -> list[tuple[int, int]]:
 
 
 _GEMMA3 = VisionFamily(tower="vision_tower", kinds_kwarg="token_type_ids", axes=1, image_tokens=_gemma3_image_tokens,
-                       image_inputs=_gemma3_image_inputs, features=_gemma3_features, positions=_gemma3_positions,
+                       image_inputs=_gemma3_image_inputs, features=_gemma3_features, positions=text_positions,
                        bidirectional=image_runs)
+
+
+# --------------------------------------------------------------------------------------------- Idefics3, SmolVLM2
+def _idefics3_image_tokens(config, prompt) -> int:
+    """Every tile (and global image) is the connector's pixel shuffle of its patches: (H/p)(W/p) / scale^2 tokens."""
+    if prompt.n_images == 0:
+        return 0
+    tiles, _, height, width = prompt.pixel_values.shape
+    patch = config.vision_config.patch_size
+    return tiles * (height // patch) * (width // patch) // config.scale_factor ** 2
+
+
+def pad_tiles(prompts) -> dict:
+    """The prompts' tiles as one batch of the image processor: ``pixel_values`` (prompts, most tiles, C, H, W) and
+    ``pixel_attention_mask`` (prompts, most tiles, H, W), each prompt's tiles first, then zero tiles with a zero mask
+    (which the model drops as padding), each tile padded with zeros at the bottom and right to the largest."""
+    n = max(len(p.pixel_values) for p in prompts)
+    c, h, w = (max(p.pixel_values.shape[d] for p in prompts) for d in (1, 2, 3))
+    pixels = prompts[0].pixel_values.new_zeros(len(prompts), n, c, h, w)
+    mask = prompts[0].pixel_attention_mask.new_zeros(len(prompts), n, h, w)
+    for b, p in enumerate(prompts):
+        t, _, ph, pw = p.pixel_values.shape
+        pixels[b, :t, :, :ph, :pw] = p.pixel_values
+        mask[b, :t, :ph, :pw] = p.pixel_attention_mask
+    return {"pixel_values": pixels, "pixel_attention_mask": mask}
+
+
+def _idefics3_features(core, prompts):
+    """The tower on every tile of the prompts (one call, padding tiles dropped by the model), pixel-shuffled and
+    projected by the connector."""
+    device = core.get_input_embeddings().weight.device
+    inputs = {k: v.to(device) for k, v in pad_tiles(prompts).items()}
+    out = core.get_image_features(inputs["pixel_values"], inputs["pixel_attention_mask"], return_dict=True)
+    return torch.cat(out.pooler_output), None
+
+
+_IDEFICS3 = VisionFamily(tower="vision_model", kinds_kwarg=None, axes=1, image_tokens=_idefics3_image_tokens,
+                         image_inputs=pad_tiles, features=_idefics3_features, positions=text_positions,
+                         text="text_model")
 
 # model_type -> its entry: the families served (grpo.token_logprobs hands them to grpo/engine/vision_logprobs.py)
 FAMILIES: dict[str, VisionFamily] = {"qwen2_5_vl": _QWEN, "qwen2_vl": _QWEN, "qwen3_vl": _QWEN, "qwen3_vl_moe": _QWEN,
-                                     "qwen3_5": _QWEN, "gemma3": _GEMMA3}
+                                     "qwen3_5": _QWEN, "gemma3": _GEMMA3, "idefics3": _IDEFICS3, "smolvlm": _IDEFICS3}
 
 
 def family_of(model) -> VisionFamily:
     """The entry of ``model`` (a vision-language model or its core: both carry the family's config)."""
     return FAMILIES[model.config.model_type]
+
+
+def language_model(core):
+    """The language model of a vision-language model's core (``model.model``)."""
+    return getattr(core, family_of(core).text)

@@ -1,4 +1,5 @@
-"""``vision_token_logprobs``: per-token log-probs of GRPO completions whose prompts hold images (Qwen-VL, Gemma 3).
+"""``vision_token_logprobs``: per-token log-probs of GRPO completions whose prompts hold images (Qwen-VL, Gemma 3,
+Idefics3).
 
 The shared layout (the default) packs a micro-batch as the text engine does (grpo/engine/layout.py)::
 
@@ -6,11 +7,12 @@ The shared layout (the default) packs a micro-batch as the text engine does (grp
 
 and computes, in order:
 
-1. the vision tower once per prompt, all images of the micro-batch in one call (not G times per prompt);
+1. the vision tower once per prompt, all images of the micro-batch in one call (not G times per prompt; Idefics3:
+   every tile and global image of the micro-batch, padded into one batch as its image processor pads one);
 2. the row's input embeddings: token embeddings, with the image features scattered into the image tokens of the
    prompts (never into a completion: a sampled image token stays a text embedding there);
 3. the rotary positions: each prompt's as the model computes them (Qwen-VL's 3-D temporal, height, width from its
-   ``get_rope_index``; Gemma 3's 0..P-1), and for every completion ``R_i`` text positions restarting at
+   ``get_rope_index``; Gemma 3's and Idefics3's 0..P-1), and for every completion ``R_i`` text positions restarting at
    ``max(prompt positions) + 1``, the position the per-sequence forward gives its first token (equal in every axis,
    as for any text token);
 4. the language model on that row with the shared-prefix attention (every completion sees its prompt and itself;
@@ -32,7 +34,7 @@ from grpo.engine.micro_batches import plan_micro_batches, scatter
 from grpo.engine.patch import check_every_layer, placeholder_mask, shared_prefix_unsupported, switched_attention
 from grpo.engine.prefix_attention import LAYOUT_KWARG
 from grpo.engine.unwrap import unwrap_model
-from grpo.engine.vision_families import FAMILIES, family_of
+from grpo.engine.vision_families import FAMILIES, family_of, language_model
 from grpo.vision.images import ImagePrompt
 from grpo.vision.models import image_side_params
 
@@ -42,8 +44,6 @@ __all__ = ["vision_token_logprobs", "VISION_FAMILIES"]
 VISION_FAMILIES = tuple(FAMILIES)
 # vision-language families of transformers not served (yet), and why: refused in one line, not computed inexactly
 NOT_SERVED = {
-    "idefics3": "its images are split into tiles with pixel masks, which image prompts (Qwen's patches) do not carry",
-    "smolvlm": "its images are split into tiles with pixel masks, which image prompts (Qwen's patches) do not carry",
     "lfm2_vl": "its NaViT tower takes pixel masks and spatial shapes, which image prompts (Qwen's patches) lack",
 }
 
@@ -63,7 +63,7 @@ def vision_token_logprobs(model, prompts, completion_ids, *, shared_prefix: bool
     core = _check(vlm, prompts, completion_ids, temperature)
     comps = [[[int(t) for t in r] for r in cs] for cs in completion_ids]
     if shared_prefix:
-        reason = shared_prefix_unsupported(core.language_model, 1)
+        reason = shared_prefix_unsupported(language_model(core), 1)
         if reason is not None:
             raise ValueError(f"the shared layout cannot serve this model's language model ({reason}); "
                              "call with shared_prefix=False")
@@ -120,7 +120,7 @@ def _forward_shared(vlm, core, prompts, comps, temperature, want_entropy):
     device = _device(vlm)
     if not any(len(r) for cs in comps for r in cs):
         return torch.zeros(0, device=device), torch.zeros(0, device=device)
-    text = core.language_model
+    text = language_model(core)
     image_id = vlm.config.image_token_id
     layout = build_layout([p.ids for p in prompts], comps, device,
                           bidirectional=[family_of(vlm).bidirectional(p.ids, image_id) for p in prompts])
@@ -186,7 +186,8 @@ def completion_positions(start: int, n: int, axes: int = 3) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------- standard layout
 def _forward_standard(vlm, core, prompts, comps, temperature, want_entropy):
-    """Right-padded rows [P; R_i], each with its own copy of its prompt's pixels, through the model's own forward."""
+    """Right-padded rows [P; R_i], each with its own copy of its prompt's pixels, through the model's own forward
+    (Idefics3: the rows' tiles padded into one batch with zero tiles, as its image processor pads a batch)."""
     device = _device(vlm)
     family = family_of(vlm)
     rows = [(p, r) for p, cs in zip(prompts, comps) for r in cs if len(r)]
@@ -205,9 +206,9 @@ def _forward_standard(vlm, core, prompts, comps, temperature, want_entropy):
         targets.extend(r)
     with_images = [p for p, _ in rows if p.n_images]
     images = {k: v.to(device) for k, v in family.image_inputs(with_images).items()} if with_images else {}
-    out = core(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False,
-               **{family.kinds_kwarg: kinds.to(device)}, **images)
+    kinds = {family.kinds_kwarg: kinds.to(device)} if family.kinds_kwarg else {}
+    out = core(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False, **kinds, **images)
     hidden = out.last_hidden_state
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, torch.tensor(pred, device=device))
     tgt = torch.tensor(targets, dtype=torch.long, device=device)
-    return head_logprobs(h, vlm.get_output_embeddings(), core.language_model.config, tgt, temperature, want_entropy)
+    return head_logprobs(h, vlm.get_output_embeddings(), language_model(core).config, tgt, temperature, want_entropy)

@@ -1,4 +1,5 @@
-"""Rollout for prompts with images (Qwen-VL, Gemma 3): each prompt's images and text prefilled once, G samples decoded.
+"""Rollout for prompts with images (Qwen-VL, Gemma 3, Idefics3): each prompt's images and text prefilled once, G
+samples decoded.
 
 For every group, in order:
 
@@ -56,7 +57,8 @@ def _group(vlm, prompt, G, sampling, eos, gen):
     ids = torch.tensor([prompt.ids], device=device)
     images = {k: v.to(device) for k, v in family.image_inputs([prompt]).items()} if prompt.n_images else {}
     image_id = vlm.config.image_token_id
-    out = vlm(input_ids=ids, **{family.kinds_kwarg: (ids == image_id).int()}, use_cache=True, **images)  # step 1
+    kinds = {family.kinds_kwarg: (ids == image_id).int()} if family.kinds_kwarg else {}
+    out = vlm(input_ids=ids, **kinds, use_cache=True, **images)  # step 1
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
     cache.reorder_cache(torch.zeros(G, dtype=torch.long, device=device))  # step 2: every layer kind, recurrent too
     logits = out.logits[:, -1].float().expand(G, -1)

@@ -1,5 +1,5 @@
-"""``tiny:qwen2_5_vl``, ``tiny:qwen2_vl``, ``tiny:qwen3_vl``, ``tiny:qwen3_vl_moe``, ``tiny:qwen3_5``, ``tiny:gemma3``:
-tiny random vision-language models and their processor, with no download.
+"""``tiny:qwen2_5_vl``, ``tiny:qwen2_vl``, ``tiny:qwen3_vl``, ``tiny:qwen3_vl_moe``, ``tiny:qwen3_5``, ``tiny:gemma3``,
+``tiny:idefics3``, ``tiny:smolvlm``: tiny random vision-language models and their processor, with no download.
 
 The language model has the shapes of ``tiny:qwen2`` (grpo/models.py: hidden 64, 2 layers, 4 heads) with
 3-D multimodal rotary positions (``mrope_section`` [2, 3, 3] of the 8 rotary frequencies, interleaved for Qwen3-VL
@@ -16,6 +16,15 @@ global one with its own linearly scaled rotary base, as Gemma 3's 4B and larger)
 images in 4x4 patches, pooled 2x2 by the multi-modal projector into 16 image tokens (its projection seeded, not
 Gemma's zeros, so images matter), Gemma 3's image tokens (``<start_of_image>``, ``<image_soft_token>``,
 ``<end_of_image>``) and Gemma 3's image processor at 32x32 (pan-and-scan off).
+
+``tiny:idefics3`` (Idefics3ForConditionalGeneration, the SmolVLM architecture): the same widths in Llama's form (the
+language model Idefics3 builds by default), a 2-block SigLIP-style tower on 16x16 tiles in 4x4 patches, the
+connector's pixel shuffle with scale factor 2 (a tile is 4 image tokens), Idefics3's tokens
+(``<fake_token_around_image>``, ``<image>``, ``<global-img>``, ``<row_i_col_j>``, ``<end_of_utterance>``) and its
+image processor with image splitting on: a picture is resized to 32 pixels on its longest edge, then to whole tiles,
+and split into its rows x columns of 16x16 tiles plus the global image (a square picture 2x2 + 1 = 5 tiles, 20
+image tokens; a 40x16 one 1x2 + 1 = 3). ``tiny:smolvlm`` is the same in SmolVLM2's classes
+(SmolVLMForConditionalGeneration and its image processor), whose architecture is Idefics3's.
 """
 from __future__ import annotations
 
@@ -26,7 +35,13 @@ from grpo.tiny_models import HYBRID_FAMILIES
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 GEMMA3_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
-TINY_VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "gemma3")
+# Idefics3Processor's tokens: around each tile, the image token, the global image's tag, the tiles' row/column tags
+IDEFICS3_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
+                   *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)))
+TINY_VLM_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "gemma3", "idefics3", "smolvlm")
+# Idefics3 and SmolVLM2 (model type smolvlm: the same architecture in classes of its own): config, model, processor
+_TILED = {"idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration", "idefics3", "Idefics3ImageProcessorPil"),
+          "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", "smolvlm", "SmolVLMImageProcessorPil")}
 
 
 def _template(image: str) -> str:
@@ -43,6 +58,11 @@ CHAT_TEMPLATE = _template("<|vision_start|><|image_pad|><|vision_end|>")
 # Gemma 3: <start_of_image>, expanded into "\n\n<start_of_image>", the image tokens, "<end_of_image>\n\n"
 GEMMA3_CHAT_TEMPLATE = _template("<start_of_image>")
 GEMMA3_IMAGE = dict(image_size=32, patch_size=4, mm_tokens_per_image=16)
+# Idefics3: the image part renders <image>, which the processor expands into the tiles' tokens and the global image's
+IDEFICS3_CHAT_TEMPLATE = _template("<image>")
+# a picture resized to 32 on its longest edge, split into 16x16 tiles (the tower's image size) + the global image;
+# 4x4 patches shuffled 2x2 into 4 image tokens a tile
+IDEFICS3_IMAGE = dict(longest_edge=32, tile=16, patch_size=4, scale_factor=2)
 
 _PATCHES = dict(patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
 # family -> (config class, model class, vision config kwargs; the tower's output width is the language model's)
@@ -72,18 +92,32 @@ _HYBRID_TEXT = {"qwen3_5": "qwen3_5_text"}
 
 
 def with_vision_tokens(tok, family: str = "qwen2_5_vl"):
-    """``tok`` (grpo/models.py's character tokenizer) with the family's vision tokens and chat template (Qwen's, or
-    Gemma 3's)."""
-    gemma = family == "gemma3"
-    tok.add_special_tokens({"additional_special_tokens": list(GEMMA3_TOKENS if gemma else VISION_TOKENS)})
-    tok.chat_template = GEMMA3_CHAT_TEMPLATE if gemma else CHAT_TEMPLATE
+    """``tok`` (grpo/models.py's character tokenizer) with the family's vision tokens and chat template (Qwen's,
+    Gemma 3's or Idefics3's)."""
+    forms = {"gemma3": (GEMMA3_TOKENS, GEMMA3_CHAT_TEMPLATE),
+             **dict.fromkeys(_TILED, (IDEFICS3_TOKENS, IDEFICS3_CHAT_TEMPLATE))}
+    tokens, template = forms.get(family, (VISION_TOKENS, CHAT_TEMPLATE))
+    tok.add_special_tokens({"additional_special_tokens": list(tokens)})
+    tok.chat_template = template
     return tok
 
 
 def image_processor(family: str = "qwen2_5_vl", min_pixels: int = 16 * 16, max_pixels: int = 64 * 64):
     """The family's image processor (a PIL one: no torchvision needed) at the tiny tower's sizes. Qwen2-VL's
     resizes an image to a multiple of 8 pixels a side with between ``min_pixels`` and ``max_pixels`` pixels;
-    Gemma 3's to 32x32, with ``image_seq_length`` (Gemma3Processor's: the image tokens per image) set."""
+    Gemma 3's to 32x32, with ``image_seq_length`` (Gemma3Processor's: the image tokens per image) set; Idefics3's
+    splits a picture into 16x16 tiles and the global image, with ``image_seq_len`` (Idefics3Processor's: the image
+    tokens per tile) set."""
+    if family in _TILED:
+        import importlib
+
+        _, _, module, cls = _TILED[family]
+        pil = getattr(importlib.import_module(f"transformers.models.{module}.image_processing_pil_{module}"), cls)
+        v = IDEFICS3_IMAGE
+        proc = pil(size={"longest_edge": v["longest_edge"]}, max_image_size={"longest_edge": v["tile"]},
+                   do_image_splitting=True)
+        proc.image_seq_len = (v["tile"] // v["patch_size"]) ** 2 // v["scale_factor"] ** 2
+        return proc
     if family == "gemma3":
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -110,6 +144,8 @@ def tiny_vlm(family: str, tokenizer, text: dict, seed: int = 0):
                          + ", ".join(TINY_VLM_FAMILIES))
     if family == "gemma3":
         return _tiny_gemma3(tokenizer, text, seed)
+    if family in _TILED:
+        return _tiny_tiled(family, tokenizer, text, seed)
     ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(t)
            for name, t in zip(("vision_start", "image", "vision_end", "video"), VISION_TOKENS)}
     text = dict(text)
@@ -164,11 +200,34 @@ def _tiny_gemma3(tokenizer, text: dict, seed: int):
                          f"{str(e).strip().splitlines()[0][:200]}") from None
 
 
-TOWERS = ("visual", "vision_tower")  # the core's attribute holding the vision tower: Qwen-VL's, Gemma 3's
+def _tiny_tiled(family: str, tokenizer, text: dict, seed: int):
+    """Idefics3ForConditionalGeneration (or SmolVLM2's same architecture) with a Llama language model ``text`` (see
+    the module doc)."""
+    import transformers
+
+    config_cls, model_cls, _, _ = _TILED[family]
+    v = IDEFICS3_IMAGE
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=v["tile"], patch_size=v["patch_size"])
+    try:
+        config = getattr(transformers, config_cls)(text_config={"model_type": "llama", **text}, vision_config=vision,
+                                                   scale_factor=v["scale_factor"], tie_word_embeddings=False,
+                                                   image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            return getattr(transformers, model_cls)(config)
+    except (ValueError, TypeError) as e:
+        raise ModelError(f"model.tiny={text} does not make a valid {family} model: "
+                         f"{str(e).strip().splitlines()[0][:200]}") from None
+
+
+# the core's attribute holding the vision tower: Qwen-VL's, Gemma 3's, Idefics3's
+TOWERS = ("visual", "vision_tower", "vision_model")
 
 
 def vision_tower(model):
-    """The vision tower of a vision-language model (``model.model.visual`` / ``.vision_tower``), or None."""
+    """The vision tower of a vision-language model (``model.model.visual`` / ``.vision_tower`` / ``.vision_model``),
+    or None."""
     core = getattr(model, "model", None)
     return next((getattr(core, a) for a in TOWERS if getattr(core, a, None) is not None), None)
 

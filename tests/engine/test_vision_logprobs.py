@@ -2,7 +2,7 @@
 gradients (vision tower included, trainable or frozen; LoRA on the language model) equal the model's own
 per-sequence forward, in the shared layout (each prompt's images encoded once) and the standard one; planted bugs
 (completion positions not restarting, 1-D positions, image features at per-row slots, deepstack dropped, Gemma 3's
-image block made causal) fail."""
+image block made causal, Idefics3's image tokens made bidirectional or its tiles' pixel masks misplaced) fail."""
 import dataclasses
 import random
 
@@ -22,6 +22,7 @@ ATOL_LP, ATOL_GRAD = 2e-5, 5e-5
 
 
 FAMILIES = vl.VISION_FAMILIES
+TILED = ("idefics3", "smolvlm")  # pictures split into tiles (SmolVLM2's classes are Idefics3's architecture)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -41,9 +42,12 @@ def _build(family):
     def user(n_images, text):
         return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
 
-    prompts = [  # ragged: one image, two images of other sizes, none
+    last = picture(40)
+    if family in TILED:  # a wide picture: its tiles are 1x2, not 2x2 as a square one's
+        last = last.crop((0, 12, 40, 28))
+    prompts = [  # ragged: one image, two images of other sizes (Idefics3: 5 tiles, then 5 and 3), none
         encode(user(1, "How many?"), [picture(32)], tok, proc),
-        encode(user(2, "Count them"), [picture(24), picture(40)], tok, proc),
+        encode(user(2, "Count them"), [picture(24), last], tok, proc),
         encode([{"role": "user", "content": "no picture"}], [], tok, proc),
     ]
     return model, prompts
@@ -57,8 +61,11 @@ def _completions(sizes, seed=0):
 def _model_inputs(model, p, ids):
     """What the family's own forward takes beside the ids, as its transformers processor returns it: Qwen-VL's
     ``mm_token_type_ids``, pixels and grids; Gemma 3's ``token_type_ids`` (its bidirectional image blocks) and
-    pixels."""
+    pixels; Idefics3's tiles and their pixel mask, a batch of one prompt."""
     kinds = (ids == model.config.image_token_id).long()
+    if model.config.model_type in TILED:
+        return {} if not p.n_images else {"pixel_values": p.pixel_values[None],
+                                          "pixel_attention_mask": p.pixel_attention_mask[None]}
     if model.config.model_type == "gemma3":
         return {"token_type_ids": kinds, **({"pixel_values": p.pixel_values} if p.n_images else {})}
     images = {} if not p.n_images else {"pixel_values": p.pixel_values, "image_grid_thw": p.image_grid_thw}
@@ -214,7 +221,7 @@ def _per_row_slots(layout, prompts, image_token_id):
 def test_a_wrong_position_restart_is_caught(setup, monkeypatch, bug):
     model, prompts = setup
     if bug is _one_dimensional and vf.family_of(model).axes == 1:
-        pytest.skip("1-D rotary positions are this family's own (Gemma 3)")
+        pytest.skip("1-D rotary positions are this family's own (Gemma 3, Idefics3, SmolVLM2)")
     comps = _completions((3, 2, 3))
     with torch.no_grad():
         ref = _reference(model, prompts, comps)
@@ -230,11 +237,13 @@ def test_a_wrong_position_restart_is_caught(setup, monkeypatch, bug):
 
 def test_bad_inputs_say_what_is_wrong(setup):
     model, prompts = setup
-    image = model.config.image_token_id
-    fewer = [t for i, t in enumerate(prompts[0].ids) if t != image or i % 2]  # some image tokens dropped
-    broken = type(prompts[0])(fewer, pixel_values=prompts[0].pixel_values,
-                              image_grid_thw=prompts[0].image_grid_thw)
-    with pytest.raises(ValueError, match="the prompt has 8 image tokens but its images make 16"):
+    image, p = model.config.image_token_id, prompts[0]
+    fewer = [t for i, t in enumerate(p.ids) if t != image or i % 2]  # some image tokens dropped
+    broken = type(p)(fewer, pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw,
+                     pixel_attention_mask=p.pixel_attention_mask, tiles=p.tiles)
+    n, expected = fewer.count(image), p.ids.count(image)
+    assert 0 < n < expected and expected == (20 if model.config.model_type in TILED else 16)
+    with pytest.raises(ValueError, match=f"the prompt has {n} image tokens but its images make {expected}"):
         vision_token_logprobs(model, [broken], [[[5]]])
     with pytest.raises(ValueError, match="1 prompts but 2 completion groups"):
         vision_token_logprobs(model, prompts[:1], [[[5]], [[6]]])
@@ -247,12 +256,12 @@ def test_bad_inputs_say_what_is_wrong(setup):
 
 def test_a_family_the_engine_cannot_serve_exactly_is_refused_in_one_line(setup):
     model, prompts = setup
-    model.config.model_type = "idefics3"  # what the check reads: the family's name
+    model.config.model_type = "lfm2_vl"  # what the check reads: the family's name
     try:
-        with pytest.raises(ValueError, match="idefics3 is not served: its images are split into tiles with pixel "
-                                             f"masks.*; served: {', '.join(FAMILIES)}$"):
+        with pytest.raises(ValueError, match="lfm2_vl is not served: its NaViT tower takes pixel masks and spatial "
+                                             f"shapes.*; served: {', '.join(FAMILIES)}$"):
             vision_token_logprobs(model, prompts[:1], [[[5]]])
-        with pytest.raises(ValueError, match="idefics3 is not served"):  # the trainer's entry point refuses it too
+        with pytest.raises(ValueError, match="lfm2_vl is not served"):  # the trainer's entry point refuses it too
             token_logprobs(model, prompts[:1], [[[5]]])
     finally:
         model.config.model_type = type(model.config).model_type
@@ -296,3 +305,58 @@ def test_gemma3_image_blocks_are_bidirectional_exactly(monkeypatch, bug):
         assert _max_diff(vision_token_logprobs(model, prompts, comps), ref) < ATOL_LP
         monkeypatch.setitem(vf.FAMILIES, "gemma3", dataclasses.replace(vf.FAMILIES["gemma3"], bidirectional=bug))
         assert _max_diff(vision_token_logprobs(model, prompts, comps), ref) > 1e-3
+
+
+def test_idefics3_image_tokens_are_causal():
+    """Idefics3's language model is causal throughout (no token kinds reach its forward): image tokens made to attend
+    to each other both ways, as Gemma 3's do, give other log-probs than its own forward."""
+    model, prompts = _build("idefics3")
+    comps = _completions((2, 1, 2))
+    with torch.no_grad():
+        ref = _reference(model, prompts, comps)
+        assert _max_diff(vision_token_logprobs(model, prompts, comps), ref) < ATOL_LP
+    bidirectional = dataclasses.replace(vf.FAMILIES["idefics3"], bidirectional=vf.image_runs)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setitem(vf.FAMILIES, "idefics3", bidirectional)
+        assert _max_diff(vision_token_logprobs(model, prompts, comps), ref) > 10 * ATOL_LP  # ~5e-4: a random tower
+
+
+def _masks_first(prompts):
+    """Planted bug: the padding's zero masks put before a prompt's own (its last real tiles read as padding)."""
+    out = vf.pad_tiles(prompts)
+    mask = out["pixel_attention_mask"]
+    for b, p in enumerate(prompts):
+        mask[b] = mask[b].roll(mask.shape[1] - len(p.pixel_values), dims=0)
+    return out
+
+
+def _no_mask(prompts):
+    """Planted bug: every tile's pixel mask all zeros, as a mask lost on its way to the tower would read."""
+    out = vf.pad_tiles(prompts)
+    return {**out, "pixel_attention_mask": torch.zeros_like(out["pixel_attention_mask"])}
+
+
+@pytest.mark.parametrize("bug", [_masks_first, _no_mask])
+@pytest.mark.parametrize("shared", [True, False])
+def test_idefics3_tiles_with_a_wrong_pixel_mask_are_caught(monkeypatch, bug, shared):
+    """The micro-batch's tiles go to the tower padded into one batch (5 and 10 tiles here), each prompt's pixel mask
+    with its tiles: masks misplaced onto other tiles, or lost, change the features (every layout)."""
+    model, prompts = _build("idefics3")
+    assert [p.tiles.tolist() if p.tiles is not None else None for p in prompts] == [[[2, 2]], [[2, 2], [1, 2]], None]
+    comps = _completions((2, 1, 2))
+    with torch.no_grad():
+        ref = _reference(model, prompts, comps)
+        assert _max_diff(vision_token_logprobs(model, prompts, comps, shared_prefix=shared), ref) < ATOL_LP
+        monkeypatch.setitem(vf.FAMILIES, "idefics3", dataclasses.replace(
+            vf.FAMILIES["idefics3"], image_inputs=bug, features=_features_through(bug)))
+        diff = _max_diff(vision_token_logprobs(model, prompts, comps, shared_prefix=shared), ref)
+        assert not diff < 1e-3  # (a tile with no valid pixel may make NaN)
+
+
+def _features_through(pad):
+    """Idefics3's shared-layout features with the tiles padded by ``pad``."""
+    def features(core, prompts):
+        inputs = pad(prompts)
+        out = core.get_image_features(inputs["pixel_values"], inputs["pixel_attention_mask"], return_dict=True)
+        return torch.cat(out.pooler_output), None
+    return features

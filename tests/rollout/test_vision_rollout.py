@@ -1,6 +1,7 @@
 """generate_with_images on every served family: each prompt prefilled once with its images, G rows decoded from
 the forked cache at the right positions: its log-probs are the trainer's, its greedy tokens and first logits HF
-generate's (Gemma 3: with its bidirectional image blocks, which a prefill without token_type_ids loses)."""
+generate's (Gemma 3: with its bidirectional image blocks, which a prefill without token_type_ids loses; Idefics3:
+its tiles and their pixel mask, no token kinds)."""
 import dataclasses
 
 import pytest
@@ -54,7 +55,9 @@ def _generate(model, p, max_new_tokens):
     """HF ``generate`` (greedy) with the inputs the family's transformers processor returns."""
     ids = torch.tensor([p.ids])
     kinds = (ids == model.config.image_token_id).long()
-    if model.config.model_type == "gemma3":
+    if model.config.model_type in ("idefics3", "smolvlm"):  # a batch of one prompt: its tiles and their pixel mask
+        inputs = {"pixel_values": p.pixel_values[None], "pixel_attention_mask": p.pixel_attention_mask[None]}
+    elif model.config.model_type == "gemma3":
         inputs = {"pixel_values": p.pixel_values, "token_type_ids": kinds}
     else:
         inputs = {"pixel_values": p.pixel_values, "image_grid_thw": p.image_grid_thw, "mm_token_type_ids": kinds.int()}
@@ -87,8 +90,8 @@ def test_greedy_matches_hf_generate_and_eos_stops(setup):
 
 
 def _one_position_per_image(core, p, image_id):
-    """Planted bug for 1-D families (Gemma 3): an image counted as one position (its tokens collapsed, as a
-    placeholder is before the processor expands it), so decoding starts too early."""
+    """Planted bug for 1-D families (Gemma 3, Idefics3, SmolVLM2): an image counted as one position (its tokens
+    collapsed, as a placeholder is before the processor expands it), so decoding starts too early."""
     n = sum(1 for t in p.ids if t != image_id) + p.n_images
     return torch.arange(n)[None]
 
