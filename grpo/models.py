@@ -229,10 +229,16 @@ def load_tokenizer(name_or_path: str):
         family = name_or_path.split(":", 1)[1]
         return with_vision_tokens(char_tokenizer(), family) if family in TINY_VLM_FAMILIES else char_tokenizer()
     from transformers import AutoTokenizer
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     path = resolve_path(name_or_path)
+    # a folder whose tokenizer.json is the whole tokenizer (what transformers writes for one built from a tokenizers
+    # object, e.g. a tiny model's final/): loaded as it is; AutoTokenizer would substitute its registered class for
+    # some model types (qwen2, qwen3_5), which rebuilds the pre-tokenizer
+    declared = (vlm_checkpoint.read_json(path, "tokenizer_config.json") or {}).get("tokenizer_class")
+    loader = TokenizersBackend if declared == "TokenizersBackend" else AutoTokenizer
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = loader.from_pretrained(path)
     except Exception as e:  # OSError, ValueError, ... — all mean "no usable tokenizer here"
         raise ModelError(f"model.name_or_path={name_or_path!r}: no tokenizer could be loaded "
                          f"({_first_line(e)})") from None

@@ -23,18 +23,26 @@ from grpo.errors import ModelError
 def read_config(name_or_path: str) -> dict | None:
     """``config.json`` of a local directory or a hub id (from the hub cache or the hub), or None when there is none to
     read (the loader then says why)."""
+    return read_json(name_or_path, "config.json")
+
+
+def read_json(name_or_path: str, filename: str) -> dict | None:
+    """The JSON file ``filename`` of a local directory or a hub id, or None when it has none (or cannot be reached)."""
+    file = _file(name_or_path, filename)
+    return json.loads(Path(file).read_text()) if file else None
+
+
+def _file(name_or_path: str, filename: str) -> str | None:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        file = path / "config.json"
-        return json.loads(file.read_text()) if file.is_file() else None
+        return str(path / filename) if (path / filename).is_file() else None
     try:
         from transformers.utils import cached_file
 
-        file = cached_file(name_or_path, "config.json", _raise_exceptions_for_missing_entries=False,
+        return cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False,
                            _raise_exceptions_for_connection_errors=False)
     except Exception:  # not a hub id, gated, offline: the loader reports it
         return None
-    return json.loads(Path(file).read_text()) if file else None
 
 
 def served_families() -> tuple[str, ...]:
@@ -85,14 +93,8 @@ def load_vlm(path: str, name: str, dtype, attn_implementation: str):
 def processor_chat_template(path: str) -> str | None:
     """The chat template of the checkpoint's processor: ``chat_template.jinja``, or the older ``chat_template.json``
     (``{"chat_template": ...}``); None when it has neither."""
-    from transformers.utils import cached_file
-
     for name in ("chat_template.jinja", "chat_template.json"):
-        try:
-            file = cached_file(path, name, _raise_exceptions_for_missing_entries=False,
-                               _raise_exceptions_for_connection_errors=False)
-        except Exception:
-            file = None
+        file = _file(path, name)
         if file:
             text = Path(file).read_text()
             return json.loads(text)["chat_template"] if name.endswith(".json") else text

@@ -1,0 +1,142 @@
+"""A checkpoint folder of every served vision-language family (``model.name_or_path=<dir>``, as a hub id resolves to
+one) loads as that family's model with its tokenizer, chat template and PIL image processor, and gives the same tokens,
+pixels and log-probs on an image prompt as the in-memory tiny model it was written from; other multimodal families are
+refused in one line before any weight loads; a text model's folder still loads as a causal LM."""
+import json
+import random
+
+import pytest
+import torch
+
+from grpo.config.schema import LoraConfig, ModelConfig
+from grpo.engine.vision_logprobs import VISION_FAMILIES
+from grpo.errors import ModelError
+from grpo.models import check_name, load_image_processor, load_model, load_reference, load_tokenizer, tiny_model
+from grpo.tasks.shapes import draw
+from grpo.vision.images import encode
+from grpo.vision.models import vision_tower
+from tests.helpers import own_image_logprobs, save_tiny_vlm
+
+
+def _prompts(tok, proc):
+    rng = random.Random(0)
+    pictures = [draw(rng, size, [("red", "square"), ("blue", "circle")]) for size in (32, 24, 40)]
+    two = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
+    one = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}]
+    return [encode(one, pictures[:1], tok, proc), encode(two, pictures[1:], tok, proc)]
+
+
+@pytest.fixture(scope="module", params=VISION_FAMILIES)
+def saved(request, tmp_path_factory):
+    family = request.param
+    return family, save_tiny_vlm(family, tmp_path_factory.mktemp(family) / "ckpt")
+
+
+def test_a_checkpoint_loads_as_its_family_with_the_same_tokens_pixels_and_logprobs(saved):
+    family, path = saved
+    name = f"tiny:{family}"
+    tok, proc = load_tokenizer(name), load_image_processor(name)
+    start = tiny_model(family, len(tok), seed=0).eval()
+    loaded_tok = load_tokenizer(str(path))
+    loaded_proc = load_image_processor(str(path), loaded_tok)
+    model = load_model(ModelConfig(name_or_path=str(path)), len(loaded_tok)).eval()
+    assert type(model) is type(start) and model.config.model_type == family  # ForConditionalGeneration, not causal
+    assert type(loaded_proc).__name__.endswith("Pil") and loaded_tok.chat_template == tok.chat_template
+    completion = [5, 17, 40, 9]
+    for mine, theirs in zip(_prompts(tok, proc), _prompts(loaded_tok, loaded_proc)):
+        assert mine.ids == theirs.ids and mine.n_images == theirs.n_images
+        assert torch.equal(mine.pixel_values, theirs.pixel_values)
+        a, b = own_image_logprobs(start, mine, completion), own_image_logprobs(model, theirs, completion)
+        assert (a - b).abs().max().item() < 1e-6
+    # the image token the prompts carry is the one the model reads image features into
+    assert sum(t == model.config.image_token_id for t in _prompts(loaded_tok, loaded_proc)[0].ids) > 0
+
+
+def test_a_checkpoint_trains_as_a_tiny_one(saved):
+    """gradient checkpointing, a frozen tower, LoRA on the language model (the tower excluded), the reference."""
+    family, path = saved
+    tok = load_tokenizer(str(path))
+    frozen = load_model(ModelConfig(name_or_path=str(path), gradient_checkpointing=True, freeze_vision_tower=True),
+                        len(tok))
+    tower = vision_tower(frozen)
+    assert tower is not None and not any(p.requires_grad for p in tower.parameters())
+    assert frozen.is_gradient_checkpointing and frozen.dtype == torch.float32
+    lora = load_model(ModelConfig(name_or_path=str(path), lora=LoraConfig(enabled=True)), len(tok))
+    adapted = [n for n, p in lora.named_parameters() if p.requires_grad]
+    assert adapted and all("lora_" in n and ".language_model." in n for n in adapted)
+    cfg = ModelConfig(name_or_path=str(path))
+    policy = load_model(cfg, len(tok))
+    ref = load_reference(cfg, policy, len(tok))
+    assert not any(p.requires_grad for p in ref.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), ref.state_dict().values()))
+
+
+def test_a_checkpoint_loads_in_the_requested_dtype(tmp_path):
+    path = save_tiny_vlm("qwen2_5_vl", tmp_path / "ckpt")
+    model = load_model(ModelConfig(name_or_path=str(path), dtype="bfloat16", attn_implementation="eager"), 104)
+    assert model.dtype == torch.bfloat16 and model.config._attn_implementation == "eager"
+
+
+def _edit(path, name, **changes):
+    data = json.loads((path / name).read_text())
+    data.update(changes)
+    (path / name).write_text(json.dumps(data))
+
+
+def test_an_image_processor_that_does_not_fit_the_tower_is_refused_in_one_line(tmp_path):
+    path = save_tiny_vlm("qwen2_5_vl", tmp_path / "ckpt")
+    _edit(path, "preprocessor_config.json", patch_size=14)
+    with pytest.raises(ModelError, match=r"patch_size=14 but the vision tower .* takes 4$"):
+        load_image_processor(str(path))
+
+
+def test_a_tokenizer_whose_image_token_is_not_the_configs_is_refused(tmp_path):
+    path = save_tiny_vlm("gemma3", tmp_path / "ckpt")
+    _edit(path, "config.json", image_token_index=3, image_token_id=3)
+    with pytest.raises(ModelError, match=r"<image_soft_token> is id \d+ but config.json's image_token_id is 3"):
+        load_image_processor(str(path), load_tokenizer(str(path)))
+
+
+def test_gemma3_takes_its_image_tokens_per_image_from_the_config(tmp_path):
+    """Gemma 3's hub folders keep image_seq_length in processor_config.json, not preprocessor_config.json: the count
+    the prompt expands to is the config's mm_tokens_per_image, the one the engine checks."""
+    path = save_tiny_vlm("gemma3", tmp_path / "ckpt")
+    data = json.loads((path / "preprocessor_config.json").read_text())
+    del data["image_seq_length"]
+    (path / "preprocessor_config.json").write_text(json.dumps(data))
+    assert load_image_processor(str(path)).image_seq_length == 16
+
+
+def test_a_processor_chat_template_serves_a_tokenizer_without_one(tmp_path):
+    """A hub folder whose template is the processor's (chat_template.json) and not the tokenizer's."""
+    path = save_tiny_vlm("qwen2_5_vl", tmp_path / "ckpt")
+    template = (path / "chat_template.jinja").read_text()
+    (path / "chat_template.jinja").unlink()
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    assert load_tokenizer(str(path)).chat_template == template
+
+
+@pytest.mark.parametrize("family", ["llava", "idefics3", "lfm2_vl"])
+def test_an_unserved_multimodal_family_is_refused_in_one_line_before_it_loads(tmp_path, family):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(family).save_pretrained(tmp_path)  # a config and no weights: refused before any load
+    for call in (lambda: check_name(str(tmp_path)), lambda: load_model(ModelConfig(name_or_path=str(tmp_path)), 10)):
+        with pytest.raises(ModelError) as e:
+            call()
+        line = str(e.value)
+        assert "\n" not in line and f"is a {family} vision-language model" in line
+        assert line.endswith("served: " + ", ".join(VISION_FAMILIES))
+
+
+def test_a_text_model_folder_still_loads_as_a_causal_lm(tmp_path):
+    from grpo.models import char_tokenizer
+
+    tok = char_tokenizer()
+    tiny_model("qwen2", len(tok)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    check_name(str(tmp_path))
+    model = load_model(ModelConfig(name_or_path=str(tmp_path)), len(tok))
+    assert type(model).__name__ == "Qwen2ForCausalLM" and load_image_processor(str(tmp_path)) is None
+    text = "user: How many?\nassistant: 12"  # its tokenizer.json as written (transformers' Qwen2Tokenizer would not)
+    assert load_tokenizer(str(tmp_path))(text)["input_ids"] == tok(text)["input_ids"]
