@@ -245,7 +245,7 @@ def load_tokenizer(name_or_path: str):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if tok.chat_template is None and checkpoint_family(name_or_path) is not None:
-        tok.chat_template = vlm_checkpoint.processor_chat_template(path)  # the processor's, where the tokenizer has none
+        tok.chat_template = vlm_checkpoint.processor_chat_template(path)  # the processor's: the tokenizer has none
     return tok
 
 

@@ -1,8 +1,8 @@
-"""Hub or local checkpoints of the served vision-language families (``model.name_or_path=Qwen/Qwen2.5-VL-3B-Instruct``
+"""Hub or local checkpoints of the served vision-language families (``model.name_or_path=Qwen/Qwen2.5-VL-3B-Instruct``,
 or a folder): which family a checkpoint is, and its model, tokenizer chat template and image processor.
 
-- :func:`vision_family`: the ``model_type`` of ``config.json`` when it is a served family (grpo/engine/vision_families.py
-  ``FAMILIES``), None for a text model; any other multimodal model type is refused in one line naming the served ones,
+- :func:`vision_family`: the ``model_type`` of ``config.json`` when it is a served family
+  (grpo/engine/vision_families.py ``FAMILIES``), None for a text model; any other multimodal model type is refused in one line naming the served ones,
   before any weight loads;
 - :func:`load_vlm`: the family's ``...ForConditionalGeneration`` (``AutoModelForImageTextToText``: never the causal-LM
   class, which for Qwen3.5 is its language model alone);
@@ -120,7 +120,8 @@ def load_image_processor(path: str, name: str, config: dict, tokenizer=None):
 
 
 # image processor attribute -> the vision config's key it must equal (Qwen-VL: the tower's patching)
-_PATCHING = {"patch_size": "patch_size", "merge_size": "spatial_merge_size", "temporal_patch_size": "temporal_patch_size"}
+_PATCHING = {"patch_size": "patch_size", "merge_size": "spatial_merge_size",
+             "temporal_patch_size": "temporal_patch_size"}
 
 
 def check_image_processor(proc, config: dict, name: str) -> None:
