@@ -2,8 +2,8 @@
 or a folder): which family a checkpoint is, and its model, tokenizer chat template and image processor.
 
 - :func:`vision_family`: the ``model_type`` of ``config.json`` when it is a served family
-  (grpo/engine/vision_families.py ``FAMILIES``), None for a text model; any other multimodal model type is refused in one line naming the served ones,
-  before any weight loads;
+  (grpo/engine/vision_families.py ``FAMILIES``), None for a text model; any other multimodal model type is refused
+  in one line naming the served ones, before any weight loads;
 - :func:`load_vlm`: the family's ``...ForConditionalGeneration`` (``AutoModelForImageTextToText``: never the causal-LM
   class, which for Qwen3.5 is its language model alone);
 - :func:`processor_chat_template`: the processor's chat template (``chat_template.json`` / ``.jinja``), for a tokenizer
