@@ -2,13 +2,15 @@
 through the vision tower once per group in the rollout and in the update, and the tower's weights learn."""
 import json
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
 from grpo.config.schema import load
+from grpo.engine.vision_logprobs import VISION_FAMILIES
 from grpo.models import tiny_model
 from grpo.trainer.loop import fit
-from tests.helpers import compose_recipe, count_tower_patches
+from tests.helpers import compose_recipe, count_tower_patches, own_image_logprobs, save_tiny_vlm
 
 
 def test_vlm_smoke_trains_and_evaluates_with_each_prompts_images_encoded_once(tmp_path, monkeypatch):
@@ -112,3 +114,44 @@ def test_vlm_smoke_trains_gemma3_with_its_images_encoded_once(tmp_path, monkeypa
     for name in ("model.vision_tower.encoder.layers.0.mlp.fc1.weight",
                  "model.multi_modal_projector.mm_input_projection_weight"):
         assert not torch.equal(final[name], start[name]), name
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_vlm_smoke_trains_a_checkpoint_folder_and_its_final_model_loads_again(tmp_path, monkeypatch, family):
+    """`grpo-train recipe=vlm-smoke model.name_or_path=<a checkpoint folder>` (a hub id resolves to one): the run loads
+    the folder's model, tokenizer and image processor, trains a step, and writes a final/ that is a
+    model.name_or_path again (config, weights, tokenizer, preprocessor_config.json): loaded from there, an image
+    prompt gets the same tokens, pixels and log-probs (the model's own forward) as in the run's trained model."""
+    import grpo.trainer.loop as loop
+    from grpo.config.schema import ModelConfig
+    from grpo.models import load_image_processor, load_model, load_tokenizer
+    from grpo.tasks import get_task
+    from grpo.vision.images import encode
+
+    ckpt = save_tiny_vlm(family, tmp_path / "ckpt")
+    runs = []
+    save_final = loop.save_final
+    monkeypatch.setattr(loop, "save_final", lambda run, cfg: runs.append(run) or save_final(run, cfg))
+    out = tmp_path / "run"
+    cfg = compose_recipe("vlm-smoke", [f"trainer.output_dir={out}", f"model.name_or_path={ckpt}",
+                                       "trainer.max_steps=1"])
+    fit(load(OmegaConf.to_container(cfg, resolve=True)))
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in rows] == [1] and rows[0]["grad_norm"] > 0
+    final = out / "final"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"} <= {
+        p.name for p in final.iterdir()}
+    run = runs[-1]
+    written = run.runtime.unwrap().eval()
+    tok = load_tokenizer(str(final))
+    loaded = load_model(ModelConfig(name_or_path=str(final)), len(tok)).eval()
+    assert type(loaded) is type(written)
+    row = get_task("shapes")(1, seed=3)[0]
+    mine = encode(row["prompt"], row["images"], run.tokenizer, run.image_processor)
+    theirs = encode(row["prompt"], row["images"], tok, load_image_processor(str(final), tok))
+    assert mine.ids == theirs.ids and mine.n_images == 1 and torch.equal(mine.pixel_values, theirs.pixel_values)
+    completion = tok("12", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    a, b = own_image_logprobs(written, mine, completion), own_image_logprobs(loaded, theirs, completion)
+    assert (a - b).abs().max().item() < 1e-6
+    start = load_model(ModelConfig(name_or_path=str(ckpt)), len(tok)).eval()
+    assert (own_image_logprobs(start, theirs, completion) - b).abs().max().item() > 1e-6  # it trained
