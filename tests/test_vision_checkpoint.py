@@ -97,14 +97,20 @@ def test_a_tokenizer_whose_image_token_is_not_the_configs_is_refused(tmp_path):
         load_image_processor(str(path), load_tokenizer(str(path)))
 
 
-def test_gemma3_takes_its_image_tokens_per_image_from_the_config(tmp_path):
+def test_gemma3_takes_its_image_tokens_per_image_from_the_config_and_no_crops(tmp_path):
     """Gemma 3's hub folders keep image_seq_length in processor_config.json, not preprocessor_config.json: the count
-    the prompt expands to is the config's mm_tokens_per_image, the one the engine checks."""
+    the prompt expands to is the config's mm_tokens_per_image, the one the engine checks; pan-and-scan crops (not
+    served) stay off."""
     path = save_tiny_vlm("gemma3", tmp_path / "ckpt")
     data = json.loads((path / "preprocessor_config.json").read_text())
     del data["image_seq_length"]
-    (path / "preprocessor_config.json").write_text(json.dumps(data))
-    assert load_image_processor(str(path)).image_seq_length == 16
+    (path / "preprocessor_config.json").write_text(json.dumps({**data, "do_pan_and_scan": True}))
+    proc = load_image_processor(str(path))
+    assert proc.image_seq_length == 16 and not proc.do_pan_and_scan
+    tok = load_tokenizer(str(path))
+    picture = draw(random.Random(0), 64, [("red", "square")])
+    prompt = encode([{"role": "user", "content": [{"type": "image"}]}], [picture], tok, proc)
+    assert prompt.n_images == 1 and prompt.count(tok.convert_tokens_to_ids("<image_soft_token>")) == 16
 
 
 def test_a_processor_chat_template_serves_a_tokenizer_without_one(tmp_path):
@@ -140,3 +146,19 @@ def test_a_text_model_folder_still_loads_as_a_causal_lm(tmp_path):
     assert type(model).__name__ == "Qwen2ForCausalLM" and load_image_processor(str(tmp_path)) is None
     text = "user: How many?\nassistant: 12"  # its tokenizer.json as written (transformers' Qwen2Tokenizer would not)
     assert load_tokenizer(str(tmp_path))(text)["input_ids"] == tok(text)["input_ids"]
+
+
+def test_a_checkpoint_folder_tells_its_head_size_and_whether_grpo_serve_takes_its_images(tmp_path):
+    """vLLM's CPU head-size check reads the language model's config; grpo-serve takes a Qwen2.5-VL folder's images
+    and refuses another family's in one line (as for the tiny: names)."""
+    from grpo.errors import SetupError
+    from grpo.models import head_dim
+    from grpo.serve import vision
+
+    qwen, gemma = save_tiny_vlm("qwen2_5_vl", tmp_path / "qwen"), save_tiny_vlm("gemma3", tmp_path / "gemma")
+    assert head_dim(str(qwen), {}) == 16 and head_dim(str(gemma), {}) == 16
+    assert vision(str(qwen)) is True
+    with pytest.raises(SetupError, match="grpo-serve takes images for qwen2_5_vl only"):
+        vision(str(gemma))
+    tiny_model("qwen2", 100).save_pretrained(tmp_path / "text")
+    assert vision(str(tmp_path / "text")) is False and vision("tiny:qwen2") is False and vision("tiny:qwen2_5_vl")

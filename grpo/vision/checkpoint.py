@@ -113,6 +113,8 @@ def load_image_processor(path: str, name: str, config: dict, tokenizer=None):
                          "vision-language checkpoint needs its preprocessor_config.json") from None
     if "mm_tokens_per_image" in config:  # Gemma 3: the image tokens per image are the config's (the engine's count)
         proc.image_seq_length = int(config["mm_tokens_per_image"])
+    if getattr(proc, "do_pan_and_scan", None):  # Gemma 3's crops: not served (one image, one block of image tokens)
+        proc.do_pan_and_scan = False
     check_image_processor(proc, config, name)
     if tokenizer is not None:
         check_image_token(tokenizer, proc, config, name)

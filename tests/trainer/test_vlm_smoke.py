@@ -118,10 +118,12 @@ def test_vlm_smoke_trains_gemma3_with_its_images_encoded_once(tmp_path, monkeypa
 
 @pytest.mark.parametrize("family", VISION_FAMILIES)
 def test_vlm_smoke_trains_a_checkpoint_folder_and_its_final_model_loads_again(tmp_path, monkeypatch, family):
-    """`grpo-train recipe=vlm-smoke model.name_or_path=<a checkpoint folder>` (a hub id resolves to one): the run loads
-    the folder's model, tokenizer and image processor, trains a step, and writes a final/ that is a
-    model.name_or_path again (config, weights, tokenizer, preprocessor_config.json): loaded from there, an image
-    prompt gets the same tokens, pixels and log-probs (the model's own forward) as in the run's trained model."""
+    """`grpo-train recipe=vlm-smoke model.name_or_path=Qwen/Qwen2.5-VL-3B-Instruct model.dtype=bfloat16
+    model.gradient_checkpointing=true` (docs/vision-language.md) scaled down: a tiny checkpoint folder of the family
+    in place of the hub id (which resolves to one), one step. The run loads the folder's model, tokenizer and image
+    processor, trains, and writes a final/ that is a model.name_or_path again (config, weights, tokenizer,
+    preprocessor_config.json): loaded from there, an image prompt gets the same tokens, pixels and log-probs (the
+    model's own forward) as in the run's trained model."""
     import grpo.trainer.loop as loop
     from grpo.config.schema import ModelConfig
     from grpo.models import load_image_processor, load_model, load_tokenizer
@@ -133,7 +135,8 @@ def test_vlm_smoke_trains_a_checkpoint_folder_and_its_final_model_loads_again(tm
     save_final = loop.save_final
     monkeypatch.setattr(loop, "save_final", lambda run, cfg: runs.append(run) or save_final(run, cfg))
     out = tmp_path / "run"
-    cfg = compose_recipe("vlm-smoke", [f"trainer.output_dir={out}", f"model.name_or_path={ckpt}",
+    cfg = compose_recipe("vlm-smoke", [f"model.name_or_path={ckpt}", "model.dtype=bfloat16",
+                                       "model.gradient_checkpointing=true", f"trainer.output_dir={out}",
                                        "trainer.max_steps=1"])
     fit(load(OmegaConf.to_container(cfg, resolve=True)))
     rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
@@ -144,8 +147,8 @@ def test_vlm_smoke_trains_a_checkpoint_folder_and_its_final_model_loads_again(tm
     run = runs[-1]
     written = run.runtime.unwrap().eval()
     tok = load_tokenizer(str(final))
-    loaded = load_model(ModelConfig(name_or_path=str(final)), len(tok)).eval()
-    assert type(loaded) is type(written)
+    loaded = load_model(ModelConfig(name_or_path=str(final), dtype="bfloat16"), len(tok)).eval()
+    assert type(loaded) is type(written) and written.dtype == loaded.dtype == torch.bfloat16
     row = get_task("shapes")(1, seed=3)[0]
     mine = encode(row["prompt"], row["images"], run.tokenizer, run.image_processor)
     theirs = encode(row["prompt"], row["images"], tok, load_image_processor(str(final), tok))
@@ -153,5 +156,5 @@ def test_vlm_smoke_trains_a_checkpoint_folder_and_its_final_model_loads_again(tm
     completion = tok("12", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     a, b = own_image_logprobs(written, mine, completion), own_image_logprobs(loaded, theirs, completion)
     assert (a - b).abs().max().item() < 1e-6
-    start = load_model(ModelConfig(name_or_path=str(ckpt)), len(tok)).eval()
+    start = load_model(ModelConfig(name_or_path=str(ckpt), dtype="bfloat16"), len(tok)).eval()
     assert (own_image_logprobs(start, theirs, completion) - b).abs().max().item() > 1e-6  # it trained
