@@ -33,6 +33,7 @@ from grpo.errors import ModelError
 from grpo.tiny_models import SIZES, SPECIAL_IDS, attention_implementation, families, tiny_config
 from grpo.vision import checkpoint as vlm_checkpoint
 from grpo.vision.models import (
+    NOT_SERVED,
     TINY_VLM_FAMILIES,
     TOWERS,
     freeze_vision_tower,
@@ -196,7 +197,7 @@ def check_name(name_or_path: str) -> None:
     if problem:
         raise ModelError(f"model.name_or_path={name_or_path!r} {problem}")
     if Path(name_or_path).expanduser().is_dir():  # an unserved multimodal family: refused here (a hub id: on load)
-        vlm_checkpoint.vision_family(str(Path(name_or_path).expanduser()))
+        _vision_family(str(Path(name_or_path).expanduser()))
 
 
 def local_path_problem(name_or_path: str) -> str | None:
@@ -221,7 +222,11 @@ def checkpoint_family(name_or_path: str) -> str | None:
     ``tiny:``/``embedded:`` name; another multimodal family is refused in one line (grpo/vision/checkpoint.py)."""
     if name_or_path.startswith(("tiny:", "embedded:")):
         return None
-    return vlm_checkpoint.vision_family(resolve_path(name_or_path))
+    return _vision_family(resolve_path(name_or_path))
+
+
+def _vision_family(path: str) -> str | None:
+    return vlm_checkpoint.vision_family(path, TINY_VLM_FAMILIES, NOT_SERVED)  # the served families, and why not others
 
 
 def load_tokenizer(name_or_path: str):

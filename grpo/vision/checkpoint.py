@@ -1,8 +1,8 @@
 """Hub or local checkpoints of the served vision-language families (``model.name_or_path=Qwen/Qwen2.5-VL-3B-Instruct``,
 or a folder): which family a checkpoint is, and its model, tokenizer chat template and image processor.
 
-- :func:`vision_family`: the ``model_type`` of ``config.json`` when it is a served family
-  (grpo/engine/vision_families.py ``FAMILIES``), None for a text model; any other multimodal model type is refused
+- :func:`vision_family`: the ``model_type`` of ``config.json`` when it is a served family (grpo/models.py passes
+  grpo/vision/models.py's ``TINY_VLM_FAMILIES``), None for a text model; any other multimodal model type is refused
   in one line naming the served ones, before any weight loads;
 - :func:`load_vlm`: the family's ``...ForConditionalGeneration`` (``AutoModelForImageTextToText``: never the causal-LM
   class, which for Qwen3.5 is its language model alone);
@@ -45,12 +45,6 @@ def _file(name_or_path: str, filename: str) -> str | None:
         return None
 
 
-def served_families() -> tuple[str, ...]:
-    from grpo.engine.vision_families import FAMILIES
-
-    return tuple(FAMILIES)
-
-
 def is_multimodal(config: dict) -> bool:
     """Whether a ``config.json`` is a vision-language model's: it has a vision tower's config, or transformers files
     its type under image-text-to-text models."""
@@ -59,24 +53,24 @@ def is_multimodal(config: dict) -> bool:
     return "vision_config" in config or config.get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
-def family_of_config(config: dict | None, name_or_path: str) -> str | None:
-    """The served family of ``config`` (a ``config.json``), None for a text model; one line for another multimodal
-    one."""
+def family_of_config(config: dict | None, name_or_path: str, served: tuple[str, ...],
+                     not_served: dict[str, str]) -> str | None:
+    """The family of ``config`` (a ``config.json``) when it is one of ``served``, None for a text model; one line for
+    another multimodal one (with its reason from ``not_served``, where it has one)."""
     if config is None or not is_multimodal(config):
         return None
     model_type = config.get("model_type")
-    if model_type in served_families():
+    if model_type in served:
         return model_type
-    from grpo.engine.vision_logprobs import NOT_SERVED
-
-    why = f" ({NOT_SERVED[model_type]})" if model_type in NOT_SERVED else ""
+    why = f" ({not_served[model_type]})" if model_type in not_served else ""
     raise ModelError(f"model.name_or_path={name_or_path!r} is a {model_type} vision-language model, which is not "
-                     f"served{why}; served: {', '.join(served_families())}")
+                     f"served{why}; served: {', '.join(served)}")
 
 
-def vision_family(name_or_path: str) -> str | None:
-    """The served vision-language family of a hub or local checkpoint, None for a text model (see the module doc)."""
-    return family_of_config(read_config(name_or_path), name_or_path)
+def vision_family(name_or_path: str, served: tuple[str, ...], not_served: dict[str, str]) -> str | None:
+    """The vision-language family of a hub or local checkpoint among ``served``, None for a text model (see the
+    module doc)."""
+    return family_of_config(read_config(name_or_path), name_or_path, served, not_served)
 
 
 def load_vlm(path: str, name: str, dtype, attn_implementation: str):

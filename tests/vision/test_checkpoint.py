@@ -162,3 +162,11 @@ def test_a_checkpoint_folder_tells_its_head_size_and_whether_grpo_serve_takes_it
         vision(str(gemma))
     tiny_model("qwen2", 100).save_pretrained(tmp_path / "text")
     assert vision(str(tmp_path / "text")) is False and vision("tiny:qwen2") is False and vision("tiny:qwen2_5_vl")
+
+
+def test_the_served_families_are_the_engines():
+    """A checkpoint is loaded for exactly the families the engine has an entry for (grpo/engine/vision_families.py)."""
+    from grpo.engine.vision_families import FAMILIES
+    from grpo.vision.models import NOT_SERVED, TINY_VLM_FAMILIES
+
+    assert tuple(FAMILIES) == TINY_VLM_FAMILIES and not set(NOT_SERVED) & set(FAMILIES)
