@@ -249,8 +249,8 @@ def load_tokenizer(name_or_path: str):
                          f"({_first_line(e)})") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    if tok.chat_template is None and checkpoint_family(name_or_path) is not None:
-        tok.chat_template = vlm_checkpoint.processor_chat_template(path)  # the processor's: the tokenizer has none
+    if checkpoint_family(name_or_path) is not None:  # a vision-language model: its processor's template, if any
+        tok.chat_template = vlm_checkpoint.processor_chat_template(path) or tok.chat_template
     return tok
 
 

@@ -6,8 +6,8 @@ or a folder): which family a checkpoint is, and its model, tokenizer chat templa
   in one line naming the served ones, before any weight loads;
 - :func:`load_vlm`: the family's ``...ForConditionalGeneration`` (``AutoModelForImageTextToText``: never the causal-LM
   class, which for Qwen3.5 is its language model alone);
-- :func:`processor_chat_template`: the processor's chat template (``chat_template.json`` / ``.jinja``), for a tokenizer
-  that has none of its own;
+- :func:`processor_chat_template`: the processor's chat template (``chat_template.jinja`` / ``.json``), which the
+  tokenizer takes (a hub folder may hold an older, text-only one in ``tokenizer_config.json``);
 - :func:`load_image_processor`: transformers' PIL image processor of the checkpoint (no torchvision), checked against
   the config, which the engine reads: the patch, merge and temporal sizes of Qwen-VL's tower, Gemma 3's image tokens
   per image (``mm_tokens_per_image``), and the image token's id in the tokenizer.
@@ -85,8 +85,9 @@ def load_vlm(path: str, name: str, dtype, attn_implementation: str):
 
 
 def processor_chat_template(path: str) -> str | None:
-    """The chat template of the checkpoint's processor: ``chat_template.jinja``, or the older ``chat_template.json``
-    (``{"chat_template": ...}``); None when it has neither."""
+    """The chat template of the checkpoint's processor, the one transformers' processor renders image parts with:
+    ``chat_template.jinja``, or the older ``chat_template.json`` (``{"chat_template": ...}``); None when it has
+    neither."""
     for name in ("chat_template.jinja", "chat_template.json"):
         file = _file(path, name)
         if file:
@@ -106,7 +107,12 @@ def load_image_processor(path: str, name: str, config: dict, tokenizer=None):
         raise ModelError(f"model.name_or_path={name!r}: no image processor could be loaded ({_first_line(e)}); a "
                          "vision-language checkpoint needs its preprocessor_config.json") from None
     if "mm_tokens_per_image" in config:  # Gemma 3: the image tokens per image are the config's (the engine's count)
-        proc.image_seq_length = int(config["mm_tokens_per_image"])
+        want = int(config["mm_tokens_per_image"])
+        said = (read_json(path, "processor_config.json") or {}).get("image_seq_length")  # Gemma3Processor's
+        if said is not None and int(said) != want:
+            raise ModelError(f"model.name_or_path={name!r}: processor_config.json has image_seq_length={said} but "
+                             f"config.json's mm_tokens_per_image is {want}")
+        proc.image_seq_length = want
     if getattr(proc, "do_pan_and_scan", None):  # Gemma 3's crops: not served (one image, one block of image tokens)
         proc.do_pan_and_scan = False
     check_image_processor(proc, config, name)

@@ -113,13 +113,24 @@ def test_gemma3_takes_its_image_tokens_per_image_from_the_config_and_no_crops(tm
     assert prompt.n_images == 1 and prompt.count(tok.convert_tokens_to_ids("<image_soft_token>")) == 16
 
 
-def test_a_processor_chat_template_serves_a_tokenizer_without_one(tmp_path):
-    """A hub folder whose template is the processor's (chat_template.json) and not the tokenizer's."""
+@pytest.mark.parametrize("text_only", [None, "{{ messages[0]['content'] }}"])
+def test_the_processors_chat_template_is_the_one_taken(tmp_path, text_only):
+    """A hub folder with the processor's template in the older chat_template.json, and the tokenizer's in
+    tokenizer_config.json missing or text-only: the prompt renders with the processor's (image parts included)."""
     path = save_tiny_vlm("qwen2_5_vl", tmp_path / "ckpt")
     template = (path / "chat_template.jinja").read_text()
     (path / "chat_template.jinja").unlink()
     (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    if text_only:
+        _edit(path, "tokenizer_config.json", chat_template=text_only)
     assert load_tokenizer(str(path)).chat_template == template
+
+
+def test_gemma3_image_tokens_per_image_disagreeing_with_the_processor_are_refused(tmp_path):
+    path = save_tiny_vlm("gemma3", tmp_path / "ckpt")
+    (path / "processor_config.json").write_text(json.dumps({"image_seq_length": 256}))
+    with pytest.raises(ModelError, match="image_seq_length=256 but config.json's mm_tokens_per_image is 16$"):
+        load_image_processor(str(path))
 
 
 @pytest.mark.parametrize("family", ["llava", "idefics3", "lfm2_vl"])
