@@ -29,7 +29,12 @@ def read_config(name_or_path: str) -> dict | None:
 def read_json(name_or_path: str, filename: str) -> dict | None:
     """The JSON file ``filename`` of a local directory or a hub id, or None when it has none (or cannot be reached)."""
     file = _file(name_or_path, filename)
-    return json.loads(Path(file).read_text()) if file else None
+    if not file:
+        return None
+    try:
+        return json.loads(Path(file).read_text())
+    except ValueError as e:
+        raise ModelError(f"model.name_or_path={name_or_path!r}: its {filename} is not JSON ({e})") from None
 
 
 def _file(name_or_path: str, filename: str) -> str | None:

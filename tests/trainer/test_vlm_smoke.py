@@ -158,3 +158,23 @@ def test_vlm_smoke_trains_a_checkpoint_folder_and_its_final_model_loads_again(tm
     assert (a - b).abs().max().item() < 1e-6
     start = load_model(ModelConfig(name_or_path=str(ckpt), dtype="bfloat16"), len(tok)).eval()
     assert (own_image_logprobs(start, theirs, completion) - b).abs().max().item() > 1e-6  # it trained
+
+
+def test_a_checkpoint_folder_run_resumes_from_its_step_checkpoint_exactly(tmp_path):
+    """A run of a checkpoint folder writes checkpoints/step_N (its trainable weights and state on top of
+    model.name_or_path, as for text models); resumed from step 1, its step 2 is the uninterrupted run's step 2."""
+    ckpt = save_tiny_vlm("qwen2_5_vl", tmp_path / "ckpt")
+
+    def train(out, *extra):
+        cfg = compose_recipe("vlm-smoke", [f"model.name_or_path={ckpt}", f"trainer.output_dir={out}",
+                                           "trainer.save_every=1", *extra])
+        fit(load(OmegaConf.to_container(cfg, resolve=True)))
+        return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    whole = train(tmp_path / "whole")
+    train(tmp_path / "cut", "trainer.max_steps=1")
+    assert (tmp_path / "cut" / "checkpoints" / "step_1").is_dir()
+    resumed = train(tmp_path / "cut", "trainer.resume=auto")
+    assert [r["step"] for r in resumed] == [1, 2]
+    for key in ("loss", "grad_norm", "kl", "reward_mean", "completion_len_mean"):
+        assert resumed[1][key] == pytest.approx(whole[1][key], rel=1e-5, abs=1e-7), key

@@ -146,6 +146,12 @@ def test_an_unserved_multimodal_family_is_refused_in_one_line_before_it_loads(tm
         assert line.endswith("served: " + ", ".join(VISION_FAMILIES))
 
 
+def test_a_folder_whose_config_is_not_json_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match=r"its config.json is not JSON \(Expecting property name"):
+        check_name(str(tmp_path))
+
+
 def test_a_text_model_folder_still_loads_as_a_causal_lm(tmp_path):
     from grpo.models import char_tokenizer
 
