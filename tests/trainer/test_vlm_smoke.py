@@ -116,14 +116,14 @@ def test_vlm_smoke_trains_gemma3_with_its_images_encoded_once(tmp_path, monkeypa
         assert not torch.equal(final[name], start[name]), name
 
 
-@pytest.mark.parametrize("family", VISION_FAMILIES)
-def test_vlm_smoke_trains_a_checkpoint_folder_and_its_final_model_loads_again(tmp_path, monkeypatch, family):
+@pytest.mark.parametrize("family,extra", [(f, []) for f in VISION_FAMILIES] + [("gemma3", ["model.lora.enabled=true"])])
+def test_vlm_smoke_trains_a_checkpoint_folder_and_its_final_model_loads_again(tmp_path, monkeypatch, family, extra):
     """`grpo-train recipe=vlm-smoke model.name_or_path=Qwen/Qwen2.5-VL-3B-Instruct model.dtype=bfloat16
     model.gradient_checkpointing=true` (docs/vision-language.md) scaled down: a tiny checkpoint folder of the family
     in place of the hub id (which resolves to one), one step. The run loads the folder's model, tokenizer and image
     processor, trains, and writes a final/ that is a model.name_or_path again (config, weights, tokenizer,
     preprocessor_config.json): loaded from there, an image prompt gets the same tokens, pixels and log-probs (the
-    model's own forward) as in the run's trained model."""
+    model's own forward) as in the run's trained model (with LoRA: the adapter merged into it)."""
     import grpo.trainer.loop as loop
     from grpo.config.schema import ModelConfig
     from grpo.models import load_image_processor, load_model, load_tokenizer
@@ -137,7 +137,7 @@ def test_vlm_smoke_trains_a_checkpoint_folder_and_its_final_model_loads_again(tm
     out = tmp_path / "run"
     cfg = compose_recipe("vlm-smoke", [f"model.name_or_path={ckpt}", "model.dtype=bfloat16",
                                        "model.gradient_checkpointing=true", f"trainer.output_dir={out}",
-                                       "trainer.max_steps=1"])
+                                       "trainer.max_steps=1", *extra])
     fit(load(OmegaConf.to_container(cfg, resolve=True)))
     rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert [r["step"] for r in rows] == [1] and rows[0]["grad_norm"] > 0
@@ -148,7 +148,8 @@ def test_vlm_smoke_trains_a_checkpoint_folder_and_its_final_model_loads_again(tm
     written = run.runtime.unwrap().eval()
     tok = load_tokenizer(str(final))
     loaded = load_model(ModelConfig(name_or_path=str(final), dtype="bfloat16"), len(tok)).eval()
-    assert type(loaded) is type(written) and written.dtype == loaded.dtype == torch.bfloat16
+    base = written.get_base_model() if extra else written  # LoRA: the policy is peft's wrapper around the family's
+    assert type(loaded) is type(base) and base.dtype == loaded.dtype == torch.bfloat16
     row = get_task("shapes")(1, seed=3)[0]
     mine = encode(row["prompt"], row["images"], run.tokenizer, run.image_processor)
     theirs = encode(row["prompt"], row["images"], tok, load_image_processor(str(final), tok))
