@@ -225,3 +225,19 @@ def own_image_logprobs(model, prompt, completion: list[int]):
     with torch.no_grad():
         logits = model(input_ids=ids, **kind, **images).logits[0].float()
     return torch.log_softmax(logits, -1)[len(prompt.ids) - 1:-1].gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def in_hub_cache(family: str, repo_id: str, cache: Path, monkeypatch) -> str:
+    """``tiny:<family>`` stored in a Hugging Face hub cache at ``cache`` as the snapshot of ``repo_id`` (the layout
+    ``huggingface_hub`` downloads into), with the hub offline and that cache in use: ``model.name_or_path=<repo_id>``
+    then resolves as it does after a download, without the network. Returns ``repo_id``."""
+    import huggingface_hub.constants
+
+    repo = Path(cache) / f"models--{repo_id.replace('/', '--')}"
+    revision = "0" * 40
+    save_tiny_vlm(family, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return repo_id

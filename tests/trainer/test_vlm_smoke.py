@@ -10,7 +10,7 @@ from grpo.config.schema import load
 from grpo.engine.vision_logprobs import VISION_FAMILIES
 from grpo.models import tiny_model
 from grpo.trainer.loop import fit
-from tests.helpers import compose_recipe, count_tower_patches, own_image_logprobs, save_tiny_vlm
+from tests.helpers import compose_recipe, count_tower_patches, in_hub_cache, own_image_logprobs, save_tiny_vlm
 
 
 def test_vlm_smoke_trains_and_evaluates_with_each_prompts_images_encoded_once(tmp_path, monkeypatch):
@@ -159,6 +159,26 @@ def test_vlm_smoke_trains_a_checkpoint_folder_and_its_final_model_loads_again(tm
     assert (a - b).abs().max().item() < 1e-6
     start = load_model(ModelConfig(name_or_path=str(ckpt), dtype="bfloat16"), len(tok)).eval()
     assert (own_image_logprobs(start, theirs, completion) - b).abs().max().item() > 1e-6  # it trained
+
+
+def test_the_docs_hub_command_trains_a_qwen2_5_vl_from_the_hub_cache(tmp_path, monkeypatch):
+    """docs/vision-language.md's command as written, `grpo-train recipe=vlm-smoke
+    model.name_or_path=Qwen/Qwen2.5-VL-3B-Instruct model.dtype=bfloat16 model.gradient_checkpointing=true`, with a tiny
+    Qwen2.5-VL as that hub id's snapshot in an offline hub cache (what a download leaves), one step: the hub id loads
+    as Qwen2.5-VL with its tokenizer and PIL image processor, trains, and its final/ holds the image processor."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    repo = in_hub_cache("qwen2_5_vl", "Qwen/Qwen2.5-VL-3B-Instruct", tmp_path / "hub", monkeypatch)
+    out = tmp_path / "run"
+    cfg = compose_recipe("vlm-smoke", [f"model.name_or_path={repo}", "model.dtype=bfloat16",
+                                       "model.gradient_checkpointing=true", f"trainer.output_dir={out}",
+                                       "trainer.max_steps=1"])
+    fit(load(OmegaConf.to_container(cfg, resolve=True)))
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in rows] == [1] and rows[0]["grad_norm"] > 0
+    assert (out / "final" / "preprocessor_config.json").is_file()
+    final = Qwen2_5_VLForConditionalGeneration.from_pretrained(out / "final")
+    assert final.config.vision_config.patch_size == 4  # the snapshot's tiny tower, not a default one
 
 
 def test_a_checkpoint_folder_run_resumes_from_its_step_checkpoint_exactly(tmp_path):

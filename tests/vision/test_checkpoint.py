@@ -146,6 +146,24 @@ def test_an_unserved_multimodal_family_is_refused_in_one_line_before_it_loads(tm
         assert line.endswith("served: " + ", ".join(VISION_FAMILIES))
 
 
+def test_a_hub_id_of_an_unserved_family_is_refused_before_its_weights_load(tmp_path, monkeypatch):
+    """A hub id (here from an offline hub cache): its config.json, read before the weights, refuses it in one line."""
+    from transformers import AutoConfig
+
+    from tests.helpers import in_hub_cache
+
+    repo = in_hub_cache("qwen2_5_vl", "llava-hf/llava-1.5-7b-hf", tmp_path / "hub", monkeypatch)
+    snapshot = tmp_path / "hub" / "models--llava-hf--llava-1.5-7b-hf" / "snapshots" / ("0" * 40)
+    (snapshot / "model.safetensors").unlink()  # no weights: nothing may try to load them
+    AutoConfig.for_model("llava").save_pretrained(snapshot)
+    check_name(repo)  # a hub id: nothing read yet
+    for call in (lambda: load_tokenizer(repo), lambda: load_image_processor(repo),
+                 lambda: load_model(ModelConfig(name_or_path=repo), 10)):
+        with pytest.raises(ModelError, match=r"^model.name_or_path='llava-hf/llava-1.5-7b-hf' is a llava "
+                                             r"vision-language model, which is not served; served: qwen2_5_vl, "):
+            call()
+
+
 def test_a_folder_whose_config_is_not_json_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelError, match=r"its config.json is not JSON \(Expecting property name"):
