@@ -83,6 +83,21 @@ def _edit(path, name, **changes):
     (path / name).write_text(json.dumps(data))
 
 
+@pytest.mark.parametrize("kind", ["Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast"])
+def test_a_hub_style_qwen_preprocessor_config_loads_as_pil_with_its_pixel_bounds(tmp_path, kind):
+    """Qwen2.5-VL's hub folders write min_pixels/max_pixels (Qwen3-VL's name the fast, torchvision class): the PIL
+    processor is loaded, with those bounds (a 64x64 picture capped at 32x32 pixels: an 8x8 patch grid)."""
+    path = save_tiny_vlm("qwen2_5_vl", tmp_path / "ckpt")
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "min_pixels": 256, "max_pixels": 1024, "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "image_processor_type": kind,
+        "processor_class": "Qwen2_5_VLProcessor"}))
+    proc = load_image_processor(str(path), load_tokenizer(str(path)))
+    assert type(proc).__name__ == "Qwen2VLImageProcessorPil"
+    picture = draw(random.Random(0), 64, [("red", "square")])
+    assert proc(images=[picture], return_tensors="pt")["image_grid_thw"].tolist() == [[1, 8, 8]]
+
+
 def test_an_image_processor_that_does_not_fit_the_tower_is_refused_in_one_line(tmp_path):
     path = save_tiny_vlm("qwen2_5_vl", tmp_path / "ckpt")
     _edit(path, "preprocessor_config.json", patch_size=14)
