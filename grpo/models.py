@@ -12,6 +12,10 @@
   smoke runs (no download); ``tiny:qwen2_5_vl`` a vision-language one with a small image processor
   (grpo/vision/models.py).
 
+A checkpoint whose ``config.json`` is a served vision-language family (``Qwen/Qwen2.5-VL-3B-Instruct``, a folder a
+run wrote) loads as that family's model with its tokenizer, chat template and PIL image processor
+(grpo/vision/checkpoint.py); another multimodal family is refused in one line.
+
 `python -m grpo.models --prepare` prepares the embedded model (what `make model` runs).
 """
 from __future__ import annotations
@@ -27,7 +31,9 @@ import torch
 
 from grpo.errors import ModelError
 from grpo.tiny_models import SIZES, SPECIAL_IDS, attention_implementation, families, tiny_config
+from grpo.vision import checkpoint as vlm_checkpoint
 from grpo.vision.models import (
+    NOT_SERVED,
     TINY_VLM_FAMILIES,
     TOWERS,
     freeze_vision_tower,
@@ -167,6 +173,7 @@ def head_dim(name_or_path: str, tiny: dict) -> int | None:
         import json
 
         kw = json.loads(config.read_text())
+        kw = kw.get("text_config", kw)  # a vision-language model's language model
     else:
         return None
     if kw.get("head_dim"):
@@ -189,6 +196,8 @@ def check_name(name_or_path: str) -> None:
     problem = local_path_problem(name_or_path)
     if problem:
         raise ModelError(f"model.name_or_path={name_or_path!r} {problem}")
+    if Path(name_or_path).expanduser().is_dir():  # an unserved multimodal family: refused here (a hub id: on load)
+        _vision_family(str(Path(name_or_path).expanduser()))
 
 
 def local_path_problem(name_or_path: str) -> str | None:
@@ -208,29 +217,54 @@ def resolve_path(name_or_path: str) -> str:
     return str(Path(name_or_path).expanduser()) if name_or_path.startswith("~") else name_or_path
 
 
+def checkpoint_family(name_or_path: str) -> str | None:
+    """The served vision-language family of a hub or local checkpoint (its config.json), None for a text model or a
+    ``tiny:``/``embedded:`` name; another multimodal family is refused in one line (grpo/vision/checkpoint.py)."""
+    if name_or_path.startswith(("tiny:", "embedded:")):
+        return None
+    return _vision_family(resolve_path(name_or_path))
+
+
+def _vision_family(path: str) -> str | None:
+    return vlm_checkpoint.vision_family(path, TINY_VLM_FAMILIES, NOT_SERVED)  # the served families, and why not others
+
+
 def load_tokenizer(name_or_path: str):
     if name_or_path.startswith("tiny:"):
         family = name_or_path.split(":", 1)[1]
         return with_vision_tokens(char_tokenizer(), family) if family in TINY_VLM_FAMILIES else char_tokenizer()
     from transformers import AutoTokenizer
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     path = resolve_path(name_or_path)
+    # a folder whose tokenizer.json is the whole tokenizer (what transformers writes for one built from a tokenizers
+    # object, e.g. a tiny model's final/): loaded as it is; AutoTokenizer would substitute its registered class for
+    # some model types (qwen2, qwen3_5), which rebuilds the pre-tokenizer
+    declared = (vlm_checkpoint.read_json(path, "tokenizer_config.json") or {}).get("tokenizer_class")
+    loader = TokenizersBackend if declared == "TokenizersBackend" else AutoTokenizer
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = loader.from_pretrained(path)
     except Exception as e:  # OSError, ValueError, ... — all mean "no usable tokenizer here"
         raise ModelError(f"model.name_or_path={name_or_path!r}: no tokenizer could be loaded "
                          f"({_first_line(e)})") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    if checkpoint_family(name_or_path) is not None:  # a vision-language model: its processor's template, if any
+        tok.chat_template = vlm_checkpoint.processor_chat_template(path) or tok.chat_template
     return tok
 
 
-def load_image_processor(name_or_path: str):
-    """The image processor of a vision-language model (``tiny:qwen2_5_vl``: grpo/vision/models.py's), or None for a
-    text model."""
-    if name_or_path.startswith("tiny:") and name_or_path.split(":", 1)[1] in TINY_VLM_FAMILIES:
-        return image_processor(name_or_path.split(":", 1)[1])
-    return None
+def load_image_processor(name_or_path: str, tokenizer=None):
+    """The image processor of a vision-language model (``tiny:qwen2_5_vl``: grpo/vision/models.py's; a checkpoint's:
+    transformers' PIL one, checked against its config and, given ``tokenizer``, its image token), or None for a text
+    model."""
+    if name_or_path.startswith("tiny:"):
+        family = name_or_path.split(":", 1)[1]
+        return image_processor(family) if family in TINY_VLM_FAMILIES else None
+    if checkpoint_family(name_or_path) is None:
+        return None
+    path = resolve_path(name_or_path)
+    return vlm_checkpoint.load_image_processor(path, name_or_path, vlm_checkpoint.read_config(path), tokenizer)
 
 
 def load_model(mcfg, vocab_size: int, seed: int = 0):
@@ -241,6 +275,8 @@ def load_model(mcfg, vocab_size: int, seed: int = 0):
         family = name.split(":", 1)[1]
         model = tiny_model(family, vocab_size, seed=seed, attn_implementation=mcfg.attn_implementation,
                            **dict(mcfg.tiny)).to(dtype)
+    elif checkpoint_family(name) is not None:  # its ForConditionalGeneration, vision tower included
+        model = vlm_checkpoint.load_vlm(resolve_path(name), name, dtype, mcfg.attn_implementation)
     else:
         from transformers import AutoModelForCausalLM
 

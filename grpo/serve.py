@@ -43,12 +43,14 @@ def settings(cfg, device: str):
 def vision(name: str) -> bool:
     """Whether ``name`` is a vision-language model the server takes images for (refused in one line: one it does
     not)."""
-    from grpo.models import load_image_processor
+    from grpo.models import checkpoint_family
     from grpo.rollout.vllm_images import VLLM_VISION_FAMILIES
+    from grpo.vision.models import TINY_VLM_FAMILIES
 
-    if load_image_processor(name) is None:
+    tiny = name.split(":", 1)[1] if name.startswith("tiny:") else None
+    family = (tiny if tiny in TINY_VLM_FAMILIES else None) if tiny is not None else checkpoint_family(name)
+    if family is None:  # a text model
         return False
-    family = name.split(":", 1)[1] if name.startswith("tiny:") else name
     if family not in VLLM_VISION_FAMILIES:
         raise SetupError(f"grpo-serve takes images for {', '.join(VLLM_VISION_FAMILIES)} only (model.name_or_path="
                          f"{name}); use rollout.backend=hf for this model (docs/vision-language.md)")

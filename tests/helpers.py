@@ -196,3 +196,48 @@ def vision_setup(tiny: dict):
     prompts.append(encode(two, rows[0]["images"] + rows[1]["images"], tok, proc))
     prompts.append(encode([{"role": "user", "content": "text only"}], [], tok, proc))
     return model, tok, proc, prompts
+
+
+def save_tiny_vlm(family: str, path: Path, seed: int = 0) -> Path:
+    """``tiny:<family>`` written as a checkpoint folder (what ``model.name_or_path`` takes): the model's config and
+    weights, its tokenizer with its chat template, and its image processor (``preprocessor_config.json``)."""
+    from grpo.models import load_image_processor, load_tokenizer, tiny_model
+
+    tok = load_tokenizer(f"tiny:{family}")
+    tiny_model(family, len(tok), seed=seed).save_pretrained(path)
+    tok.save_pretrained(path)
+    load_image_processor(f"tiny:{family}").save_pretrained(path)
+    return Path(path)
+
+
+def own_image_logprobs(model, prompt, completion: list[int]):
+    """log p(completion | prompt with its images) through the model's own forward, prompt and completion in one row:
+    the inputs its transformers processor gives it (Qwen-VL: ``mm_token_type_ids``, pixels, grids; Gemma 3:
+    ``token_type_ids``, pixels)."""
+    import torch
+
+    ids = torch.tensor([prompt.ids + completion])
+    kinds = (ids == model.config.image_token_id).long()
+    images = {} if not prompt.n_images else {"pixel_values": prompt.pixel_values.to(model.dtype)}
+    if prompt.image_grid_thw is not None:
+        images["image_grid_thw"] = prompt.image_grid_thw
+    kind = {"token_type_ids": kinds} if model.config.model_type == "gemma3" else {"mm_token_type_ids": kinds.int()}
+    with torch.no_grad():
+        logits = model(input_ids=ids, **kind, **images).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt.ids) - 1:-1].gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def in_hub_cache(family: str, repo_id: str, cache: Path, monkeypatch) -> str:
+    """``tiny:<family>`` stored in a Hugging Face hub cache at ``cache`` as the snapshot of ``repo_id`` (the layout
+    ``huggingface_hub`` downloads into), with the hub offline and that cache in use: ``model.name_or_path=<repo_id>``
+    then resolves as it does after a download, without the network. Returns ``repo_id``."""
+    import huggingface_hub.constants
+
+    repo = Path(cache) / f"models--{repo_id.replace('/', '--')}"
+    revision = "0" * 40
+    save_tiny_vlm(family, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return repo_id

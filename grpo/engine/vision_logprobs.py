@@ -36,16 +36,12 @@ from grpo.engine.prefix_attention import LAYOUT_KWARG
 from grpo.engine.unwrap import unwrap_model
 from grpo.engine.vision_families import FAMILIES, family_of, language_model
 from grpo.vision.images import ImagePrompt
-from grpo.vision.models import image_side_params
+from grpo.vision.models import NOT_SERVED, image_side_params  # NOT_SERVED: families refused, and why
 
 __all__ = ["vision_token_logprobs", "VISION_FAMILIES"]
 
 # the model types served here (grpo.token_logprobs hands them over)
 VISION_FAMILIES = tuple(FAMILIES)
-# vision-language families of transformers not served (yet), and why: refused in one line, not computed inexactly
-NOT_SERVED = {
-    "lfm2_vl": "its NaViT tower takes pixel masks and spatial shapes, which image prompts (Qwen's patches) lack",
-}
 
 
 def vision_token_logprobs(model, prompts, completion_ids, *, shared_prefix: bool = True, temperature: float = 1.0,

@@ -105,6 +105,7 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction], toolset
     owner = owns_output_dir(runtime, cfg.trainer.output_dir)
     set_seed(cfg.trainer.seed + runtime.rank)
     tokenizer = load_tokenizer(cfg.model.name_or_path)
+    images = load_image_processor(cfg.model.name_or_path, tokenizer)  # None: a text model
     fmt = None
     if toolset is not None:
         toolset, note = choose_format(toolset, cfg.rollout.tool_format, tokenizer, cfg.data.chat_template)
@@ -114,7 +115,7 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction], toolset
     splits = data.build(cfg.data, tokenizer, tools=fmt.template_tools(list(toolset.schemas)) if fmt else None,
                         keep_turns=toolset is not None,
                         system_text=fmt.system_text(list(toolset.schemas)) if fmt else None, sets=cfg.evaluation.sets,
-                        image_processor=load_image_processor(cfg.model.name_or_path))
+                        image_processor=images)
     if splits.dropped and runtime.is_main:
         print(f"[grpo] dropped {splits.dropped} prompts longer than data.max_prompt_tokens="
               f"{cfg.data.max_prompt_tokens}; {len(splits.train)} train / {len(splits.eval)} held-out remain",
@@ -153,7 +154,7 @@ def _build(cfg: Config, runtime: Runtime, rewards: list[RewardFunction], toolset
                        progress=progress, context=runtime.generation_context, desc="eval",
                        keep_turns=toolset is not None)
     return Run(runtime, tokenizer, policy, reference, splits, sampler, settings, greedy, owns_output_dir=owner,
-               toolset=toolset)
+               toolset=toolset, image_processor=images)
 
 
 def owns_output_dir(runtime: Runtime, output_dir: str) -> bool:

@@ -317,11 +317,15 @@ def _agree_on_checkpoint(runtime, cfg: Config, ckpt: Path | None, existing: list
 
 def save_final(run: Run, cfg: Config) -> Path:
     """``<output_dir>/final``: a directory `AutoModelForCausalLM.from_pretrained` loads (or the
-    LoRA adapter with model.lora.merge_on_save=false), with its manifest (`grpo.trainer.manifest`)."""
+    LoRA adapter with model.lora.merge_on_save=false), with its manifest (`grpo.trainer.manifest`); a
+    vision-language model's holds its image processor too (``preprocessor_config.json``), so that the directory
+    is a ``model.name_or_path`` again."""
     out = Path(cfg.trainer.output_dir) / "final"
     tmp = out.with_name(".tmp-final")
     run.runtime.save_final(tmp, run.tokenizer, merge_lora=cfg.model.lora.enabled and cfg.model.lora.merge_on_save)
     if run.runtime.is_main:
+        if run.image_processor is not None:
+            run.image_processor.save_pretrained(tmp)
         manifest.write(tmp)
         if out.exists():
             shutil.rmtree(out)

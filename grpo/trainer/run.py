@@ -34,6 +34,7 @@ class Run:
     owns_output_dir: bool = True          # finalises checkpoints in its output_dir (rank 0; a node's first rank
                                           # when that node's output_dir is not rank 0's, see `build.owns_output_dir`)
     toolset: Toolset | None = None        # multi-turn episodes (rollout.tools / rollout.environment), format chosen
+    image_processor: object | None = None  # a vision-language model's (saved with the final model), None: text
 
     @property
     def model(self) -> torch.nn.Module:

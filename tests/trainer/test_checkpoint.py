@@ -310,7 +310,7 @@ def test_save_final_replaces_final_with_what_the_runtime_wrote(tmp_path, enabled
         (tmp / "model").write_text("new")
 
     rt = SimpleNamespace(is_main=main, save_final=save_final, barrier=lambda: seen.append("barrier"))
-    run = SimpleNamespace(runtime=rt, tokenizer="tok")
+    run = SimpleNamespace(runtime=rt, tokenizer="tok", image_processor=None)
     cfg = SimpleNamespace(trainer=SimpleNamespace(output_dir=str(tmp_path)),
                           model=SimpleNamespace(lora=SimpleNamespace(enabled=enabled, merge_on_save=merge)))
     out = checkpoint.save_final(run, cfg)

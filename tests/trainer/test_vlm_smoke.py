@@ -7,9 +7,10 @@ import torch
 from omegaconf import OmegaConf
 
 from grpo.config.schema import load
+from grpo.engine.vision_logprobs import VISION_FAMILIES
 from grpo.models import tiny_model
 from grpo.trainer.loop import fit
-from tests.helpers import compose_recipe, count_tower_patches
+from tests.helpers import compose_recipe, count_tower_patches, in_hub_cache, own_image_logprobs, save_tiny_vlm
 
 
 def test_vlm_smoke_trains_and_evaluates_with_each_prompts_images_encoded_once(tmp_path, monkeypatch):
@@ -142,3 +143,88 @@ def test_vlm_smoke_trains_idefics3_with_its_tiles_encoded_once(tmp_path, monkeyp
     for name in ("model.vision_model.encoder.layers.0.mlp.fc1.weight",
                  "model.connector.modality_projection.proj.weight"):
         assert not torch.equal(final[name], start[name]), name
+
+
+@pytest.mark.parametrize("family,extra", [(f, []) for f in VISION_FAMILIES] + [("gemma3", ["model.lora.enabled=true"])])
+def test_vlm_smoke_trains_a_checkpoint_folder_and_its_final_model_loads_again(tmp_path, monkeypatch, family, extra):
+    """`grpo-train recipe=vlm-smoke model.name_or_path=Qwen/Qwen2.5-VL-3B-Instruct model.dtype=bfloat16
+    model.gradient_checkpointing=true` (docs/vision-language.md) scaled down: a tiny checkpoint folder of the family
+    in place of the hub id (which resolves to one), one step. The run loads the folder's model, tokenizer and image
+    processor, trains, and writes a final/ that is a model.name_or_path again (config, weights, tokenizer,
+    preprocessor_config.json): loaded from there, an image prompt gets the same tokens, pixels and log-probs (the
+    model's own forward) as in the run's trained model (with LoRA: the adapter merged into it)."""
+    import grpo.trainer.loop as loop
+    from grpo.config.schema import ModelConfig
+    from grpo.models import load_image_processor, load_model, load_tokenizer
+    from grpo.tasks import get_task
+    from grpo.vision.images import encode
+
+    ckpt = save_tiny_vlm(family, tmp_path / "ckpt")
+    runs = []
+    save_final = loop.save_final
+    monkeypatch.setattr(loop, "save_final", lambda run, cfg: runs.append(run) or save_final(run, cfg))
+    out = tmp_path / "run"
+    cfg = compose_recipe("vlm-smoke", [f"model.name_or_path={ckpt}", "model.dtype=bfloat16",
+                                       "model.gradient_checkpointing=true", f"trainer.output_dir={out}",
+                                       "trainer.max_steps=1", *extra])
+    fit(load(OmegaConf.to_container(cfg, resolve=True)))
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in rows] == [1] and rows[0]["grad_norm"] > 0
+    final = out / "final"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"} <= {
+        p.name for p in final.iterdir()}
+    run = runs[-1]
+    written = run.runtime.unwrap().eval()
+    tok = load_tokenizer(str(final))
+    loaded = load_model(ModelConfig(name_or_path=str(final), dtype="bfloat16"), len(tok)).eval()
+    base = written.get_base_model() if extra else written  # LoRA: the policy is peft's wrapper around the family's
+    assert type(loaded) is type(base) and base.dtype == loaded.dtype == torch.bfloat16
+    row = get_task("shapes")(1, seed=3)[0]
+    mine = encode(row["prompt"], row["images"], run.tokenizer, run.image_processor)
+    theirs = encode(row["prompt"], row["images"], tok, load_image_processor(str(final), tok))
+    assert mine.ids == theirs.ids and mine.n_images == 1 and torch.equal(mine.pixel_values, theirs.pixel_values)
+    completion = tok("12", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    a, b = own_image_logprobs(written, mine, completion), own_image_logprobs(loaded, theirs, completion)
+    assert (a - b).abs().max().item() < 1e-6
+    start = load_model(ModelConfig(name_or_path=str(ckpt), dtype="bfloat16"), len(tok)).eval()
+    assert (own_image_logprobs(start, theirs, completion) - b).abs().max().item() > 1e-6  # it trained
+
+
+def test_the_docs_hub_command_trains_a_qwen2_5_vl_from_the_hub_cache(tmp_path, monkeypatch):
+    """docs/vision-language.md's command as written, `grpo-train recipe=vlm-smoke
+    model.name_or_path=Qwen/Qwen2.5-VL-3B-Instruct model.dtype=bfloat16 model.gradient_checkpointing=true`, with a tiny
+    Qwen2.5-VL as that hub id's snapshot in an offline hub cache (what a download leaves), one step: the hub id loads
+    as Qwen2.5-VL with its tokenizer and PIL image processor, trains, and its final/ holds the image processor."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    repo = in_hub_cache("qwen2_5_vl", "Qwen/Qwen2.5-VL-3B-Instruct", tmp_path / "hub", monkeypatch)
+    out = tmp_path / "run"
+    cfg = compose_recipe("vlm-smoke", [f"model.name_or_path={repo}", "model.dtype=bfloat16",
+                                       "model.gradient_checkpointing=true", f"trainer.output_dir={out}",
+                                       "trainer.max_steps=1"])
+    fit(load(OmegaConf.to_container(cfg, resolve=True)))
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in rows] == [1] and rows[0]["grad_norm"] > 0
+    assert (out / "final" / "preprocessor_config.json").is_file()
+    final = Qwen2_5_VLForConditionalGeneration.from_pretrained(out / "final")
+    assert final.config.vision_config.patch_size == 4  # the snapshot's tiny tower, not a default one
+
+
+def test_a_checkpoint_folder_run_resumes_from_its_step_checkpoint_exactly(tmp_path):
+    """A run of a checkpoint folder writes checkpoints/step_N (its trainable weights and state on top of
+    model.name_or_path, as for text models); resumed from step 1, its step 2 is the uninterrupted run's step 2."""
+    ckpt = save_tiny_vlm("qwen2_5_vl", tmp_path / "ckpt")
+
+    def train(out, *extra):
+        cfg = compose_recipe("vlm-smoke", [f"model.name_or_path={ckpt}", f"trainer.output_dir={out}",
+                                           "trainer.save_every=1", *extra])
+        fit(load(OmegaConf.to_container(cfg, resolve=True)))
+        return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    whole = train(tmp_path / "whole")
+    train(tmp_path / "cut", "trainer.max_steps=1")
+    assert (tmp_path / "cut" / "checkpoints" / "step_1").is_dir()
+    resumed = train(tmp_path / "cut", "trainer.resume=auto")
+    assert [r["step"] for r in resumed] == [1, 2]
+    for key in ("loss", "grad_norm", "kl", "reward_mean", "completion_len_mean"):
+        assert resumed[1][key] == pytest.approx(whole[1][key], rel=1e-5, abs=1e-7), key
