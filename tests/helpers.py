@@ -210,10 +210,11 @@ def save_tiny_vlm(family: str, path: Path, seed: int = 0) -> Path:
     return Path(path)
 
 
-def own_image_logprobs(model, prompt, completion: list[int]):
+def own_image_logprobs(model, prompt, completion: list[int], full: bool = False):
     """log p(completion | prompt with its images) through the model's own forward, prompt and completion in one row:
     the inputs its transformers processor gives it (Qwen-VL: ``mm_token_type_ids``, pixels, grids; Gemma 3:
-    ``token_type_ids``, pixels)."""
+    ``token_type_ids``, pixels; Idefics3, SmolVLM2: the tiles and their pixel mask, a batch of one). ``full``: the
+    whole log-softmax at each completion position, (len(completion), vocab)."""
     import torch
 
     ids = torch.tensor([prompt.ids + completion])
@@ -222,9 +223,15 @@ def own_image_logprobs(model, prompt, completion: list[int]):
     if prompt.image_grid_thw is not None:
         images["image_grid_thw"] = prompt.image_grid_thw
     kind = {"token_type_ids": kinds} if model.config.model_type == "gemma3" else {"mm_token_type_ids": kinds.int()}
+    if model.config.model_type in ("idefics3", "smolvlm"):  # a batch of one prompt: its tiles and their pixel mask
+        kind = {}
+        if prompt.n_images:
+            images = {"pixel_values": images["pixel_values"][None],
+                      "pixel_attention_mask": prompt.pixel_attention_mask[None]}
     with torch.no_grad():
         logits = model(input_ids=ids, **kind, **images).logits[0].float()
-    return torch.log_softmax(logits, -1)[len(prompt.ids) - 1:-1].gather(-1, torch.tensor(completion)[:, None])[:, 0]
+    rows = torch.log_softmax(logits, -1)[len(prompt.ids) - 1:-1]  # (len(completion), vocab)
+    return rows if full else rows.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
 def in_hub_cache(family: str, repo_id: str, cache: Path, monkeypatch) -> str:

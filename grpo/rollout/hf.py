@@ -61,7 +61,7 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], sampling: Sampling, 
                             desc=desc, progress=progress, min_new_tokens=min_new_tokens, context=context)
         return regroup([g[0] for g in ids], suffixes), regroup([g[0] for g in cut], suffixes)
     if not sampling.greedy:
-        _warn_truncated_sampling(sampling.top_p, sampling.top_k)
+        warn_truncated_sampling(sampling.top_p, sampling.top_k)
     with context() if context is not None else contextlib.nullcontext({}) as extra:
         return _generate(unwrap_model(model, peft=False), tokenizer, prompt_ids, sampling, group_size=group_size,
                          batch_size=batch_size, desc=desc, progress=progress, extra=extra, share_prompt=share_prompt,
@@ -83,7 +83,7 @@ def regroup(flat: list, suffixes: list[list]) -> list[list]:
 _warned_truncated = False
 
 
-def _warn_truncated_sampling(top_p: float, top_k: int) -> None:
+def warn_truncated_sampling(top_p: float, top_k: int) -> None:
     global _warned_truncated
     if (top_p < 1.0 or top_k > 0) and not _warned_truncated:
         _warned_truncated = True

@@ -12,9 +12,10 @@ For every group, in order:
    axis), the position the per-sequence forward and grpo/engine/vision_logprobs.py give it; no token kinds (a
    decoded token is text, as ``generate`` passes none after the prefill).
 
-Sampling is exactly softmax(logits / T) (or argmax), as in grpo/rollout/hf.py; the log-prob of every sampled token
-is returned alongside, so a caller can check it against the trainer's. Groups are decoded one after the other (not
-batched across prompts yet).
+Sampling is grpo/rollout/hf.py's: softmax(logits / T) (or argmax), restricted to ``top_k`` / ``top_p`` where they
+are set (then off-policy, with the same one-time warning); the log-prob of every sampled token under the full
+softmax(logits / T), the trainer's, is returned alongside, so a caller can check it against the trainer's. Groups
+are decoded one after the other (not batched across prompts yet).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from grpo.engine.unwrap import unwrap_model
 from grpo.engine.vision_families import family_of
 from grpo.engine.vision_logprobs import prompt_positions
 from grpo.rollout.base import Completions, Sampling, cut_at_eos
+from grpo.rollout.hf import sample_tokens, warn_truncated_sampling
 from grpo.vision.images import ImagePrompt
 
 
@@ -32,8 +34,8 @@ def generate_with_images(model, prompts, group_size: int, sampling: Sampling, eo
                          seed: int | None = None) -> Completions:
     """G completions per :class:`grpo.vision.images.ImagePrompt`, with the sampler's log-prob of each token.
     ``eos``: the ids that end a completion (kept); ``sampling.greedy`` decodes one argmax completion per prompt."""
-    if sampling.top_p < 1.0 or sampling.top_k:
-        raise ValueError("image rollout samples the full softmax only; set rollout.top_p=1.0 and rollout.top_k=0")
+    if not sampling.greedy:
+        warn_truncated_sampling(sampling.top_p, sampling.top_k)
     vlm = unwrap_model(model)  # a peft model: its base, the adapters injected and active
     gen = None  # seed None: the process's generator (checkpointed), as grpo/rollout/hf.py draws
     if seed is not None:
@@ -42,8 +44,13 @@ def generate_with_images(model, prompts, group_size: int, sampling: Sampling, eo
     prompts = [p if isinstance(p, ImagePrompt) else ImagePrompt(p) for p in prompts]  # token lists: no images
     G = 1 if sampling.greedy else group_size
     ids, cut, logps = [], [], []
-    for prompt in prompts:
-        toks, lps = _group(vlm, prompt, G, sampling, eos, gen)
+    was_training = vlm.training
+    vlm.eval()  # no dropout while sampling; and a model in training mode with gradient checkpointing keeps no cache
+    try:
+        groups = [_group(vlm, prompt, G, sampling, eos, gen) for prompt in prompts]
+    finally:
+        vlm.train(was_training)
+    for toks, lps in groups:
         kept = [cut_at_eos(t, eos, sampling.max_new_tokens) for t in toks]
         ids.append([k for k, _ in kept])
         cut.append([c for _, c in kept])
@@ -68,7 +75,8 @@ def _group(vlm, prompt, G, sampling, eos, gen):
     done = torch.zeros(G, dtype=torch.bool, device=device)
     for k in range(sampling.max_new_tokens):
         logp = torch.log_softmax(logits / sampling.temperature, dim=-1)
-        nxt = logp.argmax(-1) if sampling.greedy else torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+        nxt = logp.argmax(-1) if sampling.greedy else sample_tokens(
+            logits, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, generator=gen)
         tokens.append(nxt)
         lps.append(logp.gather(-1, nxt[:, None])[:, 0])
         done |= torch.isin(nxt, torch.tensor(eos, device=device))

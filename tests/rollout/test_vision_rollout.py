@@ -16,6 +16,7 @@ from grpo.rollout.vision import generate_with_images
 from grpo.tasks import get_task
 from grpo.vision.images import encode
 from grpo.vision.models import vision_tower
+from tests.helpers import own_image_logprobs
 
 
 @pytest.fixture(scope="module", params=VISION_FAMILIES)
@@ -104,14 +105,52 @@ def test_a_wrong_decode_position_is_caught(setup, monkeypatch):
            else lambda core, p, image_id: torch.arange(len(p.ids))[None].expand(3, -1))
     monkeypatch.setattr(rv, "prompt_positions", bug)
     out = generate_with_images(model, prompts[:2], 2, Sampling(max_new_tokens=6), eos=[2], seed=0)
-    with torch.no_grad():
-        assert _diff(vision_token_logprobs(model, prompts[:2], out.ids), out.logprobs) > 1e-3
+    with torch.no_grad():  # 5x the tolerance the right positions meet (2e-5, above)
+        assert _diff(vision_token_logprobs(model, prompts[:2], out.ids), out.logprobs) > 1e-4
 
 
-def test_truncated_sampling_is_refused(setup):
+def test_top_k_and_top_p_restrict_the_samples_and_report_the_trainers_logprobs(setup):
+    """top_k=1 (or a top_p below the most likely token's mass) samples the argmax: the greedy completion, G times;
+    top_k=3 samples among the 3 most likely tokens of the trainer's own logits at every step, with log-probs still
+    the full softmax's (the trainer's), and a one-time note that the rollout is off-policy."""
+    import warnings
+
+    import grpo.rollout.hf as hf
+
     model, prompts = setup
-    with pytest.raises(ValueError, match="rollout.top_p=1.0"):
-        generate_with_images(model, prompts, 2, Sampling(max_new_tokens=4, top_p=0.9), eos=[2])
+    greedy = generate_with_images(model, prompts[:2], 1, Sampling(max_new_tokens=6, greedy=True), eos=[-1])
+    hf._warned_truncated = False
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for cut in (Sampling(max_new_tokens=6, top_k=1), Sampling(max_new_tokens=6, top_p=1e-6)):
+            out = generate_with_images(model, prompts[:2], 3, cut, eos=[-1], seed=0)
+            assert out.ids == [g * 3 for g in greedy.ids]
+    assert sum("off-policy" in str(w.message) or "top_p" in str(w.message) for w in seen) == 1
+    out = generate_with_images(model, prompts[:2], 4, Sampling(max_new_tokens=6, top_k=3), eos=[-1], seed=0)
+    with torch.no_grad():
+        assert _diff(vision_token_logprobs(model, prompts[:2], out.ids), out.logprobs) < 2e-5
+        for p, rows in zip(prompts[:2], out.ids):
+            for r in rows:  # each sampled token is among the 3 most likely: at most 2 tokens are more likely
+                full = own_image_logprobs(model, p, r, full=True)
+                chosen = full.gather(-1, torch.tensor(r)[:, None])
+                assert int((full > chosen + 1e-6).sum(-1).max()) <= 2
+    assert len({tuple(r) for g in out.ids for r in g}) > 2  # it still samples
+
+
+def test_the_rollout_samples_in_eval_mode_and_restores_training_mode(setup):
+    """No dropout while sampling (and Idefics3 with gradient checkpointing keeps a cache only outside training mode);
+    the model is in training mode again afterwards."""
+    model, prompts = setup
+    modes = []
+    handle = model.register_forward_hook(lambda m, args, out: modes.append(m.training))
+    model.train()
+    try:
+        generate_with_images(model, prompts[:1], 2, Sampling(max_new_tokens=3), eos=[-1], seed=0)
+    finally:
+        handle.remove()
+        restored = model.training
+        model.eval()
+    assert modes and not any(modes) and restored
 
 
 def test_a_gemma3_prefill_without_its_image_blocks_is_caught(monkeypatch):
