@@ -37,7 +37,8 @@ def test_each_alarm_fires_after_its_patience_and_clears_once(name):
     stream = [HEALTHY] * 2 + [{**HEALTHY, **BAD[name]}] * (patience + 3) + [HEALTHY] * 2
     events = run(a, stream)
     assert [(s, e.name, e.fired) for s, e in events] == [(2 + patience, name, True), (2 + patience + 4, name, False)]
-    assert "cleared" in events[1][1].line
+    subject = {"logprob_gap": " (rollout_is/logp_diff_abs_mean)", "constant_reward": " (accuracy)"}.get(name, "")
+    assert events[1][1].line == f"alarm {name}{subject} cleared at step {2 + patience + 4}"
 
 
 def test_messages_say_what_and_what_to_change():

@@ -51,7 +51,7 @@ def test_plain_numbers_in_latex_and_currency_forms():
     assert as_number(r"\$5") == 5 and as_number("5.") == 5 and as_number("1 / 2") == Fraction(1, 2)
     assert as_number("+5") == 5 and as_number("1,234.5") == Fraction(2469, 2) and as_number("-0.5") == Fraction(-1, 2)
     assert as_number(r"-\frac{1}{2}") == Fraction(-1, 2) and as_number(r"\dfrac{3}{4}") == Fraction(3, 4)
-    assert as_number("x") is None and as_number("1/0") is None
+    assert as_number("x") is None and as_number("1/0") is None and as_number("5X") is None and as_number("X5") is None
 
 
 def test_numbers_are_equal_within_a_millionth_relative():
