@@ -87,7 +87,8 @@ def fake_verify(monkeypatch):
 
 def test_math_verify_gets_the_boxed_candidate_else_the_bare_one_and_the_timeout(fake_verify):
     assert is_correct(r"\boxed{y}", "x") == 0.0
-    assert fake_verify.calls == [("parse", "$x$", 3), ("parse", "\\boxed{y}", 3), ("verify", ["$x$"], ["\\boxed{y}"], 3)]
+    assert fake_verify.calls == [("parse", "$x$", 3), ("parse", "\\boxed{y}", 3),
+                                 ("verify", ["$x$"], ["\\boxed{y}"], 3)]
     fake_verify.calls.clear()
     assert is_correct(r"\boxed{z}", "$x$", timeout_s=1) == 1.0   # the boxed parse finds nothing: the bare one
     assert fake_verify.calls == [("parse", "$x$", 1), ("parse", "\\boxed{z}", 1), ("parse", "$z$", 1),
