@@ -62,8 +62,7 @@ def _constant_reward(m: dict, th: float, ctx: Context) -> Seen:
 
 
 def _non_finite(m: dict, th: float, ctx: Context) -> Seen:
-    if m.get("empty_batch"):
-        return {}
+    """An empty batch (`grpo.update.EMPTY`: loss None, grad_norm 0.0) is skipped, not broken: nothing to see."""
     bad = [k for k in ("loss", "grad_norm") if isinstance(m.get(k), float) and not math.isfinite(m[k])]
     verb = "were" if len(bad) > 1 else "was"
     return {"": f"the {' and the '.join(bad)} {verb} not finite (the update was skipped)"} if bad else {}

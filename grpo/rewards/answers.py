@@ -16,8 +16,8 @@ def _math_key(text: str) -> Hashable | None:
     cand = math_answer.extract_answer(text)
     if cand is None:
         return None
-    number = math_answer.as_number(cand)
-    return ("number", number) if number is not None else ("text", math_answer._norm_text(cand))
+    number = math_answer.as_number(cand)  # a Fraction, never equal to a text key
+    return number if number is not None else math_answer._norm_text(cand)
 
 
 def _exact_key(text: str) -> Hashable | None:

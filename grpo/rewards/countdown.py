@@ -25,8 +25,7 @@ def evaluate(expr: str) -> tuple[Fraction, list[int]] | None:
     """Value and the integers used of an arithmetic expression (``(3 + 5) * 2``), or None when it
     is anything else (names, calls, powers, unary minus, floats) or divides by zero."""
     expr = expr.replace("×", "*").replace("÷", "/").replace("−", "-").strip()
-    if "=" in expr:  # "(3 + 5) * 2 = 16": judge the left-hand side
-        expr = expr.split("=", 1)[0]
+    expr = expr.partition("=")[0]  # "(3 + 5) * 2 = 16": judge the left-hand side
     if not expr or len(expr) > _MAX_CHARS:
         return None
     try:

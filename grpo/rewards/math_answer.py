@@ -56,7 +56,8 @@ def extract_answer(completion: str) -> str | None:
         return None
     text = completion
     if "</think>" in text:  # the reasoning may try several answers; only the conclusion counts
-        text = text.rsplit("</think>", 1)[1] or text
+        reasoning, _, conclusion = text.rpartition("</think>")
+        text = conclusion if conclusion.strip() else reasoning  # no conclusion: the reasoning's last answer
     boxed = last_boxed(text)
     if boxed is not None and boxed.strip():
         return boxed.strip()
@@ -66,8 +67,7 @@ def extract_answer(completion: str) -> str | None:
         return last_boxed(inner) or inner
     said = _ANSWER_IS.findall(text)
     if said:
-        cand = said[-1].strip().strip("$").strip()
-        cand = re.sub(r"[.\s]+$", "", cand)
+        cand = re.sub(r"^[\s$]+|[\s$.]+$", "", said[-1])  # "$42$." -> "42"
         lead = re.match(r"(" + _NUM + r")\s+[A-Za-z]", cand)  # "5 apples" -> "5"
         if lead:
             return lead.group(1)

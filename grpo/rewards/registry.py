@@ -90,7 +90,7 @@ def adapt(fn: Callable, spec: str) -> RewardFn:
     except (TypeError, ValueError):
         return fn
     names = list(params)
-    if names[:2] in (["data_source", "solution_str"],) or "solution_str" in names:
+    if "solution_str" in names:  # verl's solution_str, wherever it stands
         return from_verl(fn)
     has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     positional = [

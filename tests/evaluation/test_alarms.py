@@ -37,7 +37,8 @@ def test_each_alarm_fires_after_its_patience_and_clears_once(name):
     stream = [HEALTHY] * 2 + [{**HEALTHY, **BAD[name]}] * (patience + 3) + [HEALTHY] * 2
     events = run(a, stream)
     assert [(s, e.name, e.fired) for s, e in events] == [(2 + patience, name, True), (2 + patience + 4, name, False)]
-    assert "cleared" in events[1][1].line
+    subject = {"logprob_gap": " (rollout_is/logp_diff_abs_mean)", "constant_reward": " (accuracy)"}.get(name, "")
+    assert events[1][1].line == f"alarm {name}{subject} cleared at step {2 + patience + 4}"
 
 
 def test_messages_say_what_and_what_to_change():
@@ -74,8 +75,10 @@ def test_constant_reward_is_per_function():
 
 
 def test_empty_batch_is_not_non_finite():
-    a = alarms()
-    assert run(a, [{"loss": None, "grad_norm": 0.0, "empty_batch": True, "skipped": True}]) == []
+    from grpo.update import EMPTY
+
+    a = alarms(non_finite={"patience": 1})
+    assert run(a, [dict(EMPTY)]) == []
 
 
 def test_quiet_on_the_quickstart():
@@ -98,3 +101,43 @@ def test_thresholds_are_inclusive(name, key, at, below):
     assert [e.name for _, e in run(a, [{**HEALTHY, key: at}])] == [name]
     a = alarms(**{name: {"patience": 1}})
     assert run(a, [{**HEALTHY, key: below}]) == []
+
+
+def test_the_cleared_line_names_the_function_of_a_per_function_alarm_only():
+    a = alarms(truncation={"patience": 1}, constant_reward={"patience": 1})
+    bad = {**HEALTHY, "truncated_frac": 1.0, "reward/format": 1.0, "reward/format_std": 0.0}
+    run(a, [bad])
+    assert [e.line for e in a.update(2, HEALTHY)] == ["alarm truncation cleared at step 2",
+                                                      "alarm constant_reward (format) cleared at step 2"]
+    assert a.metrics()["alarm/truncation"] == 0 and a.metrics()["alarm/constant_reward"] == 0
+
+
+def test_one_step_is_one_step_and_every_constant_function_fires():
+    a = alarms(constant_reward={"patience": 1})
+    m = {**HEALTHY, "reward/format": 1.0, "reward/format_std": 0.0, "reward/len": 0.5, "reward/len_std": 0.0}
+    lines = [e.line for _, e in run(a, [m])]
+    assert lines == [f"alarm constant_reward: reward.functions.{f} gave every sample the same score ({v}) for 1 step: "
+                     f"{RULES['constant_reward'].advice}" for f, v in [("format", 1), ("len", 0.5)]]
+
+
+def test_a_disabled_alarm_leaves_the_others_on():
+    a = alarms(truncation={"enabled": False}, zero_std={"patience": 1})
+    assert [e.name for _, e in run(a, [{**HEALTHY, "truncated_frac": 1.0, "zero_std_frac": 1.0}])] == ["zero_std"]
+
+
+def test_the_sync_gap_of_the_generation_server_is_a_logprob_gap():
+    a = alarms(logprob_gap={"patience": 1})
+    (_, e), = run(a, [{**HEALTHY, "server/sync_logprob_gap": 0.75}])
+    assert e.subject == "server/sync_logprob_gap" and e.line.startswith(
+        "alarm logprob_gap: server/sync_logprob_gap=0.75: the sampler's log-probs are that far from the trainer's "
+        "for 1 step: ")
+
+
+@pytest.mark.parametrize("bad,what", [
+    ({"loss": float("nan")}, "the loss was"), ({"grad_norm": float("inf")}, "the grad_norm was"),
+    ({"loss": float("nan"), "grad_norm": float("nan")}, "the loss and the grad_norm were")])
+def test_non_finite_names_what_was_not_finite(bad, what):
+    a = alarms(non_finite={"patience": 1})
+    (_, e), = run(a, [{**HEALTHY, **bad}])
+    assert e.line.startswith(f"alarm non_finite: {what} not finite (the update was skipped) for 1 step: lower ")
+

@@ -27,3 +27,20 @@ def test_which_rewards_read_the_answer():
     got = {rf.name: needs_answer(rf.fn) for rf in build({"a": {"fn": "arithmetic"}, "m": {"fn": "math_accuracy"},
                                                           "f": {"fn": "number_only"}, "t": {"fn": "tag_count"}})}
     assert got == {"a": True, "m": True, "f": False, "t": False}
+
+
+def test_exact_match_votes_on_the_normal_form_and_none_without_an_answer():
+    key = vote_key("exact_match", {"mode": "exact"})
+    assert key("<think>x</think>The answer is: The Eiffel Tower.") == "eiffel tower"
+    assert key("Paris") != key("Rome") and key("") is None and key("The.") is None   # nothing left to vote on
+
+
+def test_a_verl_function_reads_the_answer_and_an_unreadable_signature_does_not(tmp_path, monkeypatch):
+    from grpo.rewards import resolve
+
+    (tmp_path / "verl_fns.py").write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                          "    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert needs_answer(resolve("verl_fns:score"))
+    assert not needs_answer(max)                       # a builtin whose signature inspect cannot read
+    assert needs_answer(lambda prompts, completions, answer: []) and not needs_answer(lambda p, c, **kw: [])

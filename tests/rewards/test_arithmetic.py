@@ -12,3 +12,8 @@ def test_lenient_takes_the_last_integer_and_strict_only_a_bare_one():
 
 def test_number_only_is_one_for_a_bare_number_and_shaped_otherwise():
     assert number_only(None, ["12", "a1", "", "ab"]) == [1.0, 0.25, 0.0, 0.0]
+
+
+def test_a_bare_integer_may_have_thousands_separators_and_a_full_stop_but_nothing_else():
+    assert bare_integer("1,234") == 1234 and bare_integer("-7.") == -7 and bare_integer(" 12 ") == 12
+    assert bare_integer("12X") is None and bare_integer("12.5") is None and bare_integer("") is None

@@ -13,3 +13,14 @@ def test_exact_contains_and_lists_of_references():
     assert matches("it is in Paris, France", "paris", mode="contains") and matches("NYC", ["New York", "nyc"])
     assert exact_match(None, ["<answer>Paris</answer>", "<answer>Rome</answer>"], answer=["paris", "paris"]) == \
         [1.0, 0.0]
+
+
+def test_the_final_answer_comes_after_the_last_think_block():
+    assert final_answer("<think>maybe the answer is Rome</think>The answer is New York") == "New York"
+    assert final_answer("<think>a</think>answer: Rome</think>The answer is New York") == "New York"
+    assert final_answer(None) == "" and final_answer("") == "" and final_answer("\n  \n") == ""
+
+
+def test_an_empty_reference_in_a_list_is_skipped_not_the_end():
+    assert matches("paris", ["", "Paris"]) and matches("paris", ["the", "paris"], mode="contains")
+    assert not matches("", [""]) and not matches("paris", [])

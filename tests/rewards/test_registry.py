@@ -101,3 +101,81 @@ def test_config_kwarg_typo_is_refused_even_with_open_kwargs(tmp_path, monkeypatc
             preflight(cfg_factory({"reward": {"functions": {"b": {"fn": "open_rewards:brevity", "target_wrds": 1}}}}))
     finally:
         sys.modules.pop("open_rewards", None)
+
+
+def test_a_function_registered_at_run_time_is_a_builtin_taking_text_or_messages():
+    from grpo.rewards.registry import REWARDS, is_builtin, register
+
+    def shout(prompts, completions, **_):
+        return [float(p.isupper() and c.isupper()) for p, c in zip(prompts, completions)]
+
+    assert register("test_shout")(shout) is shout
+    try:
+        assert is_builtin("test_shout") and "test_shout" in available()
+        fn = resolve("test_shout")
+        assert fn(["HI"], ["YO"]) == [1.0]
+        assert fn([[{"role": "user", "content": "HI"}]], [[{"role": "assistant", "content": "no"}]]) == [0.0]
+    finally:
+        REWARDS._items.pop("test_shout")
+    assert not is_builtin("test_shout") and not is_builtin("my_rewards:has_seven")
+
+
+@pytest.fixture
+def shapes_module(tmp_path, monkeypatch):
+    """Reward functions of each signature `adapt` tells apart, in a package (``pkg.shapes``)."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "shapes.py").write_text(textwrap.dedent("""
+        NOT_A_FUNCTION = 3
+
+        def trl(prompts, completions, **columns):
+            return [float(len(c)) for c in completions]
+
+        def two(p, c):
+            return [float(len(x)) for x in c]
+
+        def three(prompts, completions, answer):
+            return [float(c == a) for c, a in zip(completions, answer)]
+
+        def keyword_only(completions, **kwargs):
+            return [float(len(c) + len(kwargs["prompts"])) for c in completions]
+
+        def one(completions):
+            return [0.0]
+
+        def open_first(x, **kwargs):
+            return [0.0]
+
+        def solution_later(prompt, solution_str, ground_truth=None, extra_info=None):
+            return float(solution_str == str(ground_truth))
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    for name in ("pkg", "pkg.shapes"):
+        sys.modules.pop(name, None)
+
+
+def test_batch_functions_are_used_as_they_are_and_keyword_callers_wrapped(shapes_module):
+    import pkg.shapes as shapes
+
+    for name in ("trl", "two", "three"):  # positional (prompts, completions, ...): no wrapper
+        assert resolve(f"pkg.shapes:{name}") is getattr(shapes, name)
+        assert resolve(f"pkg.shapes.{name}") is getattr(shapes, name)  # the module is all but the last dot part
+    assert resolve("pkg.shapes:two")(["p"], ["abc"]) == [3.0]
+    kw = resolve("pkg.shapes:keyword_only")  # TRL calls by keyword: (completions, **kwargs) is a valid reward
+    assert kw is not shapes.keyword_only and kw(["pp", "q"], ["abc", "d"]) == [5.0, 3.0]
+    verl = resolve("pkg.shapes:solution_later")  # verl's solution_str, not in second place
+    assert verl(["p", "p"], ["4", "5"], answer=[4, 4]) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("attr", ["one", "open_first"])
+def test_a_function_taking_fewer_than_prompts_and_completions_is_refused_naming_the_reward(shapes_module, attr):
+    with pytest.raises(RewardSpecError, match=rf"^reward 'pkg.shapes:{attr}' has signature \("):
+        resolve(f"pkg.shapes:{attr}")
+
+
+def test_a_name_that_is_not_a_function_and_a_spec_with_two_colons_are_refused(shapes_module):
+    with pytest.raises(RewardSpecError, match="module 'pkg.shapes' has no function 'NOT_A_FUNCTION'"):
+        resolve("pkg.shapes:NOT_A_FUNCTION")
+    with pytest.raises(RewardSpecError, match="module 'pkg.shapes' has no function 'trl:x'"):
+        resolve("pkg.shapes:trl:x")  # the module is what comes before the first colon

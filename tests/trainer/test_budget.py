@@ -96,3 +96,38 @@ def test_a_refused_multi_turn_budget_says_how_long_a_completion_gets(cfg_factory
     assert str(multi.value).endswith(
         f" (multi-turn: a completion is up to {completion} tokens, rollout.max_turns turns of max_new_tokens with "
         "tool text of up to rollout.max_tool_tokens between them)")
+
+
+@pytest.mark.parametrize("limit", [0, -1.5])
+def test_a_memory_limit_that_is_not_positive_is_refused_naming_the_key(cfg_factory, limit):
+    splits = SimpleNamespace(train=[{"prompt_ids": [1] * 20}])
+    with pytest.raises(SetupError, match=rf"^engine.memory_limit_gib={float(limit)} must be > 0"):
+        plan(cfg_factory({"engine": {"memory_limit_gib": limit}}), splits, _runtime())
+
+
+def test_the_memory_limit_bounds_the_auto_budget(cfg_factory):
+    splits, rt = SimpleNamespace(train=[{"prompt_ids": [1] * 20}]), _runtime()
+    auto = {"max_tokens_per_micro_batch": "auto"}
+    assert plan(cfg_factory({"engine": {**auto, "memory_limit_gib": 4}}), splits, rt) >= 20 + 16
+    assert plan(cfg_factory({"engine": {"max_tokens_per_micro_batch": 64, "memory_limit_gib": 0.5}}), splits, rt) == 64
+    with pytest.raises(SetupError, match="of the 0.0 GiB free"):  # a millionth of a GiB holds no sequence
+        plan(cfg_factory({"engine": {**auto, "memory_limit_gib": 1e-6}}), splits, rt)
+
+
+def test_a_refused_single_turn_budget_says_what_the_budget_check_said_and_nothing_more(cfg_factory, monkeypatch):
+    import grpo.trainer.budget as budget
+
+    said, real = [], budget.choose_budget
+
+    def choose(*args):
+        try:
+            return real(*args)
+        except ValueError as e:
+            said.append(str(e))
+            raise
+
+    monkeypatch.setattr(budget, "choose_budget", choose)
+    with pytest.raises(SetupError) as e:
+        plan(cfg_factory({"engine": {"max_tokens_per_micro_batch": 40}}),
+             SimpleNamespace(train=[{"prompt_ids": [1] * 30}]), _runtime())
+    assert said and str(e.value) == said[-1]
