@@ -124,7 +124,7 @@ def main(argv=None) -> int:
         res.update(json.loads(out.stdout.strip().splitlines()[-1]))
     import grpo
 
-    print(f"| {model} | {P} | {S} | {G} | {res['cpu_s']:.2f} | {res['peak_mib']:.0f} | {res['saved_mib']:.1f} | "
+    print(f"| {model} | {P} | {S} | {G} | {res['cpu_s']:.3g} | {res['peak_mib']:.0f} | {res['saved_mib']:.1f} | "
           f"{grpo.__file__.rsplit('/grpo/', 1)[0]} |")
     return 0
 

@@ -124,9 +124,10 @@ class DeepSpeedRuntime(Runtime):
         micro-batch) only through a zero term (grpo/engine/vision_logprobs.py), in another order; reduced in
         hook order, the ranks would add up the buckets of different parameters. Every rank then holds its
         full gradients until the step (as ZeRO-1 does)."""
+        from grpo.engine.unwrap import unwrap_model
         from grpo.vision.models import image_side_params
 
-        if self.stage >= 3 or not image_side_params(model):
+        if self.stage >= 3 or not image_side_params(unwrap_model(model)):
             return False
         if not hasattr(self.engine, "coalesce_grad_reduction"):
             raise SetupError(f"a vision-language model with a trainable vision tower under ZeRO-{self.stage} needs "

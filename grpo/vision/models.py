@@ -247,13 +247,11 @@ def freeze_vision_tower(model, name: str = "the model") -> None:
 
 
 def image_side_params(model) -> list:
-    """The trainable parameters on the image side of a vision-language model (or of its core ``model.model``): those
-    of the core's modules other than the one holding the token embeddings (the vision tower, and a projector or
-    connector outside it). ``[]`` for a text model, a frozen tower, or LoRA on the language model."""
-    from grpo.engine.unwrap import unwrap_model
-
+    """The trainable parameters on the image side of a vision-language model (or of its core ``model.model``), taken
+    out of its wrappers (grpo/engine/unwrap.py): those of the core's modules other than the one holding the token
+    embeddings (the vision tower, and a projector or connector outside it). ``[]`` for a text model, a frozen tower,
+    or LoRA on the language model."""
     has_tower = lambda m: any(getattr(m, a, None) is not None for a in TOWERS)  # noqa: E731
-    model = unwrap_model(model)
     core = model if has_tower(model) else getattr(model, "model", None)
     if core is None or not has_tower(core):
         return []

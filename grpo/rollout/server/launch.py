@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,13 +62,19 @@ def model_dir(s: ServeSettings, cache: Path) -> tuple[str, bool]:
         tok, images = load_tokenizer(s.model), load_image_processor(s.model)  # a vision-language model's: both
         model = tiny_model(s.model.split(":", 1)[1], len(tok), **dict(s.tiny))
         model.config.architectures = [type(model).__name__]  # vLLM must build this class (it would guess)
-        tmp = out.with_name(out.name + ".tmp")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))  # its own: servers start at once
         model.config.save_pretrained(tmp)
         if images is not None:  # vLLM's input processing loads them (the placeholders, the image tokens' count)
             save_processor(str(tmp), tok, images)
         else:
             tok.save_pretrained(tmp)
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except OSError:  # another server wrote the same folder first: the same files, keep its
+            shutil.rmtree(tmp)
+            if not (out / "config.json").exists():
+                raise
     return str(out), True
 
 

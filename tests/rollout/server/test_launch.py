@@ -3,6 +3,7 @@ import json
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +42,27 @@ def test_a_tiny_model_is_served_from_its_config_and_tokenizer_with_dummy_weights
     assert _flag(again, "--model") == folder  # written once, found again
     other, _ = serve_command(_settings(tiny={**VLLM_TINY, "intermediate_size": 512}), tmp_path)
     assert _flag(other, "--model") != folder
+
+
+def test_servers_started_at_once_share_the_tiny_models_folder(tmp_path, monkeypatch):
+    """Two grpo-serve processes for one tiny model (several servers, or test workers) both find no folder and write
+    one: the second keeps the first's, and leaves no temporary folder behind."""
+    import tempfile
+
+    from grpo.rollout.server import launch
+
+    real, calls = tempfile.mkdtemp, []
+
+    def another_server_first(**kw):  # the other server writes the whole folder while this one is writing its own
+        calls.append(1)
+        if len(calls) == 1:
+            launch.model_dir(_settings(), tmp_path)
+        return real(**kw)
+
+    monkeypatch.setattr(launch.tempfile, "mkdtemp", another_server_first)
+    path, dummy = launch.model_dir(_settings(), tmp_path)
+    assert len(calls) == 2 and dummy and (Path(path) / "config.json").exists()
+    assert [p.name for p in (tmp_path / "serve").iterdir()] == [Path(path).name]
 
 
 def test_on_cuda_the_server_gets_its_devices_and_vllms_nccl_transfer(tmp_path):
