@@ -38,3 +38,26 @@ def test_our_warnings_show_as_one_line_and_others_as_python_shows_them(capsys):
     assert shown[0].startswith("[grpo] warning: rollout.top_p=0.9 / rollout.top_k=0: completions are sampled from")
     assert shown[0].count("\n") == 1 and "UserWarning: someone else's" in shown[1]
     assert not issubclass(UserWarning, GRPOWarning)
+
+
+def test_showing_warnings_as_lines_twice_wraps_once_and_others_keep_pythons_exact_text():
+    """A second call (grpo-train's and grpo-serve's main both make one) keeps the one formatter in place rather
+    than wrapping it again; a warning of another library reads exactly as Python's own formatter writes it, with
+    its file, line number and source line."""
+    import warnings
+
+    from grpo.errors import GRPOWarning, show_warnings_as_lines
+
+    before = warnings.formatwarning
+    try:
+        show_warnings_as_lines()
+        first = warnings.formatwarning
+        show_warnings_as_lines()
+        assert warnings.formatwarning is first and first is not before
+        theirs = warnings.formatwarning("deprecated", DeprecationWarning, "lib/mod.py", 7, "x = old()")
+        ours = warnings.formatwarning("check the key", GRPOWarning, "lib/mod.py", 7, "x = old()")
+    finally:
+        warnings.formatwarning = before
+    assert theirs == before("deprecated", DeprecationWarning, "lib/mod.py", 7, "x = old()")
+    assert theirs == "lib/mod.py:7: DeprecationWarning: deprecated\n  x = old()\n"
+    assert ours == "[grpo] warning: check the key\n"

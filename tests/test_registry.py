@@ -44,3 +44,19 @@ def test_every_registry_of_grpo_refuses_a_conflicting_duplicate():
         name = next(iter(reg))
         with pytest.raises(ValueError, match=f"'{name}' is registered twice"):
             reg.add(name, other)
+
+
+def test_a_registered_name_is_got_back_and_a_conflict_of_plain_values_names_them_by_repr():
+    """Objects without a module and a qualified name (values, partials) are named by their repr in the error."""
+    r = Registry("widget")
+    r.add("a", one)
+    assert r.get("a") is one
+    r.add("n", 3)
+    with pytest.raises(ValueError) as e:
+        r.add("n", 4)
+    assert str(e.value) == "widget 'n' is registered twice: 3 and 4; give one of them another name"
+    p, q = functools.partial(one, 1), functools.partial(other, 1)
+    r.add("p", p)
+    with pytest.raises(ValueError) as e:
+        r.add("p", q)
+    assert str(e.value) == f"widget 'p' is registered twice: {p!r} and {q!r}; give one of them another name"
