@@ -48,16 +48,17 @@ def test_showing_warnings_as_lines_twice_wraps_once_and_others_keep_pythons_exac
 
     from grpo.errors import GRPOWarning, show_warnings_as_lines
 
-    before = warnings.formatwarning
+    before = warnings.formatwarning  # an earlier test in this process may have put the formatter in place already
+    warnings.formatwarning = warnings._formatwarning_orig  # Python's own, as a fresh process starts with
     try:
         show_warnings_as_lines()
         first = warnings.formatwarning
         show_warnings_as_lines()
-        assert warnings.formatwarning is first and first is not before
+        assert warnings.formatwarning is first and first is not warnings._formatwarning_orig
         theirs = warnings.formatwarning("deprecated", DeprecationWarning, "lib/mod.py", 7, "x = old()")
         ours = warnings.formatwarning("check the key", GRPOWarning, "lib/mod.py", 7, "x = old()")
     finally:
         warnings.formatwarning = before
-    assert theirs == before("deprecated", DeprecationWarning, "lib/mod.py", 7, "x = old()")
+    assert theirs == warnings._formatwarning_orig("deprecated", DeprecationWarning, "lib/mod.py", 7, "x = old()")
     assert theirs == "lib/mod.py:7: DeprecationWarning: deprecated\n  x = old()\n"
     assert ours == "[grpo] warning: check the key\n"

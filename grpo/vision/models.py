@@ -167,11 +167,17 @@ def tiny_vlm(family: str, tokenizer, text: dict, seed: int = 0):
                                         for i in range(text["num_hidden_layers"])])
     config_cls, model_cls, vision = _FAMILIES[family]
     vision = {**vision, _OUT_WIDTH[family]: text["hidden_size"]}
+    return _seeded(family, text, seed, lambda: getattr(transformers, model_cls)(
+        getattr(transformers, config_cls)(text_config=text, vision_config=vision, **ids)))
+
+
+def _seeded(family: str, text: dict, seed: int, build):
+    """``build()`` with torch's generator seeded by ``seed`` (and left as it was after), a config it refuses
+    (transformers' ValueError or TypeError) as one line naming ``model.tiny``."""
     try:
-        config = getattr(transformers, config_cls)(text_config=text, vision_config=vision, **ids)
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            return getattr(transformers, model_cls)(config)
+            return build()
     except (ValueError, TypeError) as e:
         raise ModelError(f"model.tiny={text} does not make a valid {family} model: "
                          f"{str(e).strip().splitlines()[0][:200]}") from None
@@ -191,17 +197,14 @@ def _tiny_gemma3(tokenizer, text: dict, seed: int):
             **text}
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   image_size=GEMMA3_IMAGE["image_size"], patch_size=GEMMA3_IMAGE["patch_size"])
-    try:
-        config = transformers.Gemma3Config(text_config=text, vision_config=vision, tie_word_embeddings=False,
-                                           mm_tokens_per_image=GEMMA3_IMAGE["mm_tokens_per_image"], **ids)
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            model = transformers.Gemma3ForConditionalGeneration(config)
-            torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.05)
+    def build():
+        model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+            text_config=text, vision_config=vision, tie_word_embeddings=False,
+            mm_tokens_per_image=GEMMA3_IMAGE["mm_tokens_per_image"], **ids))
+        torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.05)
         return model
-    except (ValueError, TypeError) as e:
-        raise ModelError(f"model.tiny={text} does not make a valid gemma3 model: "
-                         f"{str(e).strip().splitlines()[0][:200]}") from None
+
+    return _seeded("gemma3", text, seed, build)
 
 
 def _tiny_tiled(family: str, tokenizer, text: dict, seed: int):
@@ -213,16 +216,10 @@ def _tiny_tiled(family: str, tokenizer, text: dict, seed: int):
     v = IDEFICS3_IMAGE
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   image_size=v["tile"], patch_size=v["patch_size"])
-    try:
-        config = getattr(transformers, config_cls)(text_config={"model_type": "llama", **text}, vision_config=vision,
-                                                   scale_factor=v["scale_factor"], tie_word_embeddings=False,
-                                                   image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            return getattr(transformers, model_cls)(config)
-    except (ValueError, TypeError) as e:
-        raise ModelError(f"model.tiny={text} does not make a valid {family} model: "
-                         f"{str(e).strip().splitlines()[0][:200]}") from None
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    return _seeded(family, text, seed, lambda: getattr(transformers, model_cls)(getattr(transformers, config_cls)(
+        text_config={"model_type": "llama", **text}, vision_config=vision, scale_factor=v["scale_factor"],
+        tie_word_embeddings=False, image_token_id=image_token_id)))
 
 
 # the core's attribute holding the vision tower: Qwen-VL's, Gemma 3's, Idefics3's
