@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import shutil
 import string
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -52,6 +54,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo"))
 
 
+def publish_folder(out: Path, write, complete) -> Path:
+    """Make the cache folder ``out`` once, safely when other processes make it at the same time (several servers,
+    test workers, two runs): ``write(tmp)`` fills a temporary folder of this process's own beside ``out``, which is
+    then renamed to ``out``. When another process has put a ``complete(out)`` folder there first, that one is kept;
+    an incomplete leftover is replaced."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        write(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # out is there and not empty
+            if not complete(out):
+                shutil.rmtree(out)
+                tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
 # ------------------------------------------------------------------------------- embedded SmolLM2
 def prepare_embedded(name: str = "smollm2-135m-instruct") -> Path:
     """Convert the GGUF shipped in a PyPI package to a safetensors directory once; return its path."""
@@ -59,7 +82,8 @@ def prepare_embedded(name: str = "smollm2-135m-instruct") -> Path:
         raise ModelError(f"unknown embedded model {name!r}; available: {', '.join(EMBEDDED)}")
     package, version, dirname = EMBEDDED[name]
     out = cache_dir() / dirname
-    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+    complete = lambda d: (d / "config.json").exists() and any(d.glob("*.safetensors"))  # noqa: E731
+    if complete(out):
         return out
     fetched = out.with_name(out.name + ".fetch")
     path = _installed_gguf(package) or _fetch_gguf(package, version, fetched)
@@ -73,15 +97,8 @@ def prepare_embedded(name: str = "smollm2-135m-instruct") -> Path:
     del model.config.quantization_config
     model.hf_quantizer = None
     model.config.name_or_path = dirname
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    if out.exists():
-        import shutil
-        shutil.rmtree(out)
-    tmp.rename(out)
+    publish_folder(out, lambda tmp: (model.save_pretrained(tmp), tok.save_pretrained(tmp)), complete)
     if fetched.exists():
-        import shutil
         shutil.rmtree(fetched)
     return out
 

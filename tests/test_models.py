@@ -34,3 +34,30 @@ def test_lora_on_a_text_model_adapts_every_target_without_a_tower_exclusion(recw
     adapted = {n.split(".lora_A")[0] for n, _ in model.named_parameters() if "lora_A" in n}
     assert adapted and all(n.split(".")[-1] in {"q_proj", "k_proj", "v_proj", "o_proj"} for n in adapted)
     assert not [w for w in recwarn if "exclude_modules" in str(w.message)]
+
+
+def test_publish_folder_keeps_a_complete_folder_replaces_a_leftover_and_leaves_no_temporary(tmp_path):
+    """The cache folders (the embedded model's conversion, grpo-serve's tiny models) are made through one helper:
+    a folder another process completed first is kept, a half-written leftover replaced, a failed write leaves
+    nothing behind."""
+    import pytest
+
+    from grpo.models import publish_folder
+
+    complete = lambda d: (d / "config.json").exists()  # noqa: E731
+    write = lambda text: lambda tmp: (tmp / "config.json").write_text(text)  # noqa: E731
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "partial.bin").write_text("cut short")  # a leftover without its config
+    publish_folder(out, write("new"), complete)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"] and (out / "config.json").read_text() == "new"
+    publish_folder(out, write("other"), complete)  # complete already: kept as it is
+    assert (out / "config.json").read_text() == "new"
+
+    def fails(tmp):
+        (tmp / "half").write_text("x")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        publish_folder(tmp_path / "n", fails, complete)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]

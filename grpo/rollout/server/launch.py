@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +49,7 @@ class ServeSettings:
 def model_dir(s: ServeSettings, cache: Path) -> tuple[str, bool]:
     """(what vLLM loads, whether its weights are dummy). A tiny model: its config and the character tokenizer
     written once to a folder under ``cache`` named by its shape."""
-    from grpo.models import load_image_processor, load_tokenizer, resolve_path, tiny_model
+    from grpo.models import load_image_processor, load_tokenizer, publish_folder, resolve_path, tiny_model
     from grpo.rollout.vllm_images import save_processor
 
     if not s.model.startswith("tiny:"):
@@ -62,19 +60,15 @@ def model_dir(s: ServeSettings, cache: Path) -> tuple[str, bool]:
         tok, images = load_tokenizer(s.model), load_image_processor(s.model)  # a vision-language model's: both
         model = tiny_model(s.model.split(":", 1)[1], len(tok), **dict(s.tiny))
         model.config.architectures = [type(model).__name__]  # vLLM must build this class (it would guess)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))  # its own: servers start at once
-        model.config.save_pretrained(tmp)
-        if images is not None:  # vLLM's input processing loads them (the placeholders, the image tokens' count)
-            save_processor(str(tmp), tok, images)
-        else:
-            tok.save_pretrained(tmp)
-        try:
-            tmp.rename(out)
-        except OSError:  # another server wrote the same folder first: the same files, keep its
-            shutil.rmtree(tmp)
-            if not (out / "config.json").exists():
-                raise
+
+        def write(tmp):
+            model.config.save_pretrained(tmp)
+            if images is not None:  # vLLM's input processing loads them (the placeholders, the image tokens' count)
+                save_processor(str(tmp), tok, images)
+            else:
+                tok.save_pretrained(tmp)
+
+        publish_folder(out, write, lambda d: (d / "config.json").exists())  # servers may start at once
     return str(out), True
 
 

@@ -49,6 +49,7 @@ def test_servers_started_at_once_share_the_tiny_models_folder(tmp_path, monkeypa
     one: the second keeps the first's, and leaves no temporary folder behind."""
     import tempfile
 
+    from grpo import models
     from grpo.rollout.server import launch
 
     real, calls = tempfile.mkdtemp, []
@@ -59,7 +60,7 @@ def test_servers_started_at_once_share_the_tiny_models_folder(tmp_path, monkeypa
             launch.model_dir(_settings(), tmp_path)
         return real(**kw)
 
-    monkeypatch.setattr(launch.tempfile, "mkdtemp", another_server_first)
+    monkeypatch.setattr(models.tempfile, "mkdtemp", another_server_first)
     path, dummy = launch.model_dir(_settings(), tmp_path)
     assert len(calls) == 2 and dummy and (Path(path) / "config.json").exists()
     assert [p.name for p in (tmp_path / "serve").iterdir()] == [Path(path).name]
