@@ -93,3 +93,38 @@ def test_tool_call_rewards_a_call_that_ran():
     fn = resolve("tool_call")
     assert fn(["p"] * 4, ["c"] * 4, tool_calls=[1, 0, 2, 1], tool_failures=[0, 0, 1, 1]) == [1.0, 0.0, 0.0, 0.0]
     assert fn(["p"], ["c"]) == [0.0]  # no episode: no call
+
+
+def test_every_operator_sign_and_the_exponent_bound():
+    assert [evaluate(f"7 {op} 2") for op in ("+", "-", "*", "/", "//", "%", "**")] == [9, 5, 14, 3.5, 3, 1, 49]
+    assert (evaluate("-3"), evaluate("+3"), evaluate("--3"), evaluate("-(2 - 5)")) == (-3, 3, 3, 3)
+    assert evaluate("2 ** 64") == 2 ** 64 and evaluate("2 ** -64") == 2.0 ** -64
+    for bad in ("2 ** 65", "2 ** -65", "True + 1", "'a'", "not 1", "1 < 2", "abs(1)"):
+        with pytest.raises(ValueError):
+            evaluate(bad)
+    assert evaluate("  2 + 2  ") == 4 and evaluate("1.5 * 2") == 3 and evaluate("0.5 + 0.25") == 0.75
+    # a whole float comes back as an int (the model reads "2", not "2.0"); ints stay ints
+    assert [type(evaluate(e)) for e in ("6 / 3", "7 / 2", "6", "2.5")] == [int, float, int, float]
+
+
+def test_the_environment_answers_the_last_call_of_a_turn_and_counts_from_reset():
+    env = Calculator()
+    env.reset({})
+    assert env.calls == 0
+    assert env.step("<calc>1 + 1</calc> no, rather <calc>2 + 2</calc>") == "Result: 4" and env.calls == 1
+    assert env.step("<calc>1e300 ** 2</calc>").startswith("Error: ")  # a float overflow is an error for the model
+    assert env.step("nothing") is None and env.calls == 2
+    env.reset({})
+    assert env.calls == 0
+
+
+def test_the_python_tool_statements_one_by_one():
+    assert python("x = y = 3\nprint(x, y)") == "3 3" and python("print(5)") == "5" and python("print('hi')") == "hi"
+    assert python("x = 2\nprint(-x, +x, x % 3, x // 3, x - 1, 3 - x)") == "-2 2 2 0 1 1" and python("7 / 2") == "3.5"
+    assert python('print(f"{6 / 3} and {1.5}")') == "2 and 1.5" and python("6 / 3") == "2"
+    assert python("from math import pi\nprint(1)") == "1" and python("x = 2 ** 64\nprint(x)") == str(2 ** 64)
+    for bad in ("2 + 3\nprint(1)", "print(1, sep='-')", "x = True", "x = 2 ** 65", "x = 2\ny = x ** -65",
+                "x = not 1", "x = [1]", "print(1 < 2)", "x, y = 1, 2", "math.floor(2.5)",
+                "math.floor(2.5)\nprint(1)"):
+        with pytest.raises(ValueError):
+            python(bad)
