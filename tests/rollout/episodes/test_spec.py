@@ -7,8 +7,17 @@ from transformers.utils import get_json_schema
 
 from grpo.config.schema import RolloutConfig
 from grpo.errors import ConfigError
-from grpo.rollout.episodes.spec import (RESERVED, Toolset, build_toolset, choose_format, env_methods,
-                                        max_completion_tokens, max_sampled_tokens, multi_turn, tool_schema)
+from grpo.rollout.episodes.spec import (
+    RESERVED,
+    Toolset,
+    build_toolset,
+    choose_format,
+    env_methods,
+    max_completion_tokens,
+    max_sampled_tokens,
+    multi_turn,
+    tool_schema,
+)
 from tests.tool_fixtures import add, undocumented, untyped
 
 
@@ -172,8 +181,9 @@ def test_choose_format_hands_the_format_the_schemas_and_whether_the_chat_templat
     choose_format(ts, "hermes", with_template, False)
     choose_format(ts, "hermes", SimpleNamespace(chat_template=None), True)
     choose_format(ts, "hermes", SimpleNamespace(), True)
-    assert asked == [("auto", list(ts.schemas), with_template, True), ("hermes", list(ts.schemas), with_template, False),
-                     ("hermes", list(ts.schemas), asked[2][2], False), ("hermes", list(ts.schemas), asked[3][2], False)]
+    schemas = list(ts.schemas)
+    assert asked == [("auto", schemas, with_template, True), ("hermes", schemas, with_template, False),
+                     ("hermes", schemas, asked[2][2], False), ("hermes", schemas, asked[3][2], False)]
     assert all(type(a[1]) is list and type(a[3]) is bool for a in asked)
     text = build_toolset([], f"{F}:Echo")
     assert choose_format(text, "hermes", with_template, True) == (text, None) and len(asked) == 4
