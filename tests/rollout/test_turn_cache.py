@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 # the tiny models' classes imported at collection, so that mutmut's fork server holds them (else every mutant's first
 # tiny_model imports them again: 2.4 s)
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2ForCausalLM  # noqa: F401
