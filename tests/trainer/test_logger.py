@@ -49,6 +49,7 @@ class Terminal(io.StringIO):
 
 
 def test_progress_bars_are_turned_off_only_off_a_terminal(monkeypatch):
+    was = hf_logging.is_progress_bar_enabled()  # an earlier test's run may have turned them off: left as found
     hf_logging.enable_progress_bar()
     try:
         monkeypatch.setattr(sys, "stderr", Terminal(tty=True))
@@ -60,7 +61,7 @@ def test_progress_bars_are_turned_off_only_off_a_terminal(monkeypatch):
         logger.quiet_when_not_interactive()
         assert not hf_logging.is_progress_bar_enabled()
     finally:
-        hf_logging.enable_progress_bar()
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
 
 
 def test_every_console_key_in_its_format_and_a_null_kl_reads_n_a():
