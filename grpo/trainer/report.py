@@ -58,14 +58,11 @@ def find_runs(paths: list[str | Path]) -> list[Path]:
     found: dict[Path, None] = {}
     for p in map(Path, paths):
         here = []
-        if (p / "metrics.jsonl").is_file():
-            here.append(p.resolve())
-        else:
-            for dirpath, dirnames, filenames in os.walk(p):
-                dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-                if "metrics.jsonl" in filenames:
-                    here.append(Path(dirpath).resolve())
-                    dirnames[:] = []          # a run does not contain other runs
+        for dirpath, dirnames, filenames in os.walk(p):  # a run given itself is the walk's first directory
+            dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+            if "metrics.jsonl" in filenames:
+                here.append(Path(dirpath).resolve())
+                dirnames[:] = []          # a run does not contain other runs
         for d in sorted(here, key=_natural):
             found.setdefault(d, None)
     return list(found)
@@ -135,10 +132,9 @@ def _label_runs(runs: list[RunLog]) -> list[str]:
     for r in runs:
         own = [o for o in r.overrides if o not in common]
         labels.append(" ".join(own) if own else r.path.name)
-    # identical labels (the same override in two sweeps): add the sweep directory to tell them apart
-    for i, lab in enumerate(labels):
-        if labels.count(lab) > 1:
-            labels[i] = f"{lab} [{runs[i].path.parent.name}/{runs[i].path.name}]"
+    # identical labels (the same override in two sweeps): add the sweep directory to each of them
+    shared = {lab for lab in labels if labels.count(lab) > 1}
+    labels = [f"{lab} [{r.path.parent.name}/{r.path.name}]" if lab in shared else lab for r, lab in zip(runs, labels)]
     for r, lab in zip(runs, labels):
         r.label = lab
     return [o for o in runs[0].overrides if o in common] if runs else []

@@ -3,9 +3,12 @@ online (none offline), the alarm/<name> metrics, and the stop that trainer.stop_
 from omegaconf import OmegaConf
 
 from grpo.config.schema import load
+from grpo.evaluation.alarms import Context
 from grpo.trainer.alarms import Watch
 from grpo.trainer.logger import MetricsLogger
 from tests.helpers import smoke_raw
+
+SMOKE = smoke_raw()  # composed once, at import (every `make mutate` mutant's run is forked after it)
 
 
 class Alerts:
@@ -16,9 +19,9 @@ class Alerts:
         self.sent.append((title, text))
 
 
-def cfg(**trainer):
-    raw = OmegaConf.merge(smoke_raw(), {"trainer": {"output_dir": "unused", **trainer},
-                                        "alarms": {"zero_std": {"patience": 2}}})
+def cfg(rollout=None, **trainer):
+    raw = OmegaConf.merge(SMOKE, {"trainer": {"output_dir": "unused", **trainer}, "rollout": rollout or {},
+                                  "alarms": {"zero_std": {"patience": 2}}})
     return load(OmegaConf.to_container(raw, resolve=True))
 
 
@@ -35,6 +38,17 @@ def test_one_line_one_alert_and_the_metric(capsys):
                      "[grpo] step 5: alarm zero_std cleared at step 5"]
     assert log.sent == [("grpo alarm: zero_std", lines[0][len("[grpo] "):])]
     assert watch.stop is None
+
+
+def test_the_alarms_quote_the_runs_settings_and_take_its_rules(capsys):
+    watch = Watch(cfg(rollout={"max_new_tokens": 13, "temperature": 0.7}), Alerts(), is_main=True)
+    assert watch.alarms.context == Context(max_new_tokens=13, group_size=4, temperature=0.7)
+    assert watch.alarms.specs["zero_std"].patience == 2  # the run's alarms.* sections
+    assert {f"alarm/{n}" for n in watch.alarms.specs} == set(watch.step(1, {}))
+    patience = watch.alarms.specs["truncation"].patience
+    for s in range(2, 2 + patience):
+        watch.step(s, {"truncated_frac": 1.0})
+    assert "100% of completions hit rollout.max_new_tokens=13" in capsys.readouterr().err
 
 
 def test_stop_on_alarm_and_quiet_ranks(capsys):
