@@ -4,7 +4,7 @@ import pytest
 
 from grpo.rewards import resolve
 from grpo.tasks import get_task
-from grpo.tasks.shapes import COLOURS, cell_grid
+from grpo.tasks.shapes import COLOURS, cell_grid, draw
 
 
 def _count(img, colour: str, kind: str, size: int) -> int:
@@ -50,3 +50,52 @@ def test_deterministic_in_seed_and_scored_by_the_integer_reward():
     assert big[0]["images"][0].size == (64, 64)
     with pytest.raises(ValueError, match="max_shapes must be 1-16"):
         make(1, seed=0, max_shapes=17)
+
+
+class At:
+    """An rng whose `sample` places the shapes at the given cells."""
+
+    def __init__(self, *cells):
+        self.cells = list(cells)
+
+    def sample(self, population, k):
+        assert len(population) >= k == len(self.cells)
+        return self.cells
+
+
+def _box(img, colour):
+    """(left, top, right, bottom) of the pixels of ``colour``, inclusive, and the filled width of each row."""
+    mask = (np.asarray(img) == COLOURS[colour]).all(-1)
+    ys, xs = np.nonzero(mask)
+    rows = [int(mask[y].sum()) for y in range(ys.min(), ys.max() + 1)]
+    return (xs.min(), ys.min(), xs.max(), ys.max()), rows
+
+
+@pytest.mark.parametrize("size", [32, 50])
+def test_each_shape_is_centred_in_its_cell_on_white(size):
+    r, per_side = cell_grid(size)
+    cell = size // per_side
+    at = per_side * 2 + per_side - 1   # the third row's last cell: cell widths add up across the picture
+    img = draw(At(at), size, [("green", "square")])
+    x, y = (per_side - 1) * cell + cell // 2, 2 * cell + cell // 2
+    box, rows = _box(img, "green")
+    assert box == (x - r, y - r, x + r, y + r) and set(rows) == {2 * r + 1}
+    a = np.asarray(img)
+    assert (a == 255).all(-1).sum() == size * size - (2 * r + 1) ** 2   # every other pixel is white
+
+
+def test_a_triangle_points_up_from_a_base_as_wide_as_the_square_and_a_circle_is_round():
+    r, per_side = cell_grid(32)
+    img = draw(At(0, 5), 32, [("blue", "triangle"), ("red", "circle")])
+    (left, top, right, bottom), rows = _box(img, "blue")
+    assert (right - left, bottom - top) == (2 * r, 2 * r)
+    assert rows[0] <= 2 and rows[-1] == 2 * r + 1 and rows == sorted(rows)  # widening from the apex to the base
+    (left, top, right, bottom), rows = _box(img, "red")
+    assert (right - left, bottom - top) == (2 * r, 2 * r) and rows == rows[::-1] and rows[0] < max(rows)
+
+
+def test_the_grid_leaves_every_shape_a_cell_and_small_pictures_shapes_five_pixels_wide():
+    assert cell_grid(16) == (2, 2) and cell_grid(20) == (2, 3) and cell_grid(32) == (3, 4)
+    assert cell_grid(64) == (6, 4)
+    (left, _, right, _), _ = _box(draw(At(3), 16, [("red", "square")]), "red")
+    assert right - left + 1 == 5
