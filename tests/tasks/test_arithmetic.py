@@ -46,3 +46,18 @@ def test_the_prompt_is_the_template_around_the_expression_and_other_levels_are_r
     assert eval(row["prompt"][len("What is "):-len("? Answer with the number only.")]) == row["answer"]
     with pytest.raises(ValueError, match="arithmetic level must be 0-4, got 5"):
         arithmetic(1, seed=0, level=5)
+
+
+def test_the_default_level_is_one_and_a_level_without_n_distinct_problems_repeats_after_50_draws_a_row(monkeypatch):
+    from grpo.tasks import arithmetic as task
+
+    rows = arithmetic(300, seed=0)  # level 1: two numbers of 1-2 digits, added
+    numbers = [int(x) for r in rows for x in re.findall(r"\d+", r["prompt"])[:2]]
+    assert "+" in rows[0]["prompt"] and min(numbers) == 1 and max(numbers) > 20
+    assert all(" - " not in r["prompt"] for r in rows)
+    more = arithmetic(500, seed=0, level=0)  # 441 problems: each of them, then repeats rather than an endless search
+    assert len(more) == 500 and len({r["prompt"] for r in more}) == 441
+    draws = []
+    monkeypatch.setattr(task, "_problem", lambda rng, level: draws.append(level) or ("1 + 1", 2))
+    assert [r["answer"] for r in arithmetic(2, seed=0, level=3)] == [2, 2]
+    assert draws == [3] * 100  # the second row: after 50 x n draws that gave only the first's problem

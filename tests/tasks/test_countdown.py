@@ -57,3 +57,40 @@ def test_a_subtraction_of_equal_values_keeps_the_drawn_order_and_folds_keep_inne
     assert got == (17, "9 + (2 * 4)")
     assert _fold([(7, "7")], [], []) == (7, "7")       # one number alone is its own expression
     assert _fold([(7, "(7)")], [], []) == (7, "7")
+
+
+def test_the_ranges_asked_for_are_drawn_in_full_and_problems_are_distinct(monkeypatch):
+    from grpo.tasks import countdown as task
+
+    calls = []
+    combine = task._combine
+    monkeypatch.setattr(task, "_combine", lambda rng, items: calls.append(len(items)) or combine(rng, items))
+    rows = countdown(40, seed=0, max_number=5, max_target=10)
+    keys = {(tuple(sorted(r["numbers"])), r["target"]) for r in rows}
+    assert len(rows) == 40 == len(keys) and len(calls) > 40  # draws that repeat a problem are skipped
+    assert {r["target"] for r in rows} == set(range(1, 11)) and {x for r in rows for x in r["numbers"]} == set(range(
+        1, 6))
+    assert {len(r["numbers"]) for r in countdown(50, seed=0)} == {3, 4}  # the default: 3 or 4 numbers
+    assert {len(r["numbers"]) for r in countdown(5, seed=0, min_numbers=2, max_numbers=2)} == {2}
+    with pytest.raises(ValueError, match="countdown needs 2 <= min_numbers <= max_numbers"):
+        countdown(1, seed=0, min_numbers=1)
+    with pytest.raises(ValueError, match="countdown needs 2 <= min_numbers <= max_numbers"):
+        countdown(1, seed=0, min_numbers=4, max_numbers=3)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_range_without_enough_problems_gives_up_after_1000_draws_a_problem(monkeypatch, n):
+    from grpo.tasks import countdown as task
+
+    calls = []
+    combine = task._combine
+    monkeypatch.setattr(task, "_combine", lambda rng, items: calls.append(1) or combine(rng, items))
+    with pytest.raises(RuntimeError, match="cannot generate enough distinct problems; widen the ranges"):
+        countdown(n, seed=0, max_target=0)  # no target in 1..0
+    assert len(calls) == 1000 * n
+
+
+def test_the_default_targets_stay_below_1000():
+    """docs/tasks.md: targets lie in 1..999 by default (seed 6 draws a 1000 among its first 300 problems)."""
+    rows = countdown(300, seed=6)
+    assert max(r["target"] for r in rows) <= 999 and 1000 in {r["target"] for r in countdown(300, 6, max_target=1000)}

@@ -1,4 +1,6 @@
 """builtin:shapes: seeded pictures of coloured shapes whose answer is the count the picture shows."""
+import re
+
 import numpy as np
 import pytest
 
@@ -99,3 +101,34 @@ def test_the_grid_leaves_every_shape_a_cell_and_small_pictures_shapes_five_pixel
     assert cell_grid(64) == (6, 4)
     (left, _, right, _), _ = _box(draw(At(3), 16, [("red", "square")]), "red")
     assert right - left + 1 == 5
+
+
+def _occupied(img, size):
+    """How many cells of the grid hold a shape (any pixel that is not white)."""
+    a = np.asarray(img)
+    r, per_side = cell_grid(size)
+    cell = size // per_side
+    return sum(bool((a[y:y + cell, x:x + cell] != 255).any()) for y in range(0, per_side * cell, cell)
+               for x in range(0, per_side * cell, cell))
+
+
+def test_a_row_is_one_user_turn_with_the_image_and_the_question_among_at_most_max_shapes():
+    rows = get_task("shapes")(80, seed=2)
+    counts = []
+    for r in rows:
+        (turn,) = r["prompt"]
+        question = turn["content"][1]["text"]
+        assert r["prompt"] == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        assert re.fullmatch(r"How many (red|green|blue) (square|circle|triangle)s are in the image\? Answer with "
+                            r"the number only\.", question)
+        assert r["images"][0].size == (32, 32)
+        counts.append(_occupied(r["images"][0], 32))
+    assert max(counts) == 4 and min(counts) == 0  # up to max_shapes (4); a picture of the asked count alone
+    assert any(c == r["answer"] > 0 for c, r in zip(counts, rows))
+    for size, max_shapes in ((16, 4), (32, 1), (32, 16)):
+        (row,) = get_task("shapes")(1, seed=0, size=size, max_shapes=max_shapes)
+        assert row["images"][0].size == (size, size) and _occupied(row["images"][0], size) <= max_shapes
+    with pytest.raises(ValueError, match="size must be at least 16 pixels, got 15"):
+        get_task("shapes")(1, seed=0, size=15)
+    with pytest.raises(ValueError, match="max_shapes must be 1-16 for size 32, got 0"):
+        get_task("shapes")(1, seed=0, max_shapes=0)
