@@ -34,7 +34,6 @@ def _problem(rng: random.Random, level: int) -> tuple[str, int]:
     raise ValueError(f"arithmetic level must be 0-4, got {level}")
 
 
-@register_task("arithmetic")
 def arithmetic(n: int, seed: int, level: int = 1,
                template: str = "What is {expr}? Answer with the number only.") -> list[dict]:
     """``n`` problems at ``level`` (0-4), deterministic in ``seed``; distinct while the level has enough."""
@@ -49,3 +48,7 @@ def arithmetic(n: int, seed: int, level: int = 1,
         seen.add(expr)
         rows.append({"prompt": template.format(expr=expr), "answer": ans})
     return rows
+
+
+# registered by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+register_task("arithmetic")(arithmetic)

@@ -17,7 +17,6 @@ TOOL_PROMPT = ('Compute {a} * {b}. Call the calculator: <tool_call>{{"name": "ca
                '{{"expression": "{a} * {b}"}}}}</tool_call> Then give its result as the final answer.')
 
 
-@register_task("multiplication")
 def multiplication(n: int, seed: int, digits: int = 3, template: str | None = None, tools: bool = False) -> list[dict]:
     """``n`` distinct problems ``a * b`` with two ``digits``-digit numbers, deterministic in ``seed``. ``template``
     gets ``{a}`` and ``{b}``; by default the plain-text calculator's prompt, or with ``tools`` the tool call's."""
@@ -34,3 +33,7 @@ def multiplication(n: int, seed: int, digits: int = 3, template: str | None = No
         seen.add((a, b))
         rows.append({"prompt": template.format(a=a, b=b), "answer": a * b})
     return rows
+
+
+# registered by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+register_task("multiplication")(multiplication)

@@ -43,7 +43,6 @@ def cell_grid(size: int) -> tuple[int, int]:
     return r, size // (2 * r + 2)
 
 
-@register_task("shapes")
 def shapes(n: int, seed: int, size: int = 32, max_shapes: int = 4,
            template: str = "How many {colour} {kind}s are in the image? Answer with the number only.") -> list[dict]:
     """``n`` pictures, deterministic in ``seed``; the asked (colour, kind) appears 0-3 times among ``max_shapes``."""
@@ -63,3 +62,7 @@ def shapes(n: int, seed: int, size: int = 32, max_shapes: int = 4,
         rows.append({"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
                      "images": [draw(rng, size, drawn)], "answer": count})
     return rows
+
+
+# registered by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+register_task("shapes")(shapes)

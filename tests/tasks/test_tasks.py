@@ -13,6 +13,20 @@ def test_registered():
     assert {"countdown", "retrieval"} <= set(available_tasks())
 
 
+def test_a_task_registered_by_name_is_found_by_that_name(monkeypatch):
+    from grpo import tasks
+
+    monkeypatch.setattr(tasks.TASKS, "_items", dict(tasks.TASKS._items))  # the registry as it was, afterwards
+
+    def mine(n, seed):
+        return [{"prompt": str(seed)}] * n
+
+    assert tasks.register_task("zz-mine")(mine) is mine
+    assert get_task("zz-mine") is mine and "zz-mine" in available_tasks()
+    with pytest.raises(KeyError, match="unknown built-in task 'zz-other'; available: arithmetic, countdown"):
+        get_task("zz-other")
+
+
 # ---------------------------------------------------------------- countdown
 def test_countdown_deterministic_in_seed():
     make = get_task("countdown")
