@@ -41,3 +41,24 @@ def test_cut_at_eos_keeps_the_first_eos_of_several_and_cuts_runs_at_the_budget()
     assert cut_at_eos([8, 3], [8], 2) == ([8], False)                   # an EOS as the first token
     assert cut_at_eos([3, 4, 5, 6], [8], 2) == ([3, 4], True)          # no EOS: the budget's tokens, truncated
     assert cut_at_eos([], [8], 2) == ([], True)
+
+
+def test_trainer_logprobs_are_each_next_tokens_log_softmax_at_temperature_one():
+    import torch
+
+    from grpo.rollout.base import trainer_logprobs
+
+    class Model(torch.nn.Module):
+        """logits of position t: (t, 2t, ..., 5t) of the input's token ids, in bfloat16 (cast to float)."""
+
+        def forward(self, input_ids):
+            assert input_ids.shape == (1, 4)
+            x = input_ids[0].float()[:, None] * torch.arange(1.0, 6.0)
+            return type("Out", (), {"logits": (x / 4)[None].to(torch.bfloat16)})()
+
+    ids = [1, 3, 0, 4]
+    got = trainer_logprobs(Model(), ids)
+    logits = (torch.tensor(ids, dtype=torch.float32)[:, None] * torch.arange(1.0, 6.0) / 4).to(torch.bfloat16).float()
+    want = torch.tensor([torch.log_softmax(logits[t], -1)[ids[t + 1]] for t in range(3)])
+    assert got.shape == (3,) and got.dtype == torch.float32 and torch.allclose(got, want)
+    assert not got.requires_grad

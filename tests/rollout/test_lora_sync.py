@@ -3,6 +3,7 @@ PEFT folder (loaded back by PEFT itself as the independent reference) and the re
 tests/rollout/test_vllm_lora.py (make test-vllm)."""
 import contextlib
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from grpo.config.schema import LoraConfig, VLLMConfig
 from grpo.errors import SetupError
 from grpo.models import apply_lora, char_tokenizer, tiny_model
 from grpo.rollout import lora_sync as ls
+from grpo.rollout import weights as ls_weights
 from grpo.rollout.weights import hf_weights
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
@@ -131,3 +133,109 @@ def test_the_newest_versions_stay_resident_and_older_ones_are_unloaded_with_thei
 @contextlib.contextmanager
 def _whole(params):
     yield False
+
+
+# ------------------------------------------------------------------ grpo/rollout/weights.py: hf_weights and counted
+def test_merged_weights_are_w_plus_scaled_b_a_under_the_plain_names_and_the_trainers_w_is_untouched():
+    policy = _policy(targets=("q_proj",), r=4, alpha=8)
+    layer = policy.get_base_model().model.layers[1].self_attn.q_proj
+    w0 = layer.base_layer.weight.detach().clone()
+    got = dict(hf_weights(policy))
+    plain = {n: t for n, t in policy.get_base_model().state_dict().items()}
+    assert set(got) == {n.replace(".base_layer.", ".") for n in plain if ".lora_" not in n}
+    want = w0 + (8 / 4) * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+    assert torch.allclose(got["model.layers.1.self_attn.q_proj.weight"], want, atol=1e-6)
+    assert torch.equal(layer.base_layer.weight, w0)
+    assert not got["model.layers.1.self_attn.q_proj.weight"].requires_grad
+    emb = got["model.embed_tokens.weight"]  # a plain weight: the parameter's own tensor, detached
+    assert emb.data_ptr() == policy.get_base_model().model.embed_tokens.weight.data_ptr() and not emb.requires_grad
+
+
+def test_each_weight_is_made_whole_for_its_reading_and_a_temporary_one_is_copied():
+    policy = _policy(targets=("q_proj",))
+    asked = []
+
+    @contextlib.contextmanager
+    def full_weights(params):
+        asked.append(params)
+        yield True  # gathered for the block: what outlives it is a copy
+
+    got = list(hf_weights(policy, full_weights))
+    base = policy.get_base_model()
+    q = base.model.layers[0].self_attn.q_proj
+    names = [n for n, _ in got]
+    i = names.index("model.layers.0.self_attn.q_proj.weight")
+    assert {id(p) for p in asked[i]} == {id(p) for p in q.parameters()} and len(asked[i]) == 3  # W, A, B
+    j = names.index("model.norm.weight")
+    assert len(asked[j]) == 1 and asked[j][0] is base.model.norm.weight
+    assert got[j][1].data_ptr() != base.model.norm.weight.data_ptr()  # copied
+    assert torch.equal(got[j][1], base.model.norm.weight)
+    unmerged = dict(hf_weights(policy, full_weights, merge=False))
+    assert torch.equal(unmerged["model.layers.0.self_attn.q_proj.weight"], q.base_layer.weight)
+
+
+def test_a_plain_model_and_buffers_go_as_they_are():
+    tok = char_tokenizer()
+    model = tiny_model("llama", len(tok), seed=0, **TINY)
+    model.register_buffer("extra_buffer", torch.arange(3.0))
+    asked = []
+
+    @contextlib.contextmanager
+    def full_weights(params):
+        asked.append(params)
+        yield False
+
+    got = list(hf_weights(model, full_weights))
+    assert [n for n, _ in got] == list(model.state_dict())
+    i = [n for n, _ in got].index("extra_buffer")
+    assert asked[i] == [] and torch.equal(got[i][1], torch.arange(3.0))  # a buffer: no parameter to gather
+    w = dict(got)["model.norm.weight"]
+    assert w.data_ptr() == model.model.norm.weight.data_ptr()  # not temporary: not copied
+    with ls_weights.as_they_are([1]) as temporary:
+        assert temporary is False
+
+
+def test_an_inactive_adapter_leaves_the_base_weight_as_a_copy():
+    policy = _policy(targets=("q_proj",))
+    layer = policy.get_base_model().model.layers[0].self_attn.q_proj
+    merged = ls_weights._merged(layer)
+    assert not torch.equal(merged, layer.base_layer.weight)
+    # an active adapter that is not one of its own: nothing added
+    out = ls_weights._merged(SimpleNamespace(active_adapters=["other"], lora_A={"default": None},
+                                             base_layer=layer.base_layer))
+    assert torch.equal(out, layer.base_layer.weight) and out.data_ptr() != layer.base_layer.weight.data_ptr()
+    out = ls_weights._merged(SimpleNamespace(base_layer=layer.base_layer))  # no adapters at all
+    assert torch.equal(out, layer.base_layer.weight)
+    out = ls_weights._merged(SimpleNamespace(active_adapters=["default"], base_layer=layer.base_layer))  # no lora_A
+    assert torch.equal(out, layer.base_layer.weight)
+
+
+def test_the_merged_weight_keeps_the_base_weights_dtype():
+    base = SimpleNamespace(weight=torch.ones(2, 2, dtype=torch.bfloat16))
+    layer = SimpleNamespace(active_adapters=["default"], lora_A={"default": None}, base_layer=base,
+                            get_delta_weight=lambda a: torch.full((2, 2), 0.5))  # a float32 delta
+    out = ls_weights._merged(layer)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, torch.full((2, 2), 1.5, dtype=torch.bfloat16))
+
+
+def test_counted_tallies_what_passed_and_closes_its_source():
+    def source():
+        try:
+            yield "a", torch.zeros(2, 3)
+            yield "b", torch.zeros(4, dtype=torch.float16)
+            yield "c", torch.zeros(1)
+        finally:
+            closed.append(True)
+
+    closed, tally = [], {"tensors": 5, "other": 1}
+    src = source()  # held here: closed by counted, not by its garbage collection
+    stream = ls_weights.counted(src, tally)
+    assert [next(stream)[0], next(stream)[0]] == ["a", "b"]
+    assert tally == {"tensors": 2, "bytes": 24 + 8, "other": 1} and closed == []
+    stream.close()
+    assert closed == [True]
+    closed.clear()
+    assert [n for n, _ in ls_weights.counted(source(), tally)] == ["a", "b", "c"]
+    assert tally["tensors"] == 3 and tally["bytes"] == 24 + 8 + 4 and closed == [True]
+    assert [n for n, _ in ls_weights.counted([("x", torch.zeros(1))], tally)] == ["x"]  # a list: nothing to close
+    assert tally["tensors"] == 1 and tally["bytes"] == 4
