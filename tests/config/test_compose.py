@@ -5,6 +5,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
+from grpo.config.compose import RECIPE_PATH_ENV
 from grpo.config.schema import load
 from tests.helpers import ROOT, compose_recipe
 
@@ -57,15 +58,14 @@ def test_a_task_never_inherits_another_tasks_arguments():
     assert composed("quickstart", "data.source=builtin:arithmetic").data.task_kwargs == {"level": 0}
 
 
-def test_a_recipe_written_from_the_docs_snippets_takes_its_own_rewards_and_task_arguments(tmp_path):
-    """docs/tasks.md's countdown block pasted into a recipe: no leftover arithmetic level or reward."""
+def test_a_recipe_written_from_the_docs_snippets_takes_its_own_rewards_and_task_arguments(tmp_path, monkeypatch):
+    """docs/tasks.md's countdown block pasted into a recipe of the user's own folder, found by name through
+    $GRPO_RECIPE_PATH (docs/getting-started.md): no leftover arithmetic level or reward. (Written where compose reads,
+    not into the checkout's recipes/, which is not the folder the code reads when the package runs from a copy.)"""
     snippet = (ROOT / "docs" / "tasks.md").read_text().split("```yaml\n")[1].split("```")[0]
-    recipe = ROOT / "recipes" / "zz-pasted-snippet.yaml"
-    recipe.write_text("# @package _global_\n" + snippet)
-    try:
-        cfg = composed("zz-pasted-snippet")
-    finally:
-        recipe.unlink()
+    (tmp_path / "zz-pasted-snippet.yaml").write_text("# @package _global_\n" + snippet)
+    monkeypatch.setenv(RECIPE_PATH_ENV, str(tmp_path))
+    cfg = composed("zz-pasted-snippet")
     assert cfg.data.source == "builtin:countdown"
     assert cfg.data.task_kwargs == {"min_numbers": 3, "max_numbers": 4}
     assert fns(cfg) == {"countdown": "countdown"}
