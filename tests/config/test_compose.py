@@ -5,7 +5,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from grpo.config.compose import RECIPE_PATH_ENV
+from grpo.config.compose import RECIPE_DIR, RECIPE_PATH_ENV
 from grpo.config.schema import load
 from tests.helpers import ROOT, compose_recipe
 
@@ -158,7 +158,7 @@ def test_a_recipe_by_path_absolute_or_relative(monkeypatch, tmp_path):
     for value in (str(tmp_path / "sub" / "mine.yaml"), "./sub/mine.yaml", "sub/mine.yaml"):
         cfg = composed(value)
         assert cfg.trainer.max_steps == 7 and cfg.model.name_or_path == "tiny:llama", value
-    assert composed(str(ROOT / "recipes" / "smoke.yaml")).algorithm.group_size == 4  # a built-in, by its path
+    assert composed(str(RECIPE_DIR / "smoke.yaml")).algorithm.group_size == 4  # a built-in, by its path
 
 
 def test_a_recipe_without_the_package_line_or_with_a_comment_above_it_applies_its_keys(monkeypatch, tmp_path):
@@ -207,13 +207,14 @@ def test_a_recipe_not_found_names_every_folder_searched(monkeypatch, tmp_path):
     with pytest.raises(ConfigError) as e:
         check_argv(["recipe=nope"])
     msg = str(e.value)
-    assert f"in {tmp_path / 'mine'}, {(ROOT / 'recipes').resolve()}; available: " in msg and "\n" not in msg
+    assert f"in {tmp_path / 'mine'}, {RECIPE_DIR.resolve()}; available: " in msg and "\n" not in msg
     with pytest.raises(ConfigError, match="recipe='./nope.yaml': no such file"):
         check_argv(["recipe=./nope.yaml"])
 
 
 def test_a_built_in_folder_recipe_with_a_comment_above_its_package_line_applies_its_keys():
-    recipe = _recipe(ROOT / "recipes" / "zz-comment-first.yaml", 11, "# what it shows\n# @package _global_\n")
+    # the built-in folder compose reads (the checkout's recipes/ through configs/recipe; a copy of it inside mutants/)
+    recipe = _recipe(RECIPE_DIR / "zz-comment-first.yaml", 11, "# what it shows\n# @package _global_\n")
     try:
         raw = compose_recipe("zz-comment-first", ["trainer.output_dir=/tmp/x"])
     finally:

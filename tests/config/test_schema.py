@@ -1,9 +1,11 @@
+import re
 import subprocess
 import sys
 
 import pytest
 
 from grpo.cli import check_argv
+from grpo.config.compose import RECIPE_DIR
 from grpo.config.schema import ConfigError, load, schema_keys
 from tests.helpers import ROOT, compose_recipe
 
@@ -50,7 +52,8 @@ def test_argv_check():
                 "model.tiny.hidden_size=32", "distributed=none", "logging.wandb.mode=offline"])
     with pytest.raises(ConfigError, match="did you mean 'algorithm.group_size'"):
         check_argv(["algorithm.groupsize=4"])
-    with pytest.raises(ConfigError, match="recipe='nope' does not exist in .*recipes .*; available: .*smoke"):
+    with pytest.raises(ConfigError, match=f"recipe='nope' does not exist in {re.escape(str(RECIPE_DIR.resolve()))} "
+                                          ".*; available: .*smoke"):
         check_argv(["recipe=nope"])
 
 
