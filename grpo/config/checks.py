@@ -49,5 +49,5 @@ def check_trainer(cfg) -> None:
     if len(t.adam_betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.adam_betas):
         raise ConfigError(f"trainer.adam_betas={list(t.adam_betas)} must be two numbers in [0, 1), "
                           "e.g. trainer.adam_betas=[0.9,0.99]")
-    if t.resume not in (None, "auto", "") and not isinstance(t.resume, str):
+    if t.resume is not None and not isinstance(t.resume, str):  # "auto" and a path are strings
         raise ConfigError("trainer.resume must be null, 'auto' or a checkpoint path")

@@ -45,7 +45,7 @@ def groups() -> dict[str, list[str]]:
     """Config groups and their options (``distributed: [none, zero2, zero3]``); ``recipe``: the built-ins."""
     out = {"recipe": sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))}
     for d in CONFIG_DIR.iterdir():
-        if d.is_dir() and not d.is_symlink():
+        if d.is_dir() and d.name not in out:  # recipe/: the symlink to recipes/ (a copy in a wheel)
             out[d.name] = sorted(p.stem for p in d.glob("*.yaml"))
     return out
 
@@ -74,7 +74,7 @@ def normalize(overrides: list[str]) -> list[str]:
 
 
 def _is_group(key: str) -> bool:
-    return "." not in key and key in groups()
+    return key in groups()  # a dotted key never is
 
 
 def _yaml(path) -> DictConfig:
@@ -88,7 +88,7 @@ def apply_precedence(raw: DictConfig, overrides: list[str], choices: dict, compo
     named = {o.key_or_group for o in parsed if _is_group(o.key_or_group) and o.key_or_group != "recipe"
              and not o.is_delete()}
     recipe = choices.get("recipe")
-    out = OmegaConf.create(OmegaConf.to_container(raw, resolve=False))
+    out = OmegaConf.create(OmegaConf.to_container(raw))  # unresolved
     if named and recipe:
         pinned = [f"{g}={c}" for g, c in choices.items() if _is_group(g) and g != "recipe" and c is not None]
         own = [line for line, o in zip(overrides, parsed) if o.key_or_group.split(".")[0] in named
@@ -101,7 +101,7 @@ def apply_precedence(raw: DictConfig, overrides: list[str], choices: dict, compo
         for g in named:
             if g in plain:
                 out[g] = plain[g]
-    rec = _yaml(recipe_file(recipe)) if recipe else OmegaConf.create({})
+    rec = _yaml(recipe_file(recipe)) if recipe else OmegaConf.create()
     for key in sorted(open_dict_keys()):
         section = key.split(".")[0]
         if section not in out:
@@ -141,11 +141,11 @@ def _apply_overrides(base: dict, key: str, parsed) -> DictConfig:
             sub = o.key_or_group[len(key) + 1:]
             if o.is_delete():
                 parent, _, leaf = sub.rpartition(".")
-                node = OmegaConf.select(value, parent) if parent else value
+                node = OmegaConf.select(value, parent)  # "" selects the dict itself
                 if isinstance(node, DictConfig):
                     node.pop(leaf, None)
             else:
-                OmegaConf.update(value, sub, o.value(), merge=o.is_add() or o.is_force_add(), force_add=True)
+                OmegaConf.update(value, sub, o.value(), merge=o.is_add() or o.is_force_add())  # not struct: adds
     return value
 
 
@@ -255,15 +255,15 @@ def _served_file(option: str) -> Path | None:
 def _is_global(text: str) -> bool:
     """Whether Hydra reads ``text`` as global: its header is the leading ``# @key value`` lines (blank lines
     skipped; any other line ends it, a plain comment too) and the last ``@package`` there says ``_global_``."""
-    package = None
+    is_global = False
     for line in (line.strip() for line in text.splitlines()):
         if not line:
             continue
         if not re.match(r"#\s*@", line):
             break
         key, _, value = line.lstrip("#").strip().partition(" ")
-        package = value.strip() if key == "@package" else package
-    return package == "_global_"
+        is_global = value.strip() == "_global_" if key == "@package" else is_global
+    return is_global
 
 
 def _option(path: Path) -> str:

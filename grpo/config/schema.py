@@ -344,7 +344,23 @@ def validate(cfg: Config) -> Config:
 
 
 def _list_example(key: str) -> str:
-    return ",".join(map(str, d)) if isinstance(d := dict(_walk()).get(key), list) else "a,b"
+    """What goes between the brackets of ``key=[...]``: the default's items, "a,b" where it has none."""
+    return ",".join(map(str, d)) if isinstance(d := dict(_walk()).get(key), list) and d else "a,b"
+
+
+def _not_a_mapping(raw, cls=Config, prefix: str = "") -> str:
+    """The dotted key of the first section or free-form dict that ``raw`` gives as something other than a mapping
+    (OmegaConf's merge error for it names no key); "" when there is none."""
+    for f in fields(cls):
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if f.name not in raw or not (is_dataclass(default) or isinstance(default, dict)):
+            continue
+        key, value = prefix + f.name, raw[f.name]
+        if not isinstance(value, (dict, DictConfig)):
+            return key
+        if is_dataclass(default) and (inner := _not_a_mapping(value, type(default), key + ".")):
+            return inner
+    return ""
 
 
 def load(raw: DictConfig | dict) -> Config:
@@ -364,7 +380,7 @@ def load(raw: DictConfig | dict) -> Config:
                 OmegaConf.update(merged, key, given, merge=False)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or ""
+        key = e.full_key or _not_a_mapping(raw)
         msg = str(e).splitlines()[0]
         if "not in" in msg:
             raise ConfigError(f"unknown config key '{key}'{suggest(key)}") from None

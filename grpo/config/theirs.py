@@ -18,5 +18,6 @@ NOT_HERE = {
 
 def ours_for(key: str, value) -> str:
     """The tail of the refusal of ``key=value``: our value, when ``value`` is another trainer's for it."""
-    ours, whose = THEIRS.get(key, {}).get(str(value).lower(), (None, ""))
-    return f"; {whose} {str(value).lower()} is {key}={ours} here" if ours else ""
+    theirs = str(value).lower()
+    hit = THEIRS.get(key, {}).get(theirs)  # (ours, whose)
+    return f"; {hit[1]} {theirs} is {key}={hit[0]} here" if hit else ""

@@ -5,6 +5,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
+from grpo.config.compose import RECIPE_DIR, RECIPE_PATH_ENV
 from grpo.config.schema import load
 from tests.helpers import ROOT, compose_recipe
 
@@ -57,15 +58,14 @@ def test_a_task_never_inherits_another_tasks_arguments():
     assert composed("quickstart", "data.source=builtin:arithmetic").data.task_kwargs == {"level": 0}
 
 
-def test_a_recipe_written_from_the_docs_snippets_takes_its_own_rewards_and_task_arguments(tmp_path):
-    """docs/tasks.md's countdown block pasted into a recipe: no leftover arithmetic level or reward."""
+def test_a_recipe_written_from_the_docs_snippets_takes_its_own_rewards_and_task_arguments(tmp_path, monkeypatch):
+    """docs/tasks.md's countdown block pasted into a recipe of the user's own folder, found by name through
+    $GRPO_RECIPE_PATH (docs/getting-started.md): no leftover arithmetic level or reward. (Written where compose reads,
+    not into the checkout's recipes/, which is not the folder the code reads when the package runs from a copy.)"""
     snippet = (ROOT / "docs" / "tasks.md").read_text().split("```yaml\n")[1].split("```")[0]
-    recipe = ROOT / "recipes" / "zz-pasted-snippet.yaml"
-    recipe.write_text("# @package _global_\n" + snippet)
-    try:
-        cfg = composed("zz-pasted-snippet")
-    finally:
-        recipe.unlink()
+    (tmp_path / "zz-pasted-snippet.yaml").write_text("# @package _global_\n" + snippet)
+    monkeypatch.setenv(RECIPE_PATH_ENV, str(tmp_path))
+    cfg = composed("zz-pasted-snippet")
     assert cfg.data.source == "builtin:countdown"
     assert cfg.data.task_kwargs == {"min_numbers": 3, "max_numbers": 4}
     assert fns(cfg) == {"countdown": "countdown"}
@@ -158,7 +158,7 @@ def test_a_recipe_by_path_absolute_or_relative(monkeypatch, tmp_path):
     for value in (str(tmp_path / "sub" / "mine.yaml"), "./sub/mine.yaml", "sub/mine.yaml"):
         cfg = composed(value)
         assert cfg.trainer.max_steps == 7 and cfg.model.name_or_path == "tiny:llama", value
-    assert composed(str(ROOT / "recipes" / "smoke.yaml")).algorithm.group_size == 4  # a built-in, by its path
+    assert composed(str(RECIPE_DIR / "smoke.yaml")).algorithm.group_size == 4  # a built-in, by its path
 
 
 def test_a_recipe_without_the_package_line_or_with_a_comment_above_it_applies_its_keys(monkeypatch, tmp_path):
@@ -207,15 +207,333 @@ def test_a_recipe_not_found_names_every_folder_searched(monkeypatch, tmp_path):
     with pytest.raises(ConfigError) as e:
         check_argv(["recipe=nope"])
     msg = str(e.value)
-    assert f"in {tmp_path / 'mine'}, {(ROOT / 'recipes').resolve()}; available: " in msg and "\n" not in msg
+    assert f"in {tmp_path / 'mine'}, {RECIPE_DIR.resolve()}; available: " in msg and "\n" not in msg
     with pytest.raises(ConfigError, match="recipe='./nope.yaml': no such file"):
         check_argv(["recipe=./nope.yaml"])
 
 
 def test_a_built_in_folder_recipe_with_a_comment_above_its_package_line_applies_its_keys():
-    recipe = _recipe(ROOT / "recipes" / "zz-comment-first.yaml", 11, "# what it shows\n# @package _global_\n")
+    # the built-in folder compose reads (the checkout's recipes/ through configs/recipe; a copy of it inside mutants/)
+    recipe = _recipe(RECIPE_DIR / "zz-comment-first.yaml", 11, "# what it shows\n# @package _global_\n")
     try:
         raw = compose_recipe("zz-comment-first", ["trainer.output_dir=/tmp/x"])
     finally:
         recipe.unlink()
     assert "recipe" not in raw and raw.trainer.max_steps == 11
+
+
+# ------------------------------------------------------------- compose.py's pieces, without a Hydra composition: fast
+from grpo.config import compose as C  # noqa: E402
+from grpo.errors import ConfigError  # noqa: E402
+
+
+def parsed(*overrides):
+    return C._parse(list(overrides))
+
+
+@pytest.fixture
+def unserved(monkeypatch):
+    """No recipe served yet in this process (the tests above served some: the overlay joins every command line)."""
+    monkeypatch.setattr(C, "_served", {})
+    monkeypatch.setattr(C, "_overlay", [])
+
+
+def test_groups_are_the_config_folders_and_the_built_in_recipes():
+    g = C.groups()
+    assert set(g) == {"recipe", "model", "data", "reward", "rollout", "algorithm", "engine", "trainer", "logging",
+                      "distributed", "evaluation", "alarms"}
+    assert g["distributed"] == ["none", "zero2", "zero3"] and g["model"] == ["smollm2", "tiny"]
+    assert {"smoke", "quickstart", "countdown"} <= set(g["recipe"]) and g["recipe"] == sorted(g["recipe"])
+    assert C._is_group("distributed") and C._is_group("recipe")
+    assert not C._is_group("distributed.backend") and not C._is_group("nosuch")
+
+
+def test_a_command_line_that_does_not_parse_is_one_line():
+    with pytest.raises(ConfigError, match=r"^cannot parse the command line: no viable alternative at input '\[1'$"):
+        C._parse(["a=[1"])
+
+
+def test_normalize_turns_a_dict_given_whole_into_delete_and_add_and_keeps_the_rest(unserved):
+    assert C.normalize(["reward.functions={a: {fn: x}}", "model.tiny={hidden_size: 8}"]) == [
+        "~reward.functions", "+reward.functions={a: {fn: x}}", "~model.tiny", "+model.tiny={hidden_size: 8}"]
+    kept = ["+reward.functions={b: {fn: y}}", "++data.task_kwargs={level: 2}", "~reward.functions", "trainer.lr=1",
+            "reward.functions=null", "reward.functions.a.weight=2", "reward.functions={a: {fn: x}},{b: {fn: y}}",
+            "trainer.adam_betas=[0.9,0.9]"]
+    assert C.normalize(kept) == kept
+
+
+def test_yaml_of_a_missing_file_is_empty(tmp_path):
+    assert C._yaml(tmp_path / "none.yaml") == {}
+    (tmp_path / "a.yaml").write_text("x: {y: 1}\n")
+    assert C._yaml(tmp_path / "a.yaml") == {"x": {"y": 1}}
+
+
+def test_overrides_of_a_dict_apply_in_order_to_its_base():
+    key = "data.task_kwargs"
+    got = C._apply_overrides({"level": 1, "n": {"a": 1, "b": 2}}, key, parsed(
+        "data.task_kwargs.level=3", "data.task_kwargs.level=5,6", "~data.task_kwargs.n.a", "+data.task_kwargs.new=4",
+        "data.task_kwargsX.z=1", "trainer.lr=1", "~data.task_kwargs.absent", "~data.task_kwargs.nope.deeper"))
+    assert got == {"level": 3, "n": {"b": 2}, "new": 4}  # the sweep and other keys are not applied
+    assert C._apply_overrides({"level": 1}, key, parsed("data.task_kwargs={a: 1}", "data.task_kwargs.b=2")) == \
+        {"a": 1, "b": 2}
+    assert C._apply_overrides({"level": 1}, key, parsed("data.task_kwargs=null")) == {}
+    assert C._apply_overrides({"level": 1}, key, parsed("~data.task_kwargs={level: 1}")) == {}  # a delete, valued
+    assert C._apply_overrides({"level": 1}, key, parsed("~data.task_kwargs", "+data.task_kwargs.c=3")) == {"c": 3}
+    merged = C._apply_overrides({"n": {"a": 1}}, key, parsed("+data.task_kwargs.n={b: 2}"))
+    assert merged == {"n": {"a": 1, "b": 2}}  # + merges into a sub-dict, a plain override replaces it
+    assert C._apply_overrides({"n": {"a": 1}}, key, parsed("data.task_kwargs.n={b: 2}")) == {"n": {"b": 2}}
+
+
+def test_a_dicts_base_is_the_recipes_own_value_or_hydras_merge():
+    from omegaconf import OmegaConf
+
+    rec = OmegaConf.create({"reward": {"functions": {"a": {"fn": "x"}}}, "data": {"task_kwargs": {"level": 3}}})
+    assert C._dict_base("reward.functions", [], {}, rec) == {"a": {"fn": "x"}}
+    assert C._dict_base("reward.functions", [], {}, None) is None  # the section is dropped: Hydra's value
+    assert C._dict_base("model.tiny", [], {}, rec) is None
+    choices = {"data": "countdown"}  # its source: builtin:countdown
+    assert C._dict_base("data.task_kwargs", [], choices, rec) == {"level": 3}
+    # the command line switches the task: only its own arguments; the same task keeps them
+    assert C._dict_base("data.task_kwargs", parsed("data.source=builtin:arithmetic"), choices, rec) == {}
+    assert C._dict_base("data.task_kwargs", parsed("data.source=builtin:countdown"), choices, rec) == {"level": 3}
+    assert C._dict_base("data.task_kwargs", parsed("data.source=builtin:arithmetic", "data.source=builtin:countdown"),
+                        choices, rec) == {"level": 3}  # the last one counts
+    assert C._dict_base("data.task_kwargs", parsed("~data.source"), choices, rec) == {"level": 3}
+    # a recipe that switches the task without arguments: the task's defaults; one that keeps it: Hydra's merge
+    switched = OmegaConf.create({"data": {"source": "builtin:arithmetic"}})
+    assert C._dict_base("data.task_kwargs", [], choices, switched) == {}
+    assert C._dict_base("data.task_kwargs", parsed("data.source=builtin:arithmetic"), choices, switched) == {}
+    assert C._dict_base("data.task_kwargs", parsed("data.source=builtin:countdown"), choices, switched) == {}
+    own = OmegaConf.create({"data": {"source": "builtin:arithmetic", "task_kwargs": {"level": 3}}})
+    assert C._dict_base("data.task_kwargs", parsed("data.source=builtin:arithmetic"), choices, own) == {"level": 3}
+    same = OmegaConf.create({"data": {"source": "builtin:countdown"}})
+    assert C._dict_base("data.task_kwargs", [], choices, same) is None
+    assert C._dict_base("data.task_kwargs", [], {}, switched) == {}  # no data group chosen
+    assert C._dict_base("data.task_kwargs", parsed("data.source=builtin:countdown"), {}, None) == {}
+    assert C._dict_base("data.task_kwargs", parsed("data.source=builtin:countdown"), choices, None) is None
+
+
+class _Composed:
+    def __init__(self, rewards):
+        self.reward = type("R", (), {"functions": dict.fromkeys(rewards)})()
+
+
+def test_a_reward_the_run_does_not_have_gets_a_did_you_mean():
+    seen = []
+
+    def compose_fn(overrides):
+        seen.append(overrides)
+        return _Composed(["accuracy", "format"])
+
+    line = C._reward_typo(["trainer.lr=1", "reward.functions.acuracy.weight=2"], compose_fn)
+    assert line == ("reward.functions has no 'acuracy' (did you mean 'accuracy'?); this run's rewards: accuracy, "
+                    "format; add a new one with '+reward.functions.acuracy={fn: ..., weight: ...}'")
+    assert seen == [["trainer.lr=1"]]  # composed without the lines that name a reward
+    assert C._reward_typo(["~reward.functions.zzz"], compose_fn).startswith("reward.functions has no 'zzz'; this")
+    assert C._reward_typo(["reward.functions.format.weight=2", "~reward.functions.accuracy"], compose_fn) is None
+    assert C._reward_typo(["+reward.functions.new.fn=x", "++reward.functions.n2.fn=y", "trainer.lr=1"],
+                          compose_fn) is None
+    assert len(seen) == 3  # nothing composed where no reward is named
+
+
+def test_a_reward_typo_is_not_guessed_when_the_rest_does_not_compose_either():
+    def broken(overrides):
+        raise ValueError("another mistake")
+
+    assert C._reward_typo(["reward.functions.acuracy.weight=2"], broken) is None
+
+
+@pytest.mark.parametrize("text, line", [
+    ("", "ValueError"),
+    ("  \n  ", "ValueError"),
+    ("Could not override 'x'.\nfull_key: x\nobject_type=dict\nKey 'x' is not in struct\n"
+     "To append to your config use +x=1", "Could not override 'x'. Key 'x' is not in struct To append to your config "
+                                          "use +x=1"),
+    ("one line only", "one line only"),
+    ("first\n  second  \nthird", "first second"),
+    ("first\nTo append: +a\nobject_type=x", "first To append: +a"),
+])
+def test_hydras_error_is_its_first_line_the_detail_and_the_hint(text, line):
+    assert C.hydra_error_line(ValueError(text)) == line
+
+
+def test_recipe_folders_are_the_search_path_then_the_built_ins(monkeypatch, tmp_path):
+    monkeypatch.delenv(C.RECIPE_PATH_ENV, raising=False)
+    assert C.recipe_folders() == [C.RECIPE_DIR]
+    monkeypatch.setenv(C.RECIPE_PATH_ENV, f"{tmp_path / 'a'}::{tmp_path / 'b'}:")
+    assert C.recipe_folders() == [tmp_path / "a", tmp_path / "b", C.RECIPE_DIR]
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(C.RECIPE_PATH_ENV, "~/r")
+    assert C.recipe_folders()[0] == (tmp_path / "r").resolve()
+
+
+@pytest.mark.parametrize("value, is_path", [
+    ("smoke", False), ("my-first", False), ("a/b", True), ("x.yaml", True), ("x.yml", True), ("~x", True),
+    ("x.yamlx", False),
+])
+def test_a_recipe_value_is_a_path_when_it_has_a_slash_a_yaml_suffix_or_a_tilde(value, is_path):
+    assert C._is_path(value) is is_path
+
+
+def test_find_recipe_by_path_or_by_name_in_the_folders_in_order(monkeypatch, tmp_path, unserved):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, names in ((a, ["x"]), (b, ["x", "y"])):
+        d.mkdir()
+        for n in names:
+            (d / f"{n}.yaml").write_text("trainer: {max_steps: 1}\n")
+    monkeypatch.setenv(C.RECIPE_PATH_ENV, f"{a}:{b}")
+    assert C.find_recipe("x") == a / "x.yaml" and C.find_recipe("y") == b / "y.yaml"
+    assert C.find_recipe("smoke") == C.RECIPE_DIR / "smoke.yaml"
+    monkeypatch.chdir(tmp_path)
+    assert C.find_recipe("b/y.yaml") == (b / "y.yaml").resolve() == C.find_recipe(str(b / "y.yaml"))
+    with pytest.raises(ConfigError) as e:
+        C.find_recipe("nope")
+    assert str(e.value).startswith(f"recipe='nope' does not exist in {a.resolve()}, {b.resolve()}, "
+                                   f"{C.RECIPE_DIR.resolve()}; available: calculator-tools, ")
+    assert ", smoke, " in str(e.value) and ", x, y, " in str(e.value)  # every folder's names, once, sorted
+    assert str(e.value).endswith("; or give a path: recipe=./nope.yaml")
+    monkeypatch.delenv(C.RECIPE_PATH_ENV)
+    with pytest.raises(ConfigError, match=rf"does not exist in {C.RECIPE_DIR.resolve()} \(\$GRPO_RECIPE_PATH is not "
+                                          "set\\); available: calculator-tools, "):
+        C.find_recipe("nope")
+    with pytest.raises(ConfigError, match=r"^recipe='a/none.yaml': no such file .*/a/none.yaml$"):
+        C.find_recipe("a/none.yaml")
+    with pytest.raises(ConfigError, match="no such file"):
+        C.find_recipe("./a")  # a folder is not a recipe file
+
+
+@pytest.mark.parametrize("text, is_global", [
+    ("# @package _global_\nx: 1\n", True),
+    ("\n\n#@package _global_\n", True),
+    ("# @package _global_   \n", True),
+    ("# @package   _global_\n", True),
+    ("# what it shows\n# @package _global_\n", False),  # a plain comment ends the header
+    ("# @package _global_\n# a comment\n# @package foo\n", True),  # the header ended at the comment
+    ("# @package foo\n# @package _global_\n", True),  # the last @package of the header
+    ("# @package _global_\n# @package foo\n", False),
+    ("x: 1\n# @package _global_\n", False),
+    ("# @other _global_\n", False),
+    ("# @package\n", False),
+    ("", False),
+])
+def test_is_global_reads_the_header_as_hydra_does(text, is_global):
+    assert C._is_global(text) is is_global
+
+
+def test_recipes_outside_the_built_in_folder_are_served_by_their_own_name_or_user_name(monkeypatch, tmp_path,
+                                                                                      unserved):
+    import shutil
+
+    at_exit = []
+    monkeypatch.setattr(C.atexit, "register", lambda *call: at_exit.append(call))
+    assert C._option(C.RECIPE_DIR / "smoke.yaml") == "smoke"  # a built-in, global: itself
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    mine, shadow = tmp_path / "a" / "mine-z9.yaml", tmp_path / "a" / "smoke.yaml"
+    shadow2 = tmp_path / "b" / "smoke.yaml"
+    for p in (mine, shadow, shadow2):
+        p.write_text(f"trainer: {{max_steps: {len(str(p))}}}\n")
+    assert C._option(mine) == "mine-z9" and C._option(mine) == "mine-z9"  # served once
+    assert C._option(shadow) == "user/smoke" and C._option(shadow2) == "user2/smoke"
+    overlay = C._overlay[0]
+    assert len(C._overlay) == 1 and overlay.name.startswith("grpo-recipes-")
+    assert at_exit == [(shutil.rmtree, overlay, True)]  # removed at exit, once, whatever is left in it
+    assert (overlay / "recipe" / "mine-z9.yaml").read_text() == "# @package _global_\n" + mine.read_text()
+    assert (overlay / "recipe" / "user2" / "smoke.yaml").read_text().endswith(shadow2.read_text())
+    assert C.recipe_file("user/smoke") == shadow and C.recipe_file("smoke") == C.RECIPE_DIR / "smoke.yaml"
+    assert C._served_file("user2/smoke") == shadow2 and C._served_file("nope") is None
+    assert C.find_recipe("user/smoke") == shadow  # an option this process serves
+    monkeypatch.delenv(C.RECIPE_PATH_ENV, raising=False)
+    with pytest.raises(ConfigError, match="no such file"):
+        C.find_recipe("user3/smoke")  # not served: a path, which does not exist
+    shutil.rmtree(overlay)
+
+
+def test_serve_recipes_rewrites_recipe_values_and_puts_the_overlay_on_the_search_path(monkeypatch, tmp_path, unserved):
+    assert C.serve_recipes(["recipe=smoke", "trainer.lr=1", "~recipe"]) == ["recipe=smoke", "trainer.lr=1", "~recipe"]
+    mine = tmp_path / "mine-q4.yaml"
+    mine.write_text("trainer: {max_steps: 2}\n")
+    monkeypatch.setenv(C.RECIPE_PATH_ENV, str(tmp_path))
+    out = C.serve_recipes(["trainer.lr=1", "recipe=mine-q4,smoke"])
+    entry = f"file://{C._overlay[0]}"
+    assert out == ["trainer.lr=1", "recipe=mine-q4,smoke", f"hydra.searchpath=[{entry}]"]
+    assert C.serve_recipes(["+recipe=mine-q4", "hydra.searchpath=[]"]) == ["+recipe=mine-q4",
+                                                                           f"hydra.searchpath=[{entry}]"]
+    assert C.serve_recipes(["recipe=mine-q4", "hydra.searchpath=[file:///x]", "hydra.searchpath=[file:///y]"]) == [
+        "recipe=mine-q4", "hydra.searchpath=[file:///x]", f"hydra.searchpath=[file:///y,{entry}]"]
+    assert C.serve_recipes(["recipe=mine-q4", "hydra.searchpath=[file:///opt/X]"])[1] == \
+        f"hydra.searchpath=[file:///opt/X,{entry}]"  # only the closing bracket comes off
+    given = ["recipe=mine-q4", f"hydra.searchpath=[{entry}]"]
+    assert C.serve_recipes(given) == given
+    assert C.serve_recipes(["trainer.lr=1"]) == ["trainer.lr=1", f"hydra.searchpath=[{entry}]"]  # served before
+    odd = tmp_path / "recipe=1"  # a quoted path with "recipe=" in it: only the key's own is rewritten
+    odd.mkdir()
+    (odd / "odd-k2.yaml").write_text("trainer: {max_steps: 2}\n")
+    assert C.serve_recipes([f"recipe='{odd / 'odd-k2.yaml'}'"])[0] == "recipe=odd-k2"
+
+
+def test_precedence_composes_the_named_groups_without_the_recipe_and_takes_their_sections():
+    from omegaconf import OmegaConf
+
+    calls = []
+
+    def compose_fn(overrides):
+        calls.append(overrides)
+        return OmegaConf.create({"reward": {"functions": {"g": {"fn": "from_group"}}}, "trainer": {"lr": 9}})
+
+    raw = OmegaConf.create({"reward": {"functions": {"r": {"fn": "from_recipe"}}, "timeout_s": 0},
+                            "trainer": {"lr": 1}, "data": {"task_kwargs": {"level": 1}}})
+    choices = {"recipe": "smoke", "reward": "math", "data": "arithmetic", "model": "tiny", "hydra/job": None,
+               "distributed": None}
+    overrides = ["reward=math", "reward.functions.g.weight=2", "trainer.lr=3", "~model", "data.source=builtin:x"]
+    out = C.apply_precedence(raw, overrides, choices, compose_fn)
+    assert calls == [["~recipe", "reward=math", "data=arithmetic", "model=tiny", "reward.functions.g.weight=2"]]
+    assert out.reward.functions == {"g": {"fn": "from_group"}}  # the group's whole section (its CLI keys composed in)
+    assert out.trainer.lr == 1  # a section no group named stays Hydra's
+    assert out.data.task_kwargs == {}  # the command line switched the task
+    assert raw.reward.functions == {"r": {"fn": "from_recipe"}}  # the input is not changed
+    assert C.apply_precedence(raw, ["trainer.lr=3", "~reward"], choices, compose_fn) is not raw and len(calls) == 1
+
+
+def test_precedence_without_a_recipe_or_a_named_group_composes_nothing_more():
+    from omegaconf import OmegaConf
+
+    def compose_fn(overrides):
+        raise AssertionError("not composed")
+
+    raw = OmegaConf.create({"reward": {"functions": {"a": {"fn": "x"}}}})
+    assert C.apply_precedence(raw, ["reward=math"], {"reward": "math"}, compose_fn) == raw
+    assert C.apply_precedence(raw, ["recipe=smoke", "trainer.lr=1"], {"recipe": "smoke"}, compose_fn).reward.functions \
+        == {"accuracy": {"fn": "arithmetic", "weight": 1.0}, "format": {"fn": "number_only", "weight": 0.5}}
+    assert C.apply_precedence(raw, ["trainer.lr=1"], {"recipe": "smoke"}, compose_fn).reward.functions == \
+        {"accuracy": {"fn": "arithmetic", "weight": 1.0}, "format": {"fn": "number_only", "weight": 0.5}}
+
+
+def test_precedence_says_in_one_line_when_the_named_groups_do_not_compose_without_the_recipe():
+    def compose_fn(overrides):
+        raise ValueError("Could not override 'reward.functions.g.weight'\nfull_key: x")
+
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.create({"reward": {"functions": {}}})
+    with pytest.raises(ConfigError) as e:
+        C.apply_precedence(raw, ["reward=math", "reward.functions.g.weight=2"], {"recipe": "smoke", "reward": "math"},
+                           compose_fn)
+    assert str(e.value) == ("cannot compose reward.functions.g.weight=2 without the recipe's values: Could not "
+                            "override 'reward.functions.g.weight'")
+
+
+def test_composing_warns_nothing():
+    """Hydra warns on every composition that does not give its version_base: a stray line before each run."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert C.compose(["recipe=smoke"]).trainer.max_steps == 2
+
+
+def test_a_reward_typo_lists_the_rewards_of_this_run_not_the_defaults():
+    with pytest.raises(ConfigError) as e:
+        C.compose(["recipe=smoke", "reward=countdown", "reward.functions.acuracy.weight=2"])
+    assert str(e.value).startswith("reward.functions has no 'acuracy' (did you mean 'accuracy'?); this run's rewards: "
+                                   "accuracy, format, tags; ")

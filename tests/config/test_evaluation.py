@@ -4,7 +4,8 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from grpo.config.schema import load
+from grpo.config.evaluation import AlarmRule, AlarmsConfig, _rule, check_evaluation
+from grpo.config.schema import Config, load
 from grpo.errors import ConfigError, DataError
 from grpo.rewards.score import build as build_rewards
 from grpo.tasks import get_task
@@ -91,3 +92,75 @@ def test_a_set_is_held_apart_from_training():
     assert held & {r["prompt"] for r in plain.train}, "the test needs an overlap to remove"
     assert not held & {r["prompt"] for r in splits.train}
     assert "training prompts that are in an evaluation set were dropped" in splits.note
+
+
+# -------------------------------------------------------------- check_evaluation on a plain Config (no Hydra): fast
+def plain(**evaluation) -> Config:
+    c = Config()
+    for k, v in evaluation.items():
+        setattr(c.evaluation, k, v)
+    return c
+
+
+def refusal(c: Config) -> str:
+    with pytest.raises(ConfigError) as e:
+        check_evaluation(c)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("evaluation", [
+    {}, {"n": 1, "temperature": 0.0}, {"n": 2, "temperature": 0.6, "k": [1, 2]}, {"n": 4, "temperature": 1.0, "k": [4]},
+    {"correct_reward": "accuracy"},
+    {"sets": [{"name": "gsm8k.test-1", "source": "openai/gsm8k", "num": 1},
+              {"name": "B_2", "source": "builtin:countdown", "num": None, "seed": 3, "task_kwargs": {}}]},
+])
+def test_evaluation_settings_that_fit_pass(evaluation):
+    check_evaluation(plain(**evaluation))
+
+
+def test_greedy_evaluation_takes_one_sample():
+    assert refusal(plain(n=2)).startswith("evaluation.n=2 at evaluation.temperature=0 (greedy) gives 2 identical")
+
+
+@pytest.mark.parametrize("k", [[True], [1.0], [0], [3], ["1"]])
+def test_each_k_is_an_integer_in_one_to_n(k):
+    assert refusal(plain(n=2, temperature=0.6, k=k)).startswith(f"evaluation.k={k}: each k must be an integer in "
+                                                                 "1..evaluation.n=2")
+
+
+def test_the_correct_reward_is_one_of_the_rewards():
+    assert refusal(plain(correct_reward="acc")) == "evaluation.correct_reward='acc' is not a reward; choose one of: " \
+                                                   "accuracy"
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("gsm8k", "evaluation.sets[0] must be a mapping"),
+    ({"name": "a", "source": "x", "sorce": "y"}, "evaluation.sets[0].sorce is not a key of an evaluation set (did you "
+                                                 "mean 'source'?); allowed: name, source, num, split"),
+    ({"name": "a", "source": "x", "zzzz": 1}, "evaluation.sets[0].zzzz is not a key of an evaluation set; allowed: "),
+    ({"name": 3, "source": "x"}, "evaluation.sets[0].name=3: give each set a name"),
+    ({"name": "", "source": "x"}, "evaluation.sets[0].name='': give each set a name"),
+    ({"name": "a b", "source": "x"}, "evaluation.sets[0].name='a b': give each set a name"),
+    ({"name": "held-out", "source": "x"}, "evaluation.sets[0].name='held-out': give each set a name"),
+    ({"name": "a", "source": 5}, "evaluation.sets[0] (a) needs a source"),
+    ({"name": "a", "source": ""}, "evaluation.sets[0] (a) needs a source"),
+    ({"name": "a", "source": "x", "num": True}, "evaluation.sets[0].num=True (a) must be an integer >= 1"),
+    ({"name": "a", "source": "x", "num": 2.0}, "evaluation.sets[0].num=2.0 (a) must be an integer >= 1"),
+    ({"name": "a", "source": "x", "num": 0}, "evaluation.sets[0].num=0 (a) must be an integer >= 1"),
+])
+def test_a_bad_set_is_refused_by_its_index(spec, says):
+    assert refusal(plain(sets=[spec])).startswith(says)
+
+
+def test_two_sets_of_one_name_are_refused_and_every_set_is_checked():
+    assert refusal(plain(sets=[{"name": "a", "source": "x"}, {"name": "a", "source": "y"}])).startswith(
+        "evaluation.sets: the name 'a' is given twice")
+    assert refusal(plain(sets=[{"name": "a", "source": "x"}, {"name": "b", "source": "y", "num": 0}])).startswith(
+        "evaluation.sets[1].num=0 (b)")
+
+
+def test_an_alarm_rule_field_builds_an_enabled_rule_of_its_own_each_time():
+    f = _rule(0.3, 7)
+    a, b = f.default_factory(), f.default_factory()
+    assert a == AlarmRule(enabled=True, threshold=0.3, patience=7) and a is not b
+    assert AlarmsConfig().entropy == AlarmRule(True, 0.01, 10)
