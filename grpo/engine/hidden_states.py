@@ -46,5 +46,4 @@ def shared_prefix_hidden(model, prefixes: list[list[int]], suffixes: list[list[l
         out = decoder(input_ids=layout.input_ids, position_ids=layout.position_ids,
                       attention_mask=placeholder_mask(device), use_cache=False, **{LAYOUT_KWARG: layout})
     check_every_layer(layout.calls, lm)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return hidden[0].index_select(0, torch.stack(picks))
+    return out[0][0].index_select(0, torch.stack(picks))  # out[0]: last_hidden_state, of a ModelOutput or a tuple
