@@ -8,6 +8,7 @@ backward; other heads (LoRA on lm_head, DeepSpeed ZeRO-3 partitioned weights) us
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import torch
 
@@ -26,16 +27,16 @@ class HeadTransform:
     vocab: int | None = None
 
 
-def _times(key):
-    return lambda c: HeadTransform(mult=float(getattr(c, key)))
+def _times(c, key):
+    return HeadTransform(mult=float(getattr(c, key)))
 
 
-def _divided(key):
-    return lambda c: HeadTransform(mult=1.0 / getattr(c, key))
+def _divided(c, key):
+    return HeadTransform(mult=1.0 / getattr(c, key))
 
 
-def _capped(key):
-    return lambda c: HeadTransform(cap=getattr(c, key) or None)
+def _capped(c, key):
+    return HeadTransform(cap=getattr(c, key) or None)
 
 
 # model_type (of the text config) -> its transform, as each *ForCausalLM.forward of transformers 5.24 computes its
@@ -43,16 +44,17 @@ def _capped(key):
 # model_type not listed has none; grpo/engine/head_check.py refuses a model whose own logits disagree.
 TRANSFORMS = {
     **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "granitemoehybrid",
-                     "minicpm3"), _divided("logits_scaling")),
-    "hyperclovax": _times("logits_scaling"),
-    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), _times("logit_scale")),
+                     "minicpm3"), partial(_divided, key="logits_scaling")),
+    "hyperclovax": partial(_times, key="logits_scaling"),
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), partial(_times, key="logit_scale")),
     "cohere_compass_text": lambda c: HeadTransform(mult=1.0 if c.logit_scale is None else float(c.logit_scale)),
-    "falcon_h1": _times("lm_head_multiplier"),  # real checkpoints: 0.039 or 0.078
+    "falcon_h1": partial(_times, key="lm_head_multiplier"),  # real checkpoints: 0.039 or 0.078
     "inkling_text": lambda c: HeadTransform(mult=1.0 / c.logits_mup_width_multiplier, vocab=c.unpadded_vocab_size),
     **dict.fromkeys(("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "vaultgemma",
-                     "nanochat", "beam", "inkling2_text", "inkling2_loop_text"), _capped("final_logit_softcapping")),
-    "recurrent_gemma": _capped("logits_soft_cap"),
-    "xlstm": _capped("output_logit_soft_cap"),
+                     "nanochat", "beam", "inkling2_text", "inkling2_loop_text"),
+                    partial(_capped, key="final_logit_softcapping")),
+    "recurrent_gemma": partial(_capped, key="logits_soft_cap"),
+    "xlstm": partial(_capped, key="output_logit_soft_cap"),
 }
 
 
@@ -80,7 +82,7 @@ class _FusedLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, mult, cap, temperature, want_entropy):
         M = hidden.shape[0]
-        rows = max(1, _CHUNK_ELEMENTS // weight.shape[0])
+        rows = max(1, min(M, _CHUNK_ELEMENTS // weight.shape[0]))  # never more rows than there are
         logp = torch.empty(M, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if want_entropy else logp.new_empty(0)
