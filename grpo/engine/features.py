@@ -50,7 +50,8 @@ def _uses_interface(cls) -> bool:
 
 
 def _moe(cfg, attn) -> bool:
-    return any((getattr(cfg, k, 0) or 0) > 1 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")
+    return any(n is not None and n > 1 for n in (getattr(cfg, k, None) for k in keys))
 
 
 def _window(cfg, attn) -> bool:

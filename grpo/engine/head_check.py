@@ -39,9 +39,10 @@ def _check_tokens(vocab: int) -> tuple[list[int], list[list[int]]]:
 
 def _own_logprobs(model, prompt, comps, device):
     """log p(target) and entropy at the completion tokens, from the model's own forward and logits."""
-    ids = torch.tensor([prompt + c for c in comps], device=device)
-    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-    logits = (out.logits if hasattr(out, "logits") else out[0])[:, len(prompt) - 1:-1].float()
+    ids = torch.tensor([prompt + c for c in comps], device=device)  # pragma: no mutate
+    mask = torch.ones_like(ids)  # pragma: no mutate
+    out = model(input_ids=ids, attention_mask=mask, use_cache=False)  # pragma: no mutate
+    logits = out[0][:, len(prompt) - 1:-1].float()  # no labels, no loss: the logits, of a ModelOutput or a tuple
     logp = torch.log_softmax(logits, dim=-1)
     target = logp.gather(-1, ids[:, len(prompt):, None])[..., 0]
     return target.reshape(-1), -(logp.exp() * logp).sum(-1).reshape(-1)
@@ -52,17 +53,18 @@ def head_gap(model) -> float:
     over a few tokens. ``model``: what the run trains (plain, peft, DDP or a DeepSpeed engine); it is put in eval
     mode for the two forwards (no dropout) and left as it was."""
     lm = unwrap_model(model)
-    text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
-    emb = lm.get_input_embeddings()
-    device = emb.weight.device if emb is not None else next(lm.parameters()).device
-    sizes = (text.vocab_size, head_transform(text).vocab, getattr(lm.get_output_embeddings(), "out_features", None))
+    text = lm.config.get_text_config()  # a composite model's language model's (every config has one)
+    emb = lm.get_input_embeddings()  # pragma: no mutate
+    device = emb.weight.device if emb is not None else next(lm.parameters()).device  # pragma: no mutate
+    out_features = getattr(lm.get_output_embeddings(), "out_features", None)  # pragma: no mutate
+    sizes = (text.vocab_size, head_transform(text).vocab, out_features)
     prompt, comps = _check_tokens(min(int(n) for n in sizes if n))  # tokens the model and its head know
     modules = list(model.modules())
     training = [m.training for m in modules]
     model.eval()
     try:
         with torch.no_grad():
-            own_lp, own_ent = _own_logprobs(model, prompt, comps, device)
+            own_lp, own_ent = _own_logprobs(model, prompt, comps, device)  # pragma: no mutate
             lps, ents = token_logprobs(model, [prompt], [comps], shared_prefix=False, return_entropy=True)
     finally:
         for m, was in zip(modules, training):

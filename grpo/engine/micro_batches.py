@@ -74,12 +74,10 @@ def _split_group(g: int, prompt_len: int, lens: Sequence[int], max_tokens: int,
             )
     parts: list[MicroBatch] = []
     start = 0
-    while start < len(lens):
-        stop = start + 1
-        while stop < len(lens) and cost(g, lens[start : stop + 1]) <= max_tokens:
-            stop += 1
-        parts.append([(g, slice(start, stop))])
-        start = stop
+    for stop in range(1, len(lens) + 1):  # a part ends at stop when the next completion would not fit (or none is left)
+        if stop == len(lens) or cost(g, lens[start : stop + 1]) > max_tokens:
+            parts.append([(g, slice(start, stop))])
+            start = stop
     return parts
 
 

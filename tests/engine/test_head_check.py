@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from grpo.engine import logprob_head
-from grpo.engine.head_check import check_head, head_gap
+from grpo.engine.head_check import _check_tokens, check_head, head_gap, head_tolerance
 from grpo.engine.logprobs import token_logprobs
 from grpo.errors import SetupError
 from grpo.models import apply_lora
@@ -166,3 +166,93 @@ def test_each_listed_transform_is_its_familys_own(model_type):
         warnings.simplefilter("ignore")
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **kw))
     assert head_gap(model.eval()) < 1e-5
+
+
+# the cheap tests (those mutation testing runs): one tiny llama built at import, so that every mutant's tests,
+# forked from a process that imported this module, reuse it instead of building their own
+LLAMA = tiny_model("llama")
+
+
+def test_the_tolerance_of_each_dtype_and_the_boundary_and_nan_of_the_decision():
+    assert (head_tolerance(torch.bfloat16), head_tolerance(torch.float16), head_tolerance(torch.float32)) == \
+        (0.25, 0.05, 1e-3)
+    assert check_head(LLAMA, agree=lambda gap: 1e-3) == 1e-3  # a gap of exactly the tolerance passes
+    with pytest.raises(SetupError, match=r"LlamaForCausalLM differ from the model's own forward by 0\.0011 \(largest "
+                                         r"over 12 tokens; rounding in float32 explains 0\.001\)"):
+        check_head(LLAMA, agree=lambda gap: 1.1e-3)
+    with pytest.raises(SetupError, match="by nan"):
+        check_head(LLAMA, agree=lambda gap: float("nan"))
+    seen = []
+    assert check_head(LLAMA, agree=lambda gap: seen.append(gap) or gap) == seen[0] < 1e-5
+
+
+def test_the_check_tokens_are_fixed_and_known_to_the_model_and_its_head():
+    prompt, comps = _check_tokens(97)
+    ids = [(7 + 37 * k) % 97 for k in range(12)]
+    assert prompt == ids[:4] and comps == [ids[4:8], ids[8:12]]
+    assert _check_tokens(10) == ([7, 4, 1, 8], [[5, 2, 9, 6], [3, 0, 7, 4]])
+    # a config that claims more tokens than the head has: only tokens below the smallest size are scored
+    big = dict(vars(LLAMA.config))
+    try:
+        LLAMA.config.vocab_size = 10_000
+        assert head_gap(LLAMA) < 1e-5
+    finally:
+        LLAMA.config.vocab_size = big["vocab_size"]
+
+
+def test_the_gap_is_the_largest_of_the_log_prob_and_entropy_differences(monkeypatch):
+    import grpo.engine.head_check as hc
+
+    real = hc.token_logprobs
+
+    def shifted(*a, lp=0.0, ent=0.0, **kw):
+        lps, ents = real(*a, **kw)
+        return [[x + lp for x in lps[0]]], [[x + ent for x in ents[0]]]
+
+    monkeypatch.setattr(hc, "token_logprobs", lambda *a, **kw: shifted(*a, lp=0.01, **kw))
+    assert abs(head_gap(LLAMA) - 0.01) < 1e-5
+    monkeypatch.setattr(hc, "token_logprobs", lambda *a, **kw: shifted(*a, ent=-0.02, **kw))
+    assert abs(head_gap(LLAMA) - 0.02) < 1e-5
+
+
+def test_the_two_forwards_run_in_eval_mode_and_the_modes_are_put_back():
+    modes = []
+    hook = LLAMA.model.register_forward_pre_hook(lambda m, a: modes.append(m.training))
+    try:
+        LLAMA.train()
+        LLAMA.model.layers[0].eval()
+        assert check_head(LLAMA) < 1e-5
+        assert LLAMA.training and not LLAMA.model.layers[0].training and LLAMA.model.layers[1].training
+    finally:
+        hook.remove()
+        LLAMA.eval()
+    assert modes == [False, False]
+
+
+def test_the_engine_side_is_the_standard_layout_and_its_tokens_are_below_every_vocabulary(monkeypatch):
+    import grpo.engine.head_check as hc
+
+    calls, sizes = [], []
+    real_lp, real_tokens = hc.token_logprobs, hc._check_tokens
+    monkeypatch.setattr(hc, "token_logprobs", lambda *a, **kw: calls.append(kw) or real_lp(*a, **kw))
+    monkeypatch.setattr(hc, "_check_tokens", lambda vocab: sizes.append(vocab) or real_tokens(vocab))
+    monkeypatch.setitem(logprob_head.TRANSFORMS, "llama", lambda text: logprob_head.HeadTransform(vocab=50))
+    head_gap(LLAMA)  # (the gap itself: the engine drops the logits past 50, the model's own forward does not)
+    assert calls == [dict(shared_prefix=False, return_entropy=True)] and sizes == [50]
+
+
+def test_the_tolerance_is_the_models_dtypes():
+    import copy
+
+    half = copy.deepcopy(LLAMA).to(torch.bfloat16)
+    assert check_head(half, agree=lambda gap: 0.2) == 0.2
+    with pytest.raises(SetupError, match="rounding in bfloat16 explains 0.25"):
+        check_head(half, agree=lambda gap: 0.3)
+
+
+def test_a_model_answering_with_a_tuple():
+    hook = LLAMA.register_forward_hook(lambda m, a, out: out.to_tuple())  # as with return_dict=False
+    try:
+        assert head_gap(LLAMA) < 1e-5
+    finally:
+        hook.remove()

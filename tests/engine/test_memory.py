@@ -1,5 +1,6 @@
 """engine.max_tokens_per_micro_batch: auto sizing, its estimate against measured activations, the start-up refusals,
 and the grouped kernel's memory-saving completion attention."""
+import os
 import subprocess
 import sys
 import warnings
@@ -291,3 +292,211 @@ def test_bench_update_step_quick_runs():
     cells = [c.strip() for c in r.stdout.strip().splitlines()[-1].strip("|").split("|")]
     # saved MiB with one decimal
     assert cells[0] == "quick" and float(cells[4]) > 0 and float(cells[5]) >= 0 and float(cells[6]) > 0
+
+
+# ------------------------------------------------------------------ the pieces, by hand (fast: no model forward)
+class _Cfg:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+_LLAMA_LIKE = dict(hidden_size=64, num_attention_heads=4, head_dim=32, num_key_value_heads=2, intermediate_size=96,
+                   num_hidden_layers=3)
+
+
+def test_activation_bytes_per_token_is_the_documented_count():
+    cfg = _Cfg(**_LLAMA_LIKE)
+    # per layer: 4 x 96 + 5 x 64 + 4 x (4 x 32) + 6 x (2 x 32) = 1600 elements; the head 3 x 64 x 4 bytes
+    assert activation_bytes_per_token(cfg, torch.float32, False) == 3 * 1600 * 4 + 768
+    # bfloat16: 2 bytes an element, plus the norms' fp32 copies (4 x hidden x 4 bytes)
+    assert activation_bytes_per_token(cfg, torch.bfloat16, False) == 3 * (1600 * 2 + 1024) + 768
+    assert activation_bytes_per_token(cfg, torch.float64, False) == 3 * 1600 * 8 + 768
+    # checkpointing: each layer's input plus one layer being recomputed
+    assert activation_bytes_per_token(cfg, torch.float32, True) == 3 * 64 * 4 + 1600 * 4 + 768
+    assert activation_bytes_per_token(cfg, torch.int8, False) == 3 * 1600 * 4 + 768  # not floating: 4 bytes
+    assert type(activation_bytes_per_token(cfg, torch.bfloat16, False)) is int
+
+
+def test_the_shape_read_from_configs_of_every_kind():
+    assert memory._shape(_Cfg(**_LLAMA_LIKE)) == (64, 128, 64, 96, 3)
+    # no head_dim: hidden / heads; no kv heads: as many as heads; no intermediate size: 4 x hidden
+    bare = _Cfg(hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
+    assert memory._shape(bare) == (64, 64, 64, 256, 2)
+    nulls = _Cfg(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, head_dim=None, num_key_value_heads=None,
+                 intermediate_size=None)
+    assert memory._shape(nulls) == (64, 64, 64, 256, 2)
+    mamba = _Cfg(hidden_size=64, num_heads=8, num_hidden_layers=2, num_attention_heads=None)  # SSM heads
+    assert memory._shape(mamba) == (64, 64, 64, 256, 2)
+    assert memory._shape(_Cfg(hidden_size=64, num_heads=8, num_hidden_layers=2)) == (64, 64, 64, 256, 2)
+    assert all(type(n) is int for n in memory._shape(bare))
+    composite = _Cfg(get_text_config=lambda: _Cfg(**_LLAMA_LIKE))
+    assert memory._shape(composite) == (64, 128, 64, 96, 3)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, dtype=torch.float32, frozen=False, checkpointing=False):
+        super().__init__()
+        self.config = _Cfg(**_LLAMA_LIKE)
+        self.a = torch.nn.Linear(4, 5).to(dtype)  # 25 parameters
+        self.b = torch.nn.Linear(2, 1).to(dtype)  # 3
+        if frozen:
+            self.a.requires_grad_(False)
+        self.b.gradient_checkpointing = checkpointing
+
+
+def test_the_estimate_of_a_model_takes_its_dtype_checkpointing_and_trainable_parameters():
+    e = estimate(_Model())
+    assert e == Estimate(activation_bytes_per_token(_Cfg(**_LLAMA_LIKE), torch.float32, False), 3 * 28 * 4,
+                         memory.TRANSIENT)
+    e = estimate(_Model(torch.bfloat16, frozen=True, checkpointing=True))
+    assert e == Estimate(activation_bytes_per_token(_Cfg(**_LLAMA_LIKE), torch.bfloat16, True), 3 * 3 * 2,
+                         memory.TRANSIENT)
+    assert estimate(_Model(), dtype=torch.bfloat16, checkpointing=True).per_token == \
+        activation_bytes_per_token(_Cfg(**_LLAMA_LIKE), torch.bfloat16, True)
+    assert estimate(_Model(checkpointing=True), checkpointing=False).per_token == e.__class__(
+        activation_bytes_per_token(_Cfg(**_LLAMA_LIKE), torch.float32, False), 0, 0).per_token
+    only_ints = torch.nn.Module()
+    only_ints.config = _Cfg(**_LLAMA_LIKE)
+    only_ints.p = torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+    assert estimate(only_ints).per_token == activation_bytes_per_token(_Cfg(**_LLAMA_LIKE), torch.float32, False)
+    assert estimate(only_ints).fixed == 0
+    first_float = torch.nn.Module()
+    first_float.config = _Cfg(**_LLAMA_LIKE)
+    first_float.i = torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+    first_float.h = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    assert estimate(first_float).per_token == activation_bytes_per_token(_Cfg(**_LLAMA_LIKE), torch.bfloat16, False)
+
+
+def test_tokens_within_and_bytes_for_round_as_documented():
+    est = Estimate(per_token=100, fixed=1000, transient=500)
+    # usable = 10000 x 0.75 - 1500 = 6000 bytes; 130 bytes a token with the overhead: 46 tokens
+    assert est.tokens_within(10_000) == 46 and est.bytes_for(46) == int(1500 + 46 * 130) == 7480
+    assert est.tokens_within(2000) == 0 and est.tokens_within(0) == 0  # never negative
+    assert Estimate(per_token=10, fixed=0, transient=0).tokens_within(13 * 4 // 3 + 1) == 1  # 13 x 0.75 / 13
+
+
+def test_free_memory_on_cpu_is_the_smaller_of_available_and_the_cgroup_shared_by_the_nodes_processes(monkeypatch):
+    monkeypatch.setattr(memory, "_meminfo_available", lambda: 12 * GiB)
+    monkeypatch.setattr(memory, "_cgroup_remaining", lambda: None)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert memory.free_bytes(torch.device("cpu")) == 12 * GiB
+    monkeypatch.setattr(memory, "_cgroup_remaining", lambda: 8 * GiB)
+    assert memory.free_bytes(torch.device("cpu")) == 8 * GiB
+    monkeypatch.setattr(memory, "_cgroup_remaining", lambda: 16 * GiB)
+    assert memory.free_bytes(torch.device("cpu")) == 12 * GiB
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert memory.free_bytes(torch.device("cpu")) == 3 * GiB and type(memory.free_bytes(torch.device("cpu"))) is int
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "0")
+    assert memory.free_bytes(torch.device("cpu")) == 12 * GiB
+
+
+def test_free_memory_on_a_gpu_counts_what_the_cache_holds_unused(monkeypatch):
+    gpu = torch.device("cuda", 1)
+    of = lambda n: (lambda d: n if d == gpu else None)  # noqa: E731 - answers for the device asked about only
+    monkeypatch.setattr(torch.cuda, "mem_get_info", of((5 * GiB, 80 * GiB)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", of(3 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", of(1 * GiB))
+    assert memory.free_bytes(gpu) == 7 * GiB
+
+
+def test_meminfo_and_the_cgroup_files(monkeypatch, tmp_path):
+    real = memory.Path
+    monkeypatch.setattr(memory, "Path", lambda p: real(str(tmp_path) + p))
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "meminfo").write_text("MemTotal: 100 kB\nMemFree: 5 kB\nMemAvailable:   40 kB\n")
+    assert memory._meminfo_available() == 40 * 1024
+    (tmp_path / "proc" / "meminfo").write_text("MemTotal: 100 kB\n")  # no MemAvailable: the sysconf figure
+    sysconf = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    assert abs(memory._meminfo_available() - sysconf) < 2**30
+    (tmp_path / "proc" / "meminfo").unlink()
+    assert abs(memory._meminfo_available() - sysconf) < 2**30
+    cg = tmp_path / "sys" / "fs" / "cgroup"
+    assert memory._cgroup_remaining() is None  # no cgroup files
+    cg.mkdir(parents=True)
+    (cg / "memory.max").write_text("max\n")
+    assert memory._cgroup_remaining() is None
+    (cg / "memory.max").write_text("1000\n")
+    (cg / "memory.current").write_text("300\n")
+    assert memory._cgroup_remaining() == 700
+    (cg / "memory.current").write_text("lots\n")
+    assert memory._cgroup_remaining() is None
+
+
+def test_the_notes_read_exactly():
+    est = Estimate(per_token=1 << 20, fixed=0, transient=0)
+    assert choose_budget(100, est, 64 * GiB, longest=100, on_gpu=False) == (
+        100, "engine.max_tokens_per_micro_batch=100: the update needs about 0.1 GiB")
+    tokens, note = choose_budget("auto", est, 4 * GiB, longest=100, on_gpu=False)
+    assert (tokens, note) == (2363, "engine.max_tokens_per_micro_batch=auto -> 2363 tokens (about 3.0 GiB for the "
+                                    "update; 4.0 GiB free, 1.00 MiB of activations per token)")
+    assert choose_budget(3000, est, 4 * GiB, longest=100, on_gpu=False)[1] == (
+        "engine.max_tokens_per_micro_batch=3000: the update needs about 3.8 GiB, more than 75% of the 4.0 GiB free: "
+        "it may run out of memory; auto would pick 2363")
+    assert choose_budget(2363, est, 4 * GiB, longest=100, on_gpu=False)[1].endswith("about 3.0 GiB")  # fits exactly
+    assert choose_budget("auto", est, 4 * GiB, longest=2363, on_gpu=False)[0] == 2363  # the longest fits exactly
+    with pytest.raises(ValueError, match=r"\(2364 tokens\) needs about 3\.0 GiB for the update, more than 75% of "
+                                         r"the 4\.0 GiB free; lower"):
+        choose_budget("auto", est, 4 * GiB, longest=2364, on_gpu=False)
+    assert choose_budget(3000, est, 4 * GiB, longest=2363, on_gpu=False)[1].endswith("auto would pick 2363")
+    assert choose_budget(3000, est, 4 * GiB, longest=3000, on_gpu=False)[1].endswith(
+        "auto cannot fit the longest prompt + completion (3000 tokens) either")
+    assert choose_budget(100, est, 4 * GiB, longest=100, on_gpu=False)[0] == 100  # explicit = longest
+    # an explicit budget that needs exactly the planned share of the free memory fits: no warning
+    exact = Estimate(per_token=10, fixed=0, transient=0)
+    assert exact.bytes_for(30) == 390 == 520 * memory.MARGIN
+    assert choose_budget(30, exact, 520, longest=1, on_gpu=False)[1] == ("engine.max_tokens_per_micro_batch=30: "
+                                                                          "the update needs about 0.0 GiB")
+    assert choose_budget("auto", est, 64 * GiB, longest=100, on_gpu=True)[0] == int(48 * 1024 // 1.3)
+    assert memory.parse_budget("auto") is None and memory.parse_budget("12") == 12 and memory.parse_budget(7) == 7
+
+
+def test_auto_picks_within_the_devices_cap_but_never_below_the_longest():
+    assert memory._auto_tokens(10**6, 10, on_gpu=True) == memory.GPU_CAP == 65536
+    assert memory._auto_tokens(10**6, 10, on_gpu=False) == memory.CPU_CAP == 4096
+    assert memory._auto_tokens(300, 10, on_gpu=True) == 300 and memory._auto_tokens(300, 500, on_gpu=False) == 500
+
+
+def test_the_grouped_kernels_score_memory():
+    cfg = _Cfg(num_attention_heads=4)
+    one = 4 * 10 * (20 + 10)  # heads x completion x (prompt + completion)
+    assert memory.group_score_bytes(cfg, 3, 20, 10) == 12 * 3 * one  # the whole group within a chunk
+    big = _Cfg(num_attention_heads=10**4)
+    chunk = memory.completion_attention.CHUNK_SCORES
+    assert memory.group_score_bytes(big, 64, 200, 100) == 12 * max(chunk, 10**4 * 100 * 300)
+    assert memory.group_score_bytes(_Cfg(), 3, 20, 10) == 0  # no attention heads (Mamba2)
+    assert memory.group_score_bytes(_Cfg(get_text_config=lambda: cfg), 3, 20, 10) == 12 * 3 * one
+    mid = _Cfg(num_attention_heads=1)
+    per = 1000 * 2000
+    n = chunk // per + 5  # a group larger than a chunk, each completion smaller: one chunk
+    assert memory.group_score_bytes(mid, n, 1000, 1000) == 12 * min(chunk, per * n)
+
+
+def test_free_for_and_the_cached_auto_budget(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 8 * GiB if device == cpu else None)
+    assert memory.free_for(torch.device("cpu"), None) == 8 * GiB
+    assert memory.free_for(torch.device("cpu"), _Cfg(memory_limit_gib=2)) == 2 * GiB
+    assert memory.free_for(torch.device("cpu"), _Cfg(memory_limit_gib=20)) == 8 * GiB
+    assert memory.free_for(torch.device("cpu"), _Cfg(memory_limit_gib=None)) == 8 * GiB
+    assert memory.budget_for(None, 64) == 64 and memory.budget_for(None, "128") == 128
+    with pytest.raises(ValueError, match="needs the model"):
+        memory.budget_for(None, "auto")
+    model = _Model()
+    est = estimate(model)
+    assert est.tokens_within(int(0.8 * GiB)) == 0 < est.tokens_within(int(1.05 * GiB)) < memory.CPU_CAP
+    assert memory.budget_for(model, "auto", _Cfg(memory_limit_gib=0.8)) == 1  # nothing fits: still one token
+    assert memory.budget_for(model, "auto", _Cfg(memory_limit_gib=1.05)) == est.tokens_within(int(1.05 * GiB))
+    assert memory.budget_for(model, "auto") == memory.CPU_CAP
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 0)  # cached per model and limit: not sized again
+    assert memory.budget_for(model, "auto", _Cfg(memory_limit_gib=1.05)) == est.tokens_within(int(1.05 * GiB))
+    assert memory.budget_for(model, "auto", _Cfg(memory_limit_gib=0.8)) == 1
+
+
+def test_the_auto_budget_of_a_model_on_a_gpu_is_capped_at_the_gpu_cap(monkeypatch):
+    class OnGpu:  # a stand-in: its one parameter's device is all budget_for reads of it
+        def parameters(self):
+            return iter([_Cfg(device=torch.device("cuda", 0))])
+
+    monkeypatch.setattr(memory, "estimate", lambda model: Estimate(per_token=1, fixed=0, transient=0))
+    monkeypatch.setattr(memory, "free_for", lambda device, ecfg: 10**9 if device.type == "cuda" else 0)
+    assert memory.budget_for(OnGpu(), "auto") == memory.GPU_CAP
