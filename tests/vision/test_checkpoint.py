@@ -220,3 +220,191 @@ def test_the_served_families_are_the_engines():
     from grpo.vision.models import NOT_SERVED, TINY_VLM_FAMILIES
 
     assert tuple(FAMILIES) == TINY_VLM_FAMILIES and not set(NOT_SERVED) & set(FAMILIES)
+
+
+# ---- unit tests of grpo/vision/checkpoint.py over fakes (no model, no processor built: what `make mutate` runs)
+# transformers' auto classes and cached_file are imported here, at collection, so that no mutant's fork pays for the
+# lazy import again
+import transformers.utils  # noqa: E402
+from transformers import AutoImageProcessor, AutoModelForImageTextToText  # noqa: E402
+
+from grpo.vision import checkpoint as ck  # noqa: E402
+
+
+def test_read_json_reads_a_folders_file_and_none_where_it_has_none(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (tmp_path / "other.json").mkdir()  # a folder of that name is not the file
+    assert ck.read_config(str(tmp_path)) == {"model_type": "qwen2"}
+    assert ck.read_json(str(tmp_path), "other.json") is None and ck.read_json(str(tmp_path), "none.json") is None
+    monkeypatch.setenv("HOME", str(tmp_path.parent))
+    assert ck.read_config(f"~/{tmp_path.name}") == {"model_type": "qwen2"}  # ~ is the home folder
+    (tmp_path / "bad.json").write_text("[1,")
+    with pytest.raises(ModelError, match=r"^model.name_or_path='.*': its bad.json is not JSON \(Expecting"):
+        ck.read_json(str(tmp_path), "bad.json")
+
+
+def test_a_hub_id_is_read_from_the_hub_cache_and_a_failure_is_none(tmp_path, monkeypatch):
+    calls = []
+    (tmp_path / "cached.json").write_text('{"a": 1}')
+
+    def cached_file(repo, filename, **kw):
+        calls.append((repo, filename, kw))
+        if repo == "org/broken":
+            raise OSError("offline")
+        return str(tmp_path / "cached.json") if repo == "org/model" else None
+
+    monkeypatch.setattr(transformers.utils, "cached_file", cached_file)
+    assert ck.read_json("org/model", "x.json") == {"a": 1}
+    assert ck.read_json("org/missing", "x.json") is None and ck.read_json("org/broken", "x.json") is None
+    assert calls[0] == ("org/model", "x.json", {"_raise_exceptions_for_missing_entries": False,
+                                                "_raise_exceptions_for_connection_errors": False})
+
+
+def test_is_multimodal_by_the_vision_config_or_the_image_text_to_text_types():
+    assert ck.is_multimodal({"vision_config": {}}) and ck.is_multimodal({"model_type": "llava"})
+    assert not ck.is_multimodal({"model_type": "qwen2"}) and not ck.is_multimodal({})
+
+
+def test_family_of_config_served_text_and_refused_with_its_reason(tmp_path):
+    served, why = ("qwen2_5_vl", "gemma3"), {"lfm2_vl": "no masks"}
+    assert ck.family_of_config(None, "x", served, why) is None
+    assert ck.family_of_config({"model_type": "qwen2"}, "x", served, why) is None
+    assert ck.family_of_config({"model_type": "gemma3", "vision_config": {}}, "x", served, why) == "gemma3"
+    with pytest.raises(ModelError) as e:
+        ck.family_of_config({"model_type": "lfm2_vl", "vision_config": {}}, "m", served, why)
+    assert str(e.value) == ("model.name_or_path='m' is a lfm2_vl vision-language model, which is not served "
+                            "(no masks); served: qwen2_5_vl, gemma3")
+    with pytest.raises(ModelError) as e:
+        ck.family_of_config({"model_type": "llava"}, "m", served, why)
+    assert str(e.value).endswith("llava vision-language model, which is not served; served: qwen2_5_vl, gemma3")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "vision_config": {}}))
+    assert ck.vision_family(str(tmp_path), served, why) == "gemma3"
+    assert ck.vision_family(str(tmp_path / "none"), served, why) is None
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "lfm2_vl", "vision_config": {}}))
+    with pytest.raises(ModelError) as e:
+        ck.vision_family(str(tmp_path), served, why)
+    assert str(e.value).startswith(f"model.name_or_path={str(tmp_path)!r} is a lfm2_vl")
+    assert "(no masks)" in str(e.value)
+
+
+def test_load_vlm_asks_for_the_image_text_to_text_class_and_a_failure_is_one_line(monkeypatch):
+    calls = []
+
+    def from_pretrained(path, **kw):
+        calls.append((path, kw))
+        if path == "bad":
+            raise OSError("no weights\nsecond line")
+        return "model"
+
+    monkeypatch.setattr(AutoModelForImageTextToText, "from_pretrained", from_pretrained)
+    assert ck.load_vlm("p", "name", torch.bfloat16, "eager") == "model"
+    assert calls == [("p", {"dtype": torch.bfloat16, "attn_implementation": "eager"})]
+    with pytest.raises(ModelError) as e:
+        ck.load_vlm("bad", "n", torch.float32, "sdpa")
+    assert str(e.value) == "model.name_or_path='n': no vision-language model could be loaded (no weights)"
+
+
+def test_processor_chat_template_jinja_first_then_json_else_none(tmp_path):
+    assert ck.processor_chat_template(str(tmp_path)) is None
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "from json"}))
+    assert ck.processor_chat_template(str(tmp_path)) == "from json"
+    (tmp_path / "chat_template.jinja").write_text("from jinja")
+    assert ck.processor_chat_template(str(tmp_path)) == "from jinja"
+
+
+class Qwen2VLImageProcessorPil:  # a stand-in of the class name FORMS knows
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+
+class Gemma3ImageProcessorPil(Qwen2VLImageProcessorPil):
+    pass
+
+
+class _Tokenizer:
+    def __init__(self, ids):
+        self.ids, self.asked = ids, []
+
+    def convert_tokens_to_ids(self, token):
+        self.asked.append(token)
+        return self.ids
+
+
+def _serve(monkeypatch, proc):
+    calls = []
+
+    def from_pretrained(path, **kw):
+        calls.append((path, kw))
+        if isinstance(proc, Exception):
+            raise proc
+        return proc
+
+    monkeypatch.setattr(AutoImageProcessor, "from_pretrained", from_pretrained)
+    return calls
+
+
+def test_load_image_processor_loads_the_pil_one_and_checks_it(tmp_path, monkeypatch):
+    proc = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, do_pan_and_scan=True)
+    calls = _serve(monkeypatch, proc)
+    config = {"vision_config": {"patch_size": 4, "spatial_merge_size": 2}, "image_token_id": 7}
+    tok = _Tokenizer(7)
+    assert ck.load_image_processor(str(tmp_path), "n", config, tok) is proc
+    assert calls == [(str(tmp_path), {"backend": "pil"})] and proc.do_pan_and_scan is False
+    assert tok.asked == ["<|image_pad|>"] and not hasattr(proc, "image_seq_length")
+    with pytest.raises(ModelError, match=r"^model.name_or_path='n': the tokenizer's <\|image_pad\|> is id 8 but "
+                                         "config.json's image_token_id is 7; "):
+        ck.load_image_processor(str(tmp_path), "n", config, _Tokenizer(8))
+    proc.patch_size = 14
+    with pytest.raises(ModelError, match=r"^model.name_or_path='n': preprocessor_config.json has patch_size=14 but the "
+                                         r"vision tower \(config.json vision_config.patch_size"):
+        ck.load_image_processor(str(tmp_path), "n", config)
+    bare = Qwen2VLImageProcessorPil()  # no pan-and-scan setting at all (Qwen's)
+    _serve(monkeypatch, bare)
+    assert ck.load_image_processor(str(tmp_path), "n", config) is bare and not hasattr(bare, "do_pan_and_scan")
+    _serve(monkeypatch, OSError("missing\nmore"))
+    with pytest.raises(ModelError, match=r"^model.name_or_path='n': no image processor could be loaded \(missing\); "):
+        ck.load_image_processor(str(tmp_path), "n", config)
+
+
+def test_gemma3s_image_tokens_per_image_are_the_configs_and_the_processors_must_agree(tmp_path, monkeypatch):
+    proc = Gemma3ImageProcessorPil(image_seq_length=256, do_pan_and_scan=False)
+    _serve(monkeypatch, proc)
+    config = {"mm_tokens_per_image": "16"}
+    assert ck.load_image_processor(str(tmp_path), "n", config).image_seq_length == 16
+    assert proc.do_pan_and_scan is False
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_length": "16"}))
+    assert ck.load_image_processor(str(tmp_path), "n", config).image_seq_length == 16
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_length": 64}))
+    with pytest.raises(ModelError, match="image_seq_length=64 but config.json's mm_tokens_per_image is 16$"):
+        ck.load_image_processor(str(tmp_path), "n", config)
+
+
+def test_check_image_processor_refuses_an_unknown_class_and_each_size_that_differs():
+    class Other:
+        pass
+
+    with pytest.raises(ModelError, match=r"image processor Other is not supported; supported: Qwen2VLImageProcessor"):
+        ck.check_image_processor(Other(), {}, "n")
+    vision = {"patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    ck.check_image_processor(Qwen2VLImageProcessorPil(), {"vision_config": vision}, "n")  # no sizes: nothing to check
+    ck.check_image_processor(Qwen2VLImageProcessorPil(patch_size=9), {}, "n")  # no vision config: nothing to check
+    ck.check_image_processor(Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2),
+                             {"vision_config": vision}, "n")
+    for attr, key in (("merge_size", "spatial_merge_size"), ("temporal_patch_size", "temporal_patch_size")):
+        with pytest.raises(ModelError, match=rf"has {attr}=3 but the vision tower \(config.json vision_config.{key}\) "
+                                             "takes 2$"):
+            ck.check_image_processor(Qwen2VLImageProcessorPil(**{attr: 3}), {"vision_config": vision}, "n")
+
+
+def test_image_token_id_from_either_key_and_check_image_token_without_one():
+    assert ck.image_token_id({"image_token_id": "5", "image_token_index": 6}) == 5
+    assert ck.image_token_id({"image_token_index": 6}) == 6 and ck.image_token_id({}) is None
+    tok = _Tokenizer(99)
+    ck.check_image_token(tok, Gemma3ImageProcessorPil(), {}, "n")  # the config names no id: nothing to check
+    assert tok.asked == ["<image_soft_token>"]
+    ck.check_image_token(tok, Gemma3ImageProcessorPil(), {"image_token_index": 99}, "n")
+
+
+def test_first_line_of_an_error():
+    assert ck._first_line(ValueError("  a\nb ")) == "a" and ck._first_line(KeyError()) == "KeyError"
+    assert ck._first_line(ValueError("x" * 300)) == "x" * 200
