@@ -352,3 +352,38 @@ def test_a_batch_times_its_wait_its_sampling_and_every_push_before_it():
     assert got.load_s >= 0.4  # both pushes (0.2 s each) count
     assert got.busy_s >= 0.3 and got.wait_s >= 0
     assert got.wait_s + got.load_s + got.busy_s <= elapsed  # the three split the worker's time, none twice
+
+
+class _LoraServers(_Servers):
+    """Servers syncing LoRA adapters: the backend hands over the snapshot (an `Adapter`, not weights by name)."""
+    adapters = "the adapters"
+
+    def __init__(self):
+        super().__init__()
+        self.read = []
+
+    def weights(self, model):
+        self.read.append(model)
+        return SimpleNamespace(a_and_b=len(self.read))
+
+    def push(self, weights, version):
+        self.log.append(("push", version, weights))
+        self.version = version
+
+
+def test_with_lora_adapters_the_backend_reads_the_snapshot_and_the_worker_pushes_it_as_it_is():
+    from grpo.rollout.server.backend import trainer_logprobs
+
+    tok = char_tokenizer()
+    trainer = tiny_model("llama", len(tok), seed=1, **TINY)
+    servers = _LoraServers()
+    gen = ServerGenerator(servers, trainer, _recording(servers, servers.log))
+    want = trainer_logprobs(trainer, servers.check_ids)
+    gen.publish(0)
+    gen.submit(1, 0)
+    got = _received(gen, 10)
+    gen.close()
+    assert servers.read == [trainer] and got.step == 1
+    assert [e[0] for e in servers.log] == ["push", "check", "sample"]
+    assert servers.log[0][1:] == (0, SimpleNamespace(a_and_b=1)) and gen.free.empty()  # no buffers to reuse
+    assert torch.equal(servers.log[1][1], want)
