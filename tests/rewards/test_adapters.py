@@ -64,7 +64,7 @@ def test_the_first_failure_of_a_verl_function_is_logged_once_with_its_traceback(
 def test_the_batch_function_is_named_as_the_verl_one_and_has_trls_signature():
     import inspect
 
-    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=None) -> float:
         """verl's."""
         return 0.0
 

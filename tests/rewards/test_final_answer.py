@@ -29,3 +29,4 @@ def test_tool_call_pays_an_episode_whose_calls_all_ran():
     assert tool_call(None, ["a", "b"]) == [0.0, 0.0]  # single-turn: no tool_calls column
     assert tool_call(None, ["a", "b", "c"], tool_calls=[0, 2, 1], tool_failures=[0, 0, 1]) == [0.0, 1.0, 0.0]
     assert tool_call(None, ["a", "b"], tool_calls=[0, 3]) == [0.0, 1.0]  # no failures column: none failed
+    assert tool_call(None, ["a"], tool_calls=[1], tool_failures=[0]) == [1.0]  # one call is enough
