@@ -387,3 +387,50 @@ def test_with_lora_adapters_the_backend_reads_the_snapshot_and_the_worker_pushes
     assert [e[0] for e in servers.log] == ["push", "check", "sample"]
     assert servers.log[0][1:] == (0, SimpleNamespace(a_and_b=1)) and gen.free.empty()  # no buffers to reuse
     assert torch.equal(servers.log[1][1], want)
+
+
+def _gathering(log):
+    """A runtime's ``full_weights`` that records each weight it makes whole (a ZeRO-3 gather is a collective)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def full_weights(params):
+        log.append(len(params))
+        yield False
+    return full_weights
+
+
+@pytest.mark.parametrize("sends", [True, False])
+def test_every_rank_gathers_every_weight_through_the_runtime_and_only_the_sender_keeps_them(sends):
+    tok = char_tokenizer()
+    trainer = tiny_model("llama", len(tok), seed=1, **TINY)
+    servers, gathered = _Servers(sends=sends), []
+    gen = ServerGenerator(servers, trainer, _recording(servers, servers.log), full_weights=_gathering(gathered))
+    gen.publish(0)
+    gen.submit(1, 0)
+    _received(gen, 10)
+    gen.close()
+    names = list(trainer.state_dict())
+    assert len(gathered) == len(names) and set(gathered) <= {0, 1}  # each weight once, the non-sender's too
+    pushed = servers.log[0][2]
+    assert list(pushed) == (names if sends else [])
+    if sends:
+        assert all(torch.equal(pushed[k][0], v) for k, v in trainer.state_dict().items())
+
+
+def test_a_weight_whose_dtype_changed_gets_a_new_buffer():
+    tok = char_tokenizer()
+    trainer = tiny_model("llama", len(tok), seed=1, **TINY)
+    servers = _Servers()
+    gen = ServerGenerator(servers, trainer, _recording(servers, servers.log))
+    gen.publish(0)
+    gen.submit(1, 0)
+    _received(gen, 10)
+    trainer.to(torch.float64)  # same shapes, another dtype
+    gen.publish(1)
+    gen.submit(2, 1)
+    _received(gen, 10)
+    gen.close()
+    first, second = servers.log[0][2], servers.log[3][2]
+    assert all(t.dtype == torch.float32 for t, _ in first.values())
+    assert all(t.dtype == torch.float64 for t, _ in second.values())
