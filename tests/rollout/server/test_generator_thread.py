@@ -434,3 +434,35 @@ def test_a_weight_whose_dtype_changed_gets_a_new_buffer():
     first, second = servers.log[0][2], servers.log[3][2]
     assert all(t.dtype == torch.float32 for t, _ in first.values())
     assert all(t.dtype == torch.float64 for t, _ in second.values())
+
+
+class _GatedServers(_Servers):
+    """Pushes only once the test opens the gate: the trainer's next optimizer step surely comes first."""
+
+    def __init__(self):
+        import threading
+
+        super().__init__()
+        self.gate = threading.Event()
+
+    def push(self, weights, version):
+        assert self.gate.wait(10), "the test never opened the gate"
+        super().push(weights, version)
+
+
+def test_the_snapshot_is_a_copy_the_optimizer_step_after_publish_does_not_reach():
+    tok = char_tokenizer()
+    trainer = tiny_model("llama", len(tok), seed=1, **TINY)
+    servers = _GatedServers()
+    gen = ServerGenerator(servers, trainer, _recording(servers, servers.log))
+    before = {k: v.clone() for k, v in trainer.state_dict().items()}
+    gen.publish(0)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(1.0)
+    servers.gate.set()
+    gen.submit(1, 0)
+    _received(gen, 10)
+    gen.close()
+    pushed = servers.log[0][2]
+    assert list(pushed) == list(before) and all(torch.equal(pushed[k][0], v) for k, v in before.items())
