@@ -60,12 +60,14 @@ def compute_advantages(rewards: torch.Tensor, group_sizes: list[int], scale: str
 ADVANTAGE_SCALES: Registry[Callable] = Registry("advantage estimator")
 
 
-@ADVANTAGE_SCALES.register("group")
 def group_scale(rewards, group_std, batch_std):
     return group_std
 
 
-@ADVANTAGE_SCALES.register("batch")
+# registered by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+ADVANTAGE_SCALES.register("group")(group_scale)
+
+
 def batch_scale(rewards, group_std, batch_std):
     if batch_std is not None:
         std = torch.as_tensor(float(batch_std), dtype=rewards.dtype, device=rewards.device)
@@ -74,9 +76,14 @@ def batch_scale(rewards, group_std, batch_std):
     return std.expand_as(rewards)
 
 
-@ADVANTAGE_SCALES.register("none")
+ADVANTAGE_SCALES.register("batch")(batch_scale)
+
+
 def no_scale(rewards, group_std, batch_std):
     return None
+
+
+ADVANTAGE_SCALES.register("none")(no_scale)
 
 
 def zero_std_groups(rewards: torch.Tensor, group_sizes: list[int]) -> list[bool]:

@@ -87,7 +87,6 @@ def from_verl(fn: Callable) -> Callable:
     slots, keyword_only, filled = _verl_slots(params)
     reported = []
 
-    @functools.wraps(fn)
     def batch(prompts: list[str], completions: list[str], **columns) -> list[float | None]:
         n = len(completions)
         # Aligned lists are dataset columns; anything else came from the config.
@@ -115,6 +114,8 @@ def from_verl(fn: Callable) -> Callable:
                 out.append(None)
         return out
 
+    # update_wrapper, not @functools.wraps: mutmut (`make mutate`) does not mutate a decorated function
+    functools.update_wrapper(batch, fn)
     batch.__signature__ = inspect.Signature([
         inspect.Parameter("prompts", inspect.Parameter.POSITIONAL_OR_KEYWORD),
         inspect.Parameter("completions", inspect.Parameter.POSITIONAL_OR_KEYWORD),

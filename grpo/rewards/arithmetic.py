@@ -20,7 +20,6 @@ def bare_integer(text: str) -> int | None:
     return int(text) if re.fullmatch(r"-?\d+", text) else None
 
 
-@register("arithmetic")
 def arithmetic(prompts: list[str], completions: list[str], answer: list, strict: bool = False, **_) -> list[float]:
     """1.0 when the completion's answer equals the row's ``answer``, else 0.0.
 
@@ -31,7 +30,10 @@ def arithmetic(prompts: list[str], completions: list[str], answer: list, strict:
     return [float(pick(c) == int(a)) for c, a in zip(completions, answer)]
 
 
-@register("number_only")
+# registered by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+register("arithmetic")(arithmetic)
+
+
 def number_only(prompts: list[str], completions: list[str], **_) -> list[float]:
     """Format reward for "answer with the number only": 1.0 for a bare integer, otherwise the fraction
     of non-space characters that are digits (a shaped signal that also moves untrained models)."""
@@ -44,3 +46,6 @@ def number_only(prompts: list[str], completions: list[str], **_) -> list[float]:
         chars = [ch for ch in text if not ch.isspace()]
         out.append(0.5 * sum(ch.isdigit() for ch in chars) / len(chars) if chars else 0.0)
     return out
+
+
+register("number_only")(number_only)

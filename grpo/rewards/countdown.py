@@ -62,7 +62,6 @@ def score_one(completion: str, target, numbers, format_score: float = 0.1, use_a
     return 1.0 if fits and value == Fraction(int(target)) else format_score
 
 
-@register("countdown")
 def countdown(prompts: list[str], completions: list[str], target: list | None = None,
               numbers: list | None = None, format_score: float = 0.1, use_all: bool = False,
               **_) -> list[float | None]:
@@ -72,3 +71,7 @@ def countdown(prompts: list[str], completions: list[str], target: list | None = 
         return [None] * len(completions)
     return [None if t is None or n is None else score_one(c, t, n, format_score, use_all)
             for c, t, n in zip(completions, target, numbers)]
+
+
+# registered by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+register("countdown")(countdown)

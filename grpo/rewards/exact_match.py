@@ -60,7 +60,6 @@ def matches(prediction: str, reference, mode: str = "exact") -> bool:
     return False
 
 
-@register("exact_match")
 def exact_match(prompts: list[str], completions: list[str], answer: list | None = None,
                 mode: str = "exact", **_) -> list[float | None]:
     """1.0 when the final answer equals the ``answer`` column after normalisation, else 0.0.
@@ -75,3 +74,7 @@ def exact_match(prompts: list[str], completions: list[str], answer: list | None 
         return [None] * len(completions)
     return [None if a is None else float(matches(final_answer(c), a, mode))
             for c, a in zip(completions, answer)]
+
+
+# registered by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+register("exact_match")(exact_match)

@@ -15,14 +15,16 @@ def final_turn(completion, episode=None) -> str:
     return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
-@register("final_answer")
 def final_answer(prompts: list, completions: list, answer: list, episode: list | None = None, **_) -> list[float]:
     """1.0 when the last integer of the episode's final model turn equals ``answer``, else 0.0."""
     episode = episode or [None] * len(completions)
     return [float(last_integer(final_turn(c, e)) == int(a)) for c, e, a in zip(completions, episode, answer)]
 
 
-@register("tool_call")
+# registered by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+register("final_answer")(final_answer)
+
+
 def tool_call(prompts: list, completions: list, tool_calls: list | None = None, tool_failures: list | None = None,
               **_) -> list[float]:
     """1.0 when the episode called a tool and every call ran (valid JSON in the run's tool format, a known tool, no
@@ -31,3 +33,6 @@ def tool_call(prompts: list, completions: list, tool_calls: list | None = None, 
         return [0.0] * len(completions)
     failures = tool_failures or [0] * len(completions)
     return [float(n > 0 and f == 0) for n, f in zip(tool_calls, failures)]
+
+
+register("tool_call")(tool_call)

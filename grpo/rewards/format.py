@@ -22,7 +22,6 @@ def _text(completion, think_in_prompt: bool) -> str:
     return "<think>\n" + text if think_in_prompt else text
 
 
-@register("format")
 def format_reward(prompts: list[str], completions: list[str], strict: bool = False,
                   think_in_prompt: bool = False, **_) -> list[float]:
     """1.0 when the completion has the think/answer structure, else 0.0.
@@ -34,6 +33,10 @@ def format_reward(prompts: list[str], completions: list[str], strict: bool = Fal
     """
     pattern = _STRICT.match if strict else _LENIENT.search
     return [1.0 if pattern(_text(c, think_in_prompt)) else 0.0 for c in completions]
+
+
+# registered by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+register("format")(format_reward)
 
 
 def tag_score(text: str) -> float:
@@ -50,9 +53,11 @@ def tag_score(text: str) -> float:
     return score
 
 
-@register("tag_count")
 def tag_count(prompts: list[str], completions: list[str], think_in_prompt: bool = False,
               **_) -> list[float]:
     """Partial format credit in [0, 1]: 0.25 per correctly used tag (see :func:`tag_score`).
     A dense signal that helps a model discover the format before ``format`` pays anything."""
     return [tag_score(_text(c, think_in_prompt)) for c in completions]
+
+
+register("tag_count")(tag_count)

@@ -17,7 +17,6 @@ def _lengths(completions: list[str], completion_ids) -> list[int]:
     return [len(c.split()) if isinstance(c, str) else 0 for c in completions]
 
 
-@register("overlong_penalty")
 def overlong_penalty(prompts: list[str], completions: list[str], max_len: int | None = None,
                      buffer_len: int | None = None, penalty_factor: float = 1.0,
                      completion_ids: list | None = None, **_) -> list[float]:
@@ -46,13 +45,16 @@ def overlong_penalty(prompts: list[str], completions: list[str], max_len: int | 
     return out
 
 
+# registered by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+register("overlong_penalty")(overlong_penalty)
+
+
 def _cosine(t: int, t_max: int, at_zero: float, at_max: float) -> float:
     """at_zero at t = 0, easing along half a cosine to at_max at t = t_max."""
     frac = min(max(t, 0), t_max) / t_max
     return at_max + 0.5 * (at_zero - at_max) * (1.0 + math.cos(math.pi * frac))
 
 
-@register("cosine_length")
 def cosine_length(prompts: list[str], completions: list[str], answer: list | None = None,
                   max_len: int = 1024, min_value_correct: float = 0.5, max_value_correct: float = 1.0,
                   min_value_wrong: float = -0.5, max_value_wrong: float = 0.0,
@@ -85,3 +87,6 @@ def cosine_length(prompts: list[str], completions: list[str], answer: list | Non
         else:
             out.append(_cosine(n, int(max_len), min_value_wrong, max_value_wrong))
     return out
+
+
+register("cosine_length")(cosine_length)

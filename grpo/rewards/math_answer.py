@@ -139,14 +139,17 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_DropTimeoutNotice())
 
 
-@functools.cache
-def _math_verify():
+def _load_math_verify():
     """math_verify's parse and verify, warmed up once without a timeout: the first call builds its LaTeX
     grammar and loads sympy (seconds on a loaded machine), which a sample's timeout must not be charged for."""
     from math_verify import parse, verify
 
     verify(parse("$\\sqrt{2}$", parsing_timeout=None), parse("$2^{1/2}$", parsing_timeout=None), timeout_seconds=None)
     return parse, verify
+
+
+# cached by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+_math_verify = functools.cache(_load_math_verify)
 
 
 def _math_verify_equal(ref: str, cand: str, timeout_s: int) -> bool:
@@ -187,7 +190,6 @@ def is_correct(completion: str, reference, timeout_s: int = 3) -> float | None:
         return 0.0
 
 
-@register("math_accuracy")
 def math_accuracy(prompts: list[str], completions: list[str], answer: list | None = None,
                   timeout_s: int = 3, **_) -> list[float | None]:
     """1.0 when the completion's final answer is mathematically equal to the row's ``answer``
@@ -196,3 +198,7 @@ def math_accuracy(prompts: list[str], completions: list[str], answer: list | Non
     if answer is None:
         return [None] * len(completions)
     return [is_correct(c, a, timeout_s) for c, a in zip(completions, answer)]
+
+
+# registered by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+register("math_accuracy")(math_accuracy)

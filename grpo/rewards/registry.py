@@ -29,10 +29,11 @@ def register(name: str) -> Callable[[RewardFn], RewardFn]:
     text; the registered function also accepts conversational prompts and completions (TRL's message lists)."""
 
     def deco(fn: RewardFn) -> RewardFn:
-        @functools.wraps(fn)
         def text_or_messages(prompts, completions, **columns):
             return fn([as_text(p) for p in prompts], [as_text(c) for c in completions], **columns)
 
+        # update_wrapper, not @functools.wraps: mutmut (`make mutate`) does not mutate a decorated function
+        functools.update_wrapper(text_or_messages, fn)
         REWARDS.add(name, text_or_messages)  # a conflicting second registration: one line
         return fn
 
@@ -106,9 +107,8 @@ def adapt(fn: Callable, spec: str) -> RewardFn:
     if "completions" in names and [p.name for p in positional[:2]] != ["prompts", "completions"]:
         # TRL calls reward functions by keyword, so `def f(completions, **kwargs)` is a valid TRL
         # reward; it would break when called positionally as fn(prompts, completions, ...).
-        @functools.wraps(fn)
         def by_keyword(prompts, completions, **columns):
             return fn(prompts=prompts, completions=completions, **columns)
 
-        return by_keyword
+        return functools.update_wrapper(by_keyword, fn)
     return fn

@@ -13,7 +13,6 @@ def repeated_fraction(units: list, n: int) -> float:
     return 1.0 - len(set(grams)) / len(grams)
 
 
-@register("repetition_penalty")
 def repetition_penalty(prompts: list[str], completions: list[str], ngram_size: int = 3,
                        max_penalty: float = -1.0, unit: str = "tokens",
                        completion_ids: list | None = None, **_) -> list[float]:
@@ -42,3 +41,7 @@ def repetition_penalty(prompts: list[str], completions: list[str], ngram_size: i
         frac = repeated_fraction(units, n)
         out.append(frac * max_penalty if frac else 0.0)
     return out
+
+
+# registered by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+register("repetition_penalty")(repetition_penalty)

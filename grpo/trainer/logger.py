@@ -69,7 +69,6 @@ class _Tee:
         return getattr(self.stream, name)
 
 
-@contextlib.contextmanager
 def run_log(output_dir: str, enabled: bool = True):
     """While inside: what the trainer prints (stderr) also goes to ``<output_dir>/train.log``, appended (a resume
     continues the log). Nested uses for the same directory write each line once."""
@@ -84,6 +83,10 @@ def run_log(output_dir: str, enabled: bool = True):
         if sys.stderr is tee:
             sys.stderr = tee.stream
         tee.close()
+
+
+# a context manager by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+run_log = contextlib.contextmanager(run_log)
 
 
 class MetricsLogger:

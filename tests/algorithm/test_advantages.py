@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from grpo.algorithm.advantages import compute_advantages, group_stats, zero_std_groups
@@ -134,3 +135,13 @@ def test_mismatched_sizes_and_unknown_scale_are_named():
         compute_advantages(torch.zeros(3), [2, 2])
     with pytest.raises(ValueError, match="^scale must be group, batch or none, got 'groups'$"):
         compute_advantages(torch.tensor([0.0, 1.0]), [2], "groups")
+
+
+def test_batch_scale_keeps_the_rewards_dtype_and_one_reward_has_no_spread():
+    from grpo.algorithm.advantages import batch_scale
+
+    rewards = torch.tensor([1.0, 3.0], dtype=torch.float64)
+    got = batch_scale(rewards, None, 2.0)  # the all-reduced batch std, a float
+    assert got.dtype == torch.float64 and got.tolist() == [2.0, 2.0]
+    assert batch_scale(torch.tensor([5.0]), None, None).tolist() == [0.0]  # not the nan of std() of one value
+    assert batch_scale(rewards, None, None).tolist() == pytest.approx([2 ** 0.5] * 2)

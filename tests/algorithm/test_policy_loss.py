@@ -49,3 +49,28 @@ def test_ppo_clip_is_the_default_and_clips_the_ratio():
     assert per_token[0, 0].item() == pytest.approx(-1.2 * 2.0)
     assert per_token[0, 1].item() == pytest.approx(-r[1].item() * 2.0)
     assert stats["clip_high"].item() == 1 and stats["clip_low"].item() == 0
+
+
+def test_a_ratio_at_a_clip_bound_is_not_counted_as_clipped():
+    from types import SimpleNamespace
+
+    alg = SimpleNamespace(epsilon=0.0, epsilon_high=None, delta=None, importance_sampling="token")
+    logp = torch.zeros(2, 2)  # ratio exactly 1 = 1 - eps = 1 + eps
+    _, stats = ppo_clip(logp, logp.clone(), torch.tensor([-1.0, 1.0]), torch.ones(2, 2), alg)
+    assert stats["clip_low"].item() == 0 and stats["clip_high"].item() == 0 and stats["ratio"].item() == 4
+    _, stats = ppo_clip(logp - 0.1, logp, torch.tensor([-1.0, 1.0]), torch.ones(2, 2), alg)
+    assert stats["clip_low"].item() == 2 and stats["clip_high"].item() == 0  # below it: the negative advantage's
+
+
+def test_only_a_negative_advantage_counts_as_clipped_low_and_only_a_positive_one_high():
+    from types import SimpleNamespace
+
+    alg = SimpleNamespace(epsilon=0.2, epsilon_high=None, delta=None, importance_sampling="token")
+    old, mask = torch.zeros(2, 2), torch.ones(2, 2)
+    _, low = ppo_clip(old - 0.5, old, torch.tensor([0.0, 0.5]), mask, alg)   # ratio 0.61 < 0.8
+    _, high = ppo_clip(old + 0.5, old, torch.tensor([0.0, -0.5]), mask, alg)  # ratio 1.65 > 1.2
+    assert (low["clip_low"].item(), low["clip_high"].item(), high["clip_low"].item(), high["clip_high"].item()) == \
+        (0, 0, 0, 0)
+    _, both = ppo_clip(torch.tensor([[-0.5], [0.5]]), torch.zeros(2, 1), torch.tensor([-0.5, 0.5]), torch.ones(2, 1),
+                       alg)
+    assert (both["clip_low"].item(), both["clip_high"].item()) == (1, 1)

@@ -17,3 +17,8 @@ def test_number_only_is_one_for_a_bare_number_and_shaped_otherwise():
 def test_a_bare_integer_may_have_thousands_separators_and_a_full_stop_but_nothing_else():
     assert bare_integer("1,234") == 1234 and bare_integer("-7.") == -7 and bare_integer(" 12 ") == 12
     assert bare_integer("12X") is None and bare_integer("12.5") is None and bare_integer("") is None
+
+
+def test_number_only_drops_only_a_trailing_full_stop_before_shaping():
+    # "a1." reads as "a1" (a quarter); in "1aX" the X counts (one digit of three), only "." is dropped
+    assert number_only(None, ["a1.", "1aX", ".1a"]) == [0.25, 0.5 / 3, 0.5 / 3]

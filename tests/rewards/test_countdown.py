@@ -40,3 +40,12 @@ def test_by_default_numbers_may_be_left_unused_and_a_non_text_completion_scores_
     assert score_one("<answer>6 * 6 / 3</answer>", 12, [6, 3]) == 0.1           # 6 used twice, given once
     assert score_one(None, 12, [6, 2]) == 0.0
     assert countdown(None, ["<answer>6*2</answer>", "x"], target=[12, None], numbers=[[6, 2], [1]]) == [1.0, None]
+
+
+def test_countdown_passes_its_format_score_and_use_all_on_and_needs_both_columns():
+    kw = dict(target=[12, 12], numbers=[[6, 2, 3], [6, 2, 3]])
+    comps = ["<answer>6 * 3</answer>", "<answer>6 * 2</answer>"]  # wrong; right leaving 3 unused
+    assert countdown(None, comps, **kw) == [0.1, 1.0]                  # the defaults: 0.1, numbers may be left
+    assert countdown(None, comps, format_score=0.3, use_all=True, **kw) == [0.3, 0.3]
+    assert countdown(None, comps, target=[12, 12]) == [None, None]      # numbers missing
+    assert countdown(None, comps, numbers=kw["numbers"]) == [None, None]

@@ -24,3 +24,7 @@ def test_the_final_answer_comes_after_the_last_think_block():
 def test_an_empty_reference_in_a_list_is_skipped_not_the_end():
     assert matches("paris", ["", "Paris"]) and matches("paris", ["the", "paris"], mode="contains")
     assert not matches("", [""]) and not matches("paris", [])
+
+
+def test_rows_without_a_reference_are_not_scored():
+    assert exact_match(None, ["a", "b"]) == [None, None]

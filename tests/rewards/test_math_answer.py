@@ -138,3 +138,38 @@ def test_math_verifys_timeout_notices_are_dropped_and_its_other_messages_kept(ca
             logging.getLogger(name).warning("Timeout is disabled as timeout_seconds is None")
             logging.getLogger(name).warning("could not parse")
     assert [r.getMessage() for r in caplog.records] == ["could not parse", "could not parse"]
+
+
+def test_math_accuracy_gives_math_verify_its_timeout_three_seconds_by_default(fake_verify):
+    assert math_accuracy(None, [r"\boxed{y}"], answer=["x"]) == [0.0]
+    assert [c[-1] for c in fake_verify.calls] == [3, 3, 3]
+    fake_verify.calls.clear()
+    assert math_accuracy(None, [r"\boxed{y}"], answer=["x"], timeout_s=2) == [0.0]
+    assert [c[-1] for c in fake_verify.calls] == [2, 2, 2]
+
+
+def test_the_warm_up_parses_and_verifies_two_equal_forms_without_a_timeout(monkeypatch):
+    """The first call of math_verify (its grammar, sympy) is not charged to a sample's timeout: the warm-up runs the
+    whole path, parsing and comparing two forms of one number, with every timeout off."""
+    import math_verify
+
+    import grpo.rewards.math_answer as m
+
+    seen = []
+    parse, verify = math_verify.parse, math_verify.verify
+
+    def spy_parse(text, **kw):
+        seen.append(("parse", kw))
+        return parse(text, **kw)
+
+    def spy_verify(gold, pred, **kw):
+        seen.append(("verify", kw, bool(gold) and bool(pred)))
+        out = verify(gold, pred, **kw)
+        seen.append(("equal", out))
+        return out
+
+    monkeypatch.setattr(math_verify, "parse", spy_parse)
+    monkeypatch.setattr(math_verify, "verify", spy_verify)
+    assert m._load_math_verify() == (spy_parse, spy_verify)
+    assert seen == [("parse", {"parsing_timeout": None}), ("parse", {"parsing_timeout": None}),
+                    ("verify", {"timeout_seconds": None}, True), ("equal", True)]

@@ -179,3 +179,39 @@ def test_a_name_that_is_not_a_function_and_a_spec_with_two_colons_are_refused(sh
         resolve("pkg.shapes:NOT_A_FUNCTION")
     with pytest.raises(RewardSpecError, match="module 'pkg.shapes' has no function 'trl:x'"):
         resolve("pkg.shapes:trl:x")  # the module is what comes before the first colon
+
+
+def test_a_registered_function_gets_the_columns_and_keeps_its_name_and_signature_for_the_config_check():
+    import inspect
+
+    from grpo.rewards.registry import REWARDS, register
+    from grpo.rewards.score import check_kwargs
+
+    def bonus_if(prompts, completions, answer=None, bonus: float = 1.0, **_):
+        """Pays ``bonus`` for the answer."""
+        return [bonus * (c == a) for c, a in zip(completions, answer or [])]
+
+    register("test_bonus_if")(bonus_if)
+    try:
+        fn = resolve("test_bonus_if")
+        assert fn(["p", "p"], ["4", "5"], answer=["4", "4"], bonus=2.0) == [2.0, 0.0]
+        assert fn.__name__ == "bonus_if" and fn.__doc__ == bonus_if.__doc__ and fn.__wrapped__ is bonus_if
+        assert inspect.signature(fn) == inspect.signature(bonus_if)
+        check_kwargs("b", "test_bonus_if", fn, {"bonus": 2.0})  # a parameter it names
+        with pytest.raises(RewardSpecError, match="did you mean 'bonus'"):
+            check_kwargs("b", "test_bonus_if", fn, {"bonsu": 2.0})
+        register("test_bonus_if")(bonus_if)  # the same function again (a module imported twice): fine
+        with pytest.raises(ValueError, match="'test_bonus_if' is registered twice"):
+            register("test_bonus_if")(lambda prompts, completions, **_: [])
+    finally:
+        REWARDS._items.pop("test_bonus_if")
+
+
+def test_a_keyword_caller_wrapped_keeps_its_name_and_signature(shapes_module):
+    import inspect
+
+    import pkg.shapes as shapes
+
+    kw = resolve("pkg.shapes:keyword_only")
+    assert kw.__name__ == "keyword_only" and kw.__wrapped__ is shapes.keyword_only
+    assert inspect.signature(kw) == inspect.signature(shapes.keyword_only)

@@ -83,11 +83,13 @@ class Episodes:
     def truncated(self):
         return [[e.truncated for e in g] for g in self.groups]
 
-    @property
-    def sampling_logps(self):
+    def _sampling_logps(self):
         if any(e.logps is None for g in self.groups for e in g):
             return None
         return [[torch.cat(e.logps).float() if e.logps else torch.zeros(0) for e in g] for g in self.groups]
+
+    # a property by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+    sampling_logps = property(_sampling_logps)
 
     def sums(self) -> dict[str, float]:
         """Sums over this process's episodes (all-reduce them, then divide by ``episodes``)."""

@@ -64,33 +64,34 @@ class ServerGenerator:
         self.thread.start()
 
     # ------------------------------------------------------------------------------------ the trainer's side
-    @torch.no_grad()
     def publish(self, version: int, weights=None) -> None:
         """Snapshot version ``version`` (the trainer's model now) for the worker to push. ``weights`` is None
         (`reads_model`): the servers need every weight under its Hugging Face name, LoRA merged, each time, read
         here one at a time (under ZeRO-3 each gathered on its own, never the whole model on a rank's device); or,
         syncing LoRA adapters, that version's A and B (every rank: the gathers are collectives)."""
-        if getattr(self.backend, "adapters", None) is not None:  # LoRA: the base weights once, then A and B
-            snapshot = self.backend.weights(self.model)
-            self.todo.put(("push", version, snapshot, trainer_logprobs(self.model, self.backend.check_ids,
-                                                                       self.backend.device)))
-            return
-        keep = self.backend.transfer is not None  # the rank that sends (rank 0); the others only gather (ZeRO-3)
-        try:
-            snapshot = self.free.get_nowait()
-        except queue.Empty:
-            snapshot = {}
-        stream = hf_weights(self.model, self.full_weights) if self.full_weights else hf_weights(self.model)
-        for name, w in stream:
-            if not keep:
-                continue
-            mine = snapshot.get(name)
-            if mine is None or mine.shape != w.shape or mine.dtype != w.dtype:
-                snapshot[name] = w.detach().to("cpu", copy=True)
-            else:
-                mine.copy_(w)
-        check = trainer_logprobs(self.model, self.backend.check_ids, self.backend.device)
-        self.todo.put(("push", version, snapshot, check))
+        # a `with`, not @torch.no_grad(): mutmut (`make mutate`) does not mutate a decorated function
+        with torch.no_grad():
+            if getattr(self.backend, "adapters", None) is not None:  # LoRA: the base weights once, then A and B
+                snapshot = self.backend.weights(self.model)
+                self.todo.put(("push", version, snapshot, trainer_logprobs(self.model, self.backend.check_ids,
+                                                                           self.backend.device)))
+                return
+            keep = self.backend.transfer is not None  # the rank that sends (rank 0); the others only gather (ZeRO-3)
+            try:
+                snapshot = self.free.get_nowait()
+            except queue.Empty:
+                snapshot = {}
+            stream = hf_weights(self.model, self.full_weights) if self.full_weights else hf_weights(self.model)
+            for name, w in stream:
+                if not keep:
+                    continue
+                mine = snapshot.get(name)
+                if mine is None or mine.shape != w.shape or mine.dtype != w.dtype:
+                    snapshot[name] = w.detach().to("cpu", copy=True)
+                else:
+                    mine.copy_(w)
+            check = trainer_logprobs(self.model, self.backend.check_ids, self.backend.device)
+            self.todo.put(("push", version, snapshot, check))
 
     def submit(self, step: int, version: int) -> None:
         self.todo.put(("sample", step, version))

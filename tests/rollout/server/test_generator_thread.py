@@ -352,3 +352,117 @@ def test_a_batch_times_its_wait_its_sampling_and_every_push_before_it():
     assert got.load_s >= 0.4  # both pushes (0.2 s each) count
     assert got.busy_s >= 0.3 and got.wait_s >= 0
     assert got.wait_s + got.load_s + got.busy_s <= elapsed  # the three split the worker's time, none twice
+
+
+class _LoraServers(_Servers):
+    """Servers syncing LoRA adapters: the backend hands over the snapshot (an `Adapter`, not weights by name)."""
+    adapters = "the adapters"
+
+    def __init__(self):
+        super().__init__()
+        self.read = []
+
+    def weights(self, model):
+        self.read.append(model)
+        return SimpleNamespace(a_and_b=len(self.read))
+
+    def push(self, weights, version):
+        self.log.append(("push", version, weights))
+        self.version = version
+
+
+def test_with_lora_adapters_the_backend_reads_the_snapshot_and_the_worker_pushes_it_as_it_is():
+    from grpo.rollout.server.backend import trainer_logprobs
+
+    tok = char_tokenizer()
+    trainer = tiny_model("llama", len(tok), seed=1, **TINY)
+    servers = _LoraServers()
+    gen = ServerGenerator(servers, trainer, _recording(servers, servers.log))
+    want = trainer_logprobs(trainer, servers.check_ids)
+    gen.publish(0)
+    gen.submit(1, 0)
+    got = _received(gen, 10)
+    gen.close()
+    assert servers.read == [trainer] and got.step == 1
+    assert [e[0] for e in servers.log] == ["push", "check", "sample"]
+    assert servers.log[0][1:] == (0, SimpleNamespace(a_and_b=1)) and gen.free.empty()  # no buffers to reuse
+    assert torch.equal(servers.log[1][1], want)
+
+
+def _gathering(log):
+    """A runtime's ``full_weights`` that records each weight it makes whole (a ZeRO-3 gather is a collective)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def full_weights(params):
+        log.append(len(params))
+        yield False
+    return full_weights
+
+
+@pytest.mark.parametrize("sends", [True, False])
+def test_every_rank_gathers_every_weight_through_the_runtime_and_only_the_sender_keeps_them(sends):
+    tok = char_tokenizer()
+    trainer = tiny_model("llama", len(tok), seed=1, **TINY)
+    servers, gathered = _Servers(sends=sends), []
+    gen = ServerGenerator(servers, trainer, _recording(servers, servers.log), full_weights=_gathering(gathered))
+    gen.publish(0)
+    gen.submit(1, 0)
+    _received(gen, 10)
+    gen.close()
+    names = list(trainer.state_dict())
+    assert len(gathered) == len(names) and set(gathered) <= {0, 1}  # each weight once, the non-sender's too
+    pushed = servers.log[0][2]
+    assert list(pushed) == (names if sends else [])
+    if sends:
+        assert all(torch.equal(pushed[k][0], v) for k, v in trainer.state_dict().items())
+
+
+def test_a_weight_whose_dtype_changed_gets_a_new_buffer():
+    tok = char_tokenizer()
+    trainer = tiny_model("llama", len(tok), seed=1, **TINY)
+    servers = _Servers()
+    gen = ServerGenerator(servers, trainer, _recording(servers, servers.log))
+    gen.publish(0)
+    gen.submit(1, 0)
+    _received(gen, 10)
+    trainer.to(torch.float64)  # same shapes, another dtype
+    gen.publish(1)
+    gen.submit(2, 1)
+    _received(gen, 10)
+    gen.close()
+    first, second = servers.log[0][2], servers.log[3][2]
+    assert all(t.dtype == torch.float32 for t, _ in first.values())
+    assert all(t.dtype == torch.float64 for t, _ in second.values())
+
+
+class _GatedServers(_Servers):
+    """Pushes only once the test opens the gate: the trainer's next optimizer step surely comes first."""
+
+    def __init__(self):
+        import threading
+
+        super().__init__()
+        self.gate = threading.Event()
+
+    def push(self, weights, version):
+        assert self.gate.wait(10), "the test never opened the gate"
+        super().push(weights, version)
+
+
+def test_the_snapshot_is_a_copy_the_optimizer_step_after_publish_does_not_reach():
+    tok = char_tokenizer()
+    trainer = tiny_model("llama", len(tok), seed=1, **TINY)
+    servers = _GatedServers()
+    gen = ServerGenerator(servers, trainer, _recording(servers, servers.log))
+    before = {k: v.clone() for k, v in trainer.state_dict().items()}
+    gen.publish(0)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(1.0)
+    servers.gate.set()
+    gen.submit(1, 0)
+    _received(gen, 10)
+    gen.close()
+    pushed = servers.log[0][2]
+    assert list(pushed) == list(before) and all(torch.equal(pushed[k][0], v) for k, v in before.items())
