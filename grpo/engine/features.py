@@ -41,12 +41,15 @@ def mixing_layers(cfg) -> int:
     return getattr(cfg, "num_hidden_layers", 1) - sum(t in _PER_TOKEN_TYPES for t in types)
 
 
-@functools.lru_cache(maxsize=None)
 def _uses_interface(cls) -> bool:
     try:
         return _ATTENTION_ENTRY in inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
+
+
+# cached by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+_uses_interface = functools.lru_cache(maxsize=None)(_uses_interface)
 
 
 def _moe(cfg, attn) -> bool:

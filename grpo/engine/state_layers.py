@@ -38,7 +38,6 @@ _OTHER_STATE = ("linear_cache", "ssm_state", "recurrent_state", "conv_state")
 _CACHE_ARGS = ("cache", "cache_params", "past_key_values")
 
 
-@functools.lru_cache(maxsize=None)
 def _forward_source(cls) -> str:
     try:
         return inspect.getsource(cls.forward)
@@ -46,10 +45,17 @@ def _forward_source(cls) -> str:
         return ""
 
 
-@functools.lru_cache(maxsize=None)
+# cached by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+_forward_source = functools.lru_cache(maxsize=None)(_forward_source)
+
+
 def _cache_arg(cls) -> str | None:
     params = inspect.signature(cls.forward).parameters
     return next((name for name in _CACHE_ARGS if name in params), None)
+
+
+# cached by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+_cache_arg = functools.lru_cache(maxsize=None)(_cache_arg)
 
 
 def handed_over(module) -> bool:
@@ -178,7 +184,6 @@ def _dispatching(module, forward):
     return run
 
 
-@contextlib.contextmanager
 def switched_state_layers(layers: list):
     """For the duration, each of ``layers`` runs :func:`shared_state_forward` inside a shared-prefix forward
     (an instance attribute over the class's forward, removed on exit, also on exception). Re-entered (the
@@ -197,6 +202,10 @@ def switched_state_layers(layers: list):
                 del m.forward
             else:
                 m.forward = own
+
+
+# a context manager by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+switched_state_layers = contextlib.contextmanager(switched_state_layers)
 
 
 # --------------------------------------------------------------------------------------------- decoding

@@ -65,10 +65,10 @@ def cut_at_eos(ids: list[int], eos: list[int], max_new_tokens: int) -> tuple[lis
     return ids[:max_new_tokens], True
 
 
-@torch.no_grad()
 def trainer_logprobs(model, ids: list[int], device="cpu") -> torch.Tensor:
     """The trainer's log-prob of each token of ``ids`` after the first, at temperature 1 (every rank: a ZeRO-3
     forward is a collective)."""
-    x = torch.tensor([ids], device=device)
-    logits = model(input_ids=x).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].cpu()
+    with torch.no_grad():  # not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+        x = torch.tensor([ids], device=device)
+        logits = model(input_ids=x).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].cpu()

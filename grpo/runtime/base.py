@@ -123,7 +123,6 @@ class Runtime:
         (that rank failed or hangs), else None. One process has no other rank: None."""
         return None
 
-    @contextlib.contextmanager
     def peer_failures_as_errors(self):
         """Inside it, an error that `peer_failure` recognises is raised as its one-line `PeerLostError`."""
         try:
@@ -133,6 +132,9 @@ class Runtime:
             if lost is None:
                 raise
             raise lost from e
+
+    # a context manager by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+    peer_failures_as_errors = contextlib.contextmanager(peer_failures_as_errors)
 
     @contextlib.contextmanager
     def full_weights(self, params: list[torch.nn.Parameter]):

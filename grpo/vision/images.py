@@ -42,13 +42,15 @@ class ImagePrompt(list):
     def ids(self) -> list[int]:
         return list(self)
 
-    @property
-    def n_images(self) -> int:
+    def _n_images(self) -> int:
         if self.image_grid_thw is not None:  # Qwen's patches: one grid per image
             return len(self.image_grid_thw)
         if self.tiles is not None:  # Idefics3's tiles: one (rows, cols) per image
             return len(self.tiles)
         return 0 if self.pixel_values is None else len(self.pixel_values)  # one (C, H, W) per image
+
+    # a property by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+    n_images = property(_n_images)
 
     def __reduce__(self):  # pickled with its images (checkpoints of in-flight batches, spawned generators)
         return type(self), (list(self), self.pixel_values, self.image_grid_thw, self.images,

@@ -113,6 +113,13 @@ UNMUTATED_DECORATED = {
     "grpo/rollout/episodes/turns.py: Episodes.masks": "a one-line property, pinned by the same test",
     "grpo/rollout/episodes/turns.py: Episodes.truncated": "a one-line property, pinned by the same test",
     "grpo/sampler.py: Sampler.reward_names": "a one-line property, pinned by test_sampler's factory tests",
+    "grpo/runtime/base.py: Runtime.is_main": "a one-line property, pinned by tests/runtime/test_base.py",
+    "grpo/runtime/base.py: Runtime.generation_context": "a context manager yielding {}, pinned by test_base",
+    "grpo/runtime/base.py: Runtime.full_weights": "a context manager yielding False, pinned by test_base and "
+                                                  "test_thread_view",
+    "grpo/rollout/weights.py: as_they_are": "a context manager yielding False (full_weights of one process), "
+                                            "pinned by test_lora_sync",
+    "grpo/vision/images.py: ImagePrompt.ids": "a one-line property (list(self)), pinned by test_vision",
 }
 
 
