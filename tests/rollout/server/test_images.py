@@ -194,7 +194,7 @@ def test_a_frozen_tower_goes_in_the_first_push_only(fakes):
 
 
 # the request's parts function by function, read back with msgpack (no server, no model)
-def _unpack(text):
+def _raw(text):
     import base64
 
     return msgpack.unpackb(base64.b64decode(text), ext_hook=msgpack.ExtType, strict_map_key=False)
@@ -220,7 +220,7 @@ def test_a_kwargs_item_is_vllms_flat_embeds_and_batched_grid_with_raw_bytes():
     from grpo.rollout.server.images import kwargs_item
 
     embeds = torch.arange(6, dtype=torch.bfloat16).reshape(3, 2).t().t()
-    item = _unpack(kwargs_item(embeds, torch.tensor([1, 2, 6])))
+    item = _raw(kwargs_item(embeds, torch.tensor([1, 2, 6])))
     data = item["image_embeds"]["data"]
     assert data[:2] == ["bfloat16", [3, 2]] and data[2] == msgpack.ExtType(3, embeds.view(torch.uint8).numpy()
                                                                             .tobytes())
@@ -229,7 +229,7 @@ def test_a_kwargs_item_is_vllms_flat_embeds_and_batched_grid_with_raw_bytes():
                                                                              .tobytes())],
                                       "field": ["batched", {"keep_on_cpu": True}]}
     strided = torch.arange(6.0).reshape(2, 3).t()  # not contiguous: written in its own order
-    assert _unpack(kwargs_item(strided, torch.tensor([1, 1, 3])))["image_embeds"]["data"][2].data == \
+    assert _raw(kwargs_item(strided, torch.tensor([1, 1, 3])))["image_embeds"]["data"][2].data == \
         strided.contiguous().numpy().tobytes()
 
 
