@@ -64,7 +64,6 @@ def _texts(tok, prompts: list[str], completions: list[str], chat_template: bool)
     return [(p + c) if (p + c).strip() else filler for p, c in zip(prompts, completions)]
 
 
-@register("reward_model")
 def reward_model(prompts: list[str], completions: list[str], path: str | None = None,
                  batch_size: int = 8, max_length: int = 2048, label_index: int = 0,
                  chat_template: bool = False, device: str | None = None, dtype: str | None = None,
@@ -99,14 +98,18 @@ def reward_model(prompts: list[str], completions: list[str], path: str | None = 
                 for t in texts]
         return _shared_scores(model, rows, prompts, max(1, int(batch_size)), int(label_index))
     scores: list[float] = []
-    for i in range(0, len(texts), max(1, int(batch_size))):
-        enc = tok(texts[i:i + int(batch_size)], return_tensors="pt", padding=True, truncation=True,
+    step = max(1, int(batch_size))
+    for i in range(0, len(texts), step):
+        enc = tok(texts[i:i + step], return_tensors="pt", padding=True, truncation=True,
                   max_length=int(max_length), add_special_tokens=not chat_template)
         with torch.inference_mode():
             logits = model(input_ids=enc["input_ids"].to(dev),
                            attention_mask=enc["attention_mask"].to(dev)).logits
         scores.extend(logits[:, int(label_index)].float().cpu().tolist())
     return scores
+
+
+register("reward_model")(reward_model)  # by a call, not a decorator: mutmut mutates only undecorated functions
 
 
 def _engine_serves(model) -> bool:

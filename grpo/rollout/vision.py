@@ -29,7 +29,6 @@ from grpo.rollout.hf import sample_tokens, warn_truncated_sampling
 from grpo.vision.images import ImagePrompt
 
 
-@torch.no_grad()
 def generate_with_images(model, prompts, group_size: int, sampling: Sampling, eos: list[int],
                          seed: int | None = None) -> Completions:
     """G completions per :class:`grpo.vision.images.ImagePrompt`, with the sampler's log-prob of each token.
@@ -47,7 +46,8 @@ def generate_with_images(model, prompts, group_size: int, sampling: Sampling, eo
     was_training = vlm.training
     vlm.eval()  # no dropout while sampling; and a model in training mode with gradient checkpointing keeps no cache
     try:
-        groups = [_group(vlm, prompt, G, sampling, eos, gen) for prompt in prompts]
+        with torch.no_grad():  # inside, not a decorator: mutmut mutates only undecorated functions
+            groups = [_group(vlm, prompt, G, sampling, eos, gen) for prompt in prompts]
     finally:
         vlm.train(was_training)
     for toks, lps in groups:

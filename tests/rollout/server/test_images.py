@@ -191,3 +191,144 @@ def test_a_frozen_tower_goes_in_the_first_push_only(fakes):
     model.model.visual.requires_grad_(True)  # a trained tower: every push carries it
     b.sync_weights(model, 2)
     assert fake.left_out == () and b.stats()["sync/bytes"] == full
+
+
+# the request's parts function by function, read back with msgpack (no server, no model)
+def _raw(text):
+    import base64
+
+    return msgpack.unpackb(base64.b64decode(text), ext_hook=msgpack.ExtType, strict_map_key=False)
+
+
+def test_image_runs_are_one_per_run_of_the_image_token():
+    assert image_runs([1, 9, 9, 2, 9, 3, 9, 9, 9], 9) == [{"offset": 1, "length": 2}, {"offset": 4, "length": 1},
+                                                          {"offset": 6, "length": 3}]
+    assert image_runs([9, 1], 9) == [{"offset": 0, "length": 1}] and image_runs([1, 2], 9) == []
+
+
+def test_per_image_cuts_the_features_by_each_images_merged_tokens():
+    from grpo.rollout.server.images import per_image
+
+    feats = torch.arange(10.0)[:, None]
+    parts = per_image(feats, torch.tensor([[1, 4, 4], [1, 2, 4], [1, 4, 4]]), 2)
+    assert [p[:, 0].tolist() for p in parts] == [[0, 1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    with pytest.raises(ServerError, match="the vision tower gave 10 image features for images of 9 tokens"):
+        per_image(feats, torch.tensor([[1, 6, 6]]), 2)
+
+
+def test_a_kwargs_item_is_vllms_flat_embeds_and_batched_grid_with_raw_bytes():
+    from grpo.rollout.server.images import kwargs_item
+
+    embeds = torch.arange(6, dtype=torch.bfloat16).reshape(3, 2).t().t()
+    item = _raw(kwargs_item(embeds, torch.tensor([1, 2, 6])))
+    data = item["image_embeds"]["data"]
+    assert data[:2] == ["bfloat16", [3, 2]] and data[2] == msgpack.ExtType(3, embeds.view(torch.uint8).numpy()
+                                                                            .tobytes())
+    assert item["image_embeds"]["field"] == ["flat", {"keep_on_cpu": False, "slices": [[0, 3, None]], "dim": 0}]
+    assert item["image_grid_thw"] == {"data": ["int64", [3], msgpack.ExtType(3, torch.tensor([1, 2, 6]).numpy()
+                                                                             .tobytes())],
+                                      "field": ["batched", {"keep_on_cpu": True}]}
+    strided = torch.arange(6.0).reshape(2, 3).t()  # not contiguous: written in its own order
+    assert _raw(kwargs_item(strided, torch.tensor([1, 1, 3])))["image_embeds"]["data"][2].data == \
+        strided.contiguous().numpy().tobytes()
+
+
+def test_features_place_each_image_and_digest_its_features_and_grid():
+    import hashlib
+
+    from grpo.rollout.server.images import features, kwargs_item
+
+    embeds = [torch.ones(2, 3, dtype=torch.bfloat16), torch.zeros(1, 3, dtype=torch.bfloat16)]
+    grids = torch.tensor([[1, 2, 4], [1, 2, 2]], dtype=torch.int32)
+    out = features([5, 7, 7, 5, 7], 7, embeds, grids)
+    assert out["mm_placeholders"] == {"image": [{"offset": 1, "length": 2}, {"offset": 4, "length": 1}]}
+    want = [hashlib.sha256(e.float().numpy().tobytes() + g.to(torch.int64).numpy().tobytes()).hexdigest()
+            for e, g in zip(embeds, grids)]
+    assert out["mm_hashes"] == {"image": want} and len(set(want)) == 2
+    assert out["kwargs_data"] == {"image": [kwargs_item(e, g.to(torch.int64)) for e, g in zip(embeds, grids)]}
+    with pytest.raises(ServerError, match=r"image tokens \(\[2\] per image\) do not match its images' features "
+                                          r"\(\[2, 1\]\)"):
+        features([7, 7], 7, embeds, grids)
+
+
+def test_an_image_request_is_the_groups_sampling_with_the_prompts_ids_and_features():
+    from grpo.rollout.server.images import features, image_request
+
+    class Prompt(list):
+        pass
+
+    prompt = Prompt([5, 7, 7, 7, 7, 6])
+    prompt.pixel_values, prompt.image_grid_thw = "pixels", torch.tensor([[1, 4, 4]])
+    seen = []
+    feats = torch.arange(8.0).reshape(4, 2)
+
+    def tower(pixels, grid):
+        seen.append((pixels, grid.tolist()))
+        return feats
+
+    body = {"model": "m", "prompt": [1], "return_token_ids": False, "n": 3, "temperature": 0.5}
+    req = image_request(body, prompt, 7, tower, 2)
+    assert seen == [("pixels", [[1, 4, 4]])]
+    assert req == {"model": "m", "token_ids": [5, 7, 7, 7, 7, 6], "sampling_params": {"n": 3, "temperature": 0.5},
+                   "return_token_ids": True, "features": features(list(prompt), 7, [feats], prompt.image_grid_thw)}
+    assert type(req["token_ids"]) is list
+
+
+def test_parse_generate_orders_the_samples_and_checks_the_prompt_and_the_log_probs():
+    from grpo.rollout.server.images import parse_generate
+
+    answer = {"prompt_token_ids": [1, 2], "choices": [
+        {"index": 1, "token_ids": [5], "logprobs": {"content": [{"logprob": -1}]}},
+        {"index": 0, "token_ids": [3, 4], "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -2}]}},
+        {"index": 2, "token_ids": None, "logprobs": None}]}
+    ids, logps = parse_generate(answer, (1, 2))
+    assert ids == [[3, 4], [5], []] and logps == [[-0.5, -2.0], [-1.0], []]
+    assert all(type(x) is float for x in logps[1])
+    assert parse_generate({"choices": [{"index": 0, "token_ids": [3], "logprobs": {"content": [
+        {"logprob": 0}]}}]}, [9]) == ([[3]], [[0.0]])  # an answer without the prompt: not checked
+    with pytest.raises(ServerError, match="ran a prompt of 3 tokens for the trainer's 2: it expanded the images"):
+        parse_generate({"prompt_token_ids": [1, 2, 2], "choices": []}, [1, 2])
+    with pytest.raises(ServerError, match="returned 2 tokens but 1 log-probs"):
+        parse_generate({"choices": [{"index": 0, "token_ids": [3, 4], "logprobs": {"content": [{"logprob": 0}]}}]},
+                       [1])
+
+
+def test_vision_inputs_are_the_image_token_the_merge_and_the_tower_of_a_served_family(monkeypatch):
+    from types import SimpleNamespace
+
+    from grpo.rollout import vllm_images
+    from grpo.rollout.server.images import frozen_tower, vision_inputs
+
+    monkeypatch.setattr(vllm_images, "tower_features", lambda model: ("tower of", model))
+    cfg = SimpleNamespace(model_type="qwen2_5_vl", image_token_id=7,
+                          vision_config=SimpleNamespace(spatial_merge_size=2))
+    model = SimpleNamespace(config=cfg)
+    assert vision_inputs(model) == (7, 2, ("tower of", model))
+    assert vision_inputs(SimpleNamespace(config=SimpleNamespace(model_type="llama"))) is None
+    assert vision_inputs(SimpleNamespace(config=SimpleNamespace())) is None
+    visual = torch.nn.Linear(2, 2)
+    tower = SimpleNamespace(model=SimpleNamespace(model=SimpleNamespace(visual=visual)))
+    assert not frozen_tower((7, 2, tower))
+    visual.weight.requires_grad_(False)
+    assert not frozen_tower((7, 2, tower))
+    visual.bias.requires_grad_(False)
+    assert frozen_tower((7, 2, tower))
+
+
+def test_pack_writes_each_size_class_and_refuses_what_it_cannot_write():
+    from grpo.rollout.server.images import _Ext
+
+    assert pack(None) == b"\xc0" and pack(True) == b"\xc3" and pack(False) == b"\xc2"
+    assert pack(0) == b"\x00" and pack(127) == b"\x7f" and pack(128) == b"\xcf" + (128).to_bytes(8, "big")
+    assert pack(2 ** 64 - 1) == b"\xcf" + b"\xff" * 8
+    assert pack("a" * 31) == bytes([0xbf]) + b"a" * 31 and pack("a" * 32) == b"\xdb\x00\x00\x00\x20" + b"a" * 32
+    assert pack("é") == b"\xa2\xc3\xa9"
+    assert pack([0] * 15) == bytes([0x9f]) + b"\x00" * 15 and pack((0,) * 16) == b"\xdd\x00\x00\x00\x10" + b"\x00" * 16
+    assert pack({str(i): 0 for i in range(15)})[:1] == bytes([0x8f])
+    assert pack({chr(65 + i): 0 for i in range(16)})[:5] == b"\xdf\x00\x00\x00\x10"
+    assert pack(_Ext(3, b"xy")) == b"\xc9\x00\x00\x00\x02\x03xy"
+    for bad in (-1, 2 ** 64):
+        with pytest.raises(ValueError, match=f"not {bad}"):
+            pack(bad)
+    with pytest.raises(TypeError, match="does not pack float"):
+        pack(1.5)
