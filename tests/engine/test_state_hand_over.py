@@ -168,6 +168,15 @@ def test_the_switch_dispatches_inside_a_shared_forward_only_and_is_undone():
     assert layer.forward is own_forward
 
 
+def test_a_reentered_switch_switches_the_layers_not_yet_switched_and_undoes_only_those():
+    a, b = ToyRecurrent(0), ToyRecurrent(1)
+    with switched_state_layers([a]):
+        with switched_state_layers([a, b]):  # a is switched already: b after it still is
+            assert b.forward.grpo_switched
+        assert "forward" not in vars(b) and a.forward.grpo_switched
+    assert "forward" not in vars(a)
+
+
 class _Layer:
     def __init__(self, **kw):
         self.__dict__.update(kw)
