@@ -176,3 +176,30 @@ def test_with_many_processes_a_damaged_explicit_checkpoint_on_one_rank_stops_eve
     rt.gather = lambda obj: [obj, ("step_2", ["step_2"], "on the other node: trainer_state.json is missing")]
     with pytest.raises(SetupError, match="^on the other node: trainer_state.json is missing$"):
         checkpoint.restore(run, _with(cfg, resume=str(path)))  # this rank's copy verifies: the other's stops it too
+
+
+def test_final_damage_names_a_missing_or_damaged_final_and_passes_a_verified_or_pre_manifest_one(tmp_path):
+    assert checkpoint.final_damage(tmp_path) == "there is no final/"
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "model.safetensors").write_bytes(b"weights")
+    assert checkpoint.final_damage(tmp_path) is None  # written before manifests: a model, no manifest
+    manifest.write(final)
+    assert checkpoint.final_damage(str(tmp_path)) is None  # verifies
+    (final / "model.safetensors").write_bytes(b"weights cut")
+    why = checkpoint.final_damage(tmp_path)
+    assert why is not None and "model.safetensors" in why
+    (final / manifest.NAME).unlink()
+    (final / "model.safetensors").unlink()
+    (final / "config.json").write_text("{}")  # no manifest and no model: the manifest's own complaint
+    assert checkpoint.final_damage(tmp_path) == manifest.problem(final) is not None
+
+
+def test_a_damaged_final_is_set_aside_and_kept_under_a_free_name(tmp_path):
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "a").write_text("1")
+    first = checkpoint.set_final_aside(tmp_path)
+    assert first == tmp_path / "damaged-final" and (first / "a").read_text() == "1"
+    assert not (tmp_path / "final").exists()
+    (tmp_path / "final").mkdir()
+    assert checkpoint.set_final_aside(str(tmp_path)) == tmp_path / "damaged-2-final" and first.exists()

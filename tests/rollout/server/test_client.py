@@ -280,3 +280,47 @@ def test_waiting_polls_once_a_second_and_gives_a_server_until_its_deadline(monke
     pool.servers[0].up = lambda: False
     with pytest.raises(ServerError, match="not up after"):
         pool.wait_until_up()  # 13.5 is past the deadline 10.0 + 3.0
+
+
+def test_drop_says_how_many_are_left_ignores_a_server_already_out_and_the_last_raises():
+    said = []
+    pool = ServerPool(["http://a", "http://b", "http://c"], say=said.append)
+    pool.drop("http://b", "rollout server http://b stopped answering; resume with ...")
+    assert [s.url for s in pool.servers] == ["http://a", "http://c"]
+    assert said == ["rollout server http://b stopped answering: carrying on with 2 of 3 rollout servers "
+                    "(http://a, http://c)"]
+    pool.drop("http://b", "again")  # already out: nothing happens, nothing is said
+    assert len(pool.servers) == 2 and len(said) == 1
+    pool.drop("http://a", "a went")
+    with pytest.raises(client.ServerDown, match="^c went$"):
+        pool.drop("http://c", "c went")
+    assert [s.url for s in pool.servers] == ["http://c"] and len(said) == 2
+
+
+def test_add_puts_a_rejoined_server_back_in_its_place_once():
+    pool = ServerPool(["http://a", "http://b", "http://c"], say=lambda m: None)
+    known = list(pool.known)
+    pool.drop("http://a", "x")
+    pool.drop("http://b", "y")
+    pool.add("http://b")
+    assert [s.url for s in pool.servers] == ["http://b", "http://c"]
+    pool.add("http://a")
+    pool.add("http://a")
+    assert pool.servers == known  # the same Server objects, in the order given, each once
+
+
+class _RecordedPosts:
+    def __init__(self, answer):
+        self.answer, self.asked = answer, []
+
+    def post(self, path, body):
+        self.asked.append((path, body))
+        return self.answer
+
+
+def test_model_info_asks_the_worker_extension_and_reads_its_first_result():
+    server = _RecordedPosts({"results": [{"max_model_len": 64}, {"max_model_len": 1}]})
+    assert client.model_info(server) == {"max_model_len": 64}
+    assert server.asked == [("/collective_rpc", {"method": "grpo_model_info"})]
+    for empty in (None, {}, {"results": []}, {"results": None}, {"results": [None]}, {"results": [{}]}):
+        assert client.model_info(_RecordedPosts(empty)) == {}
