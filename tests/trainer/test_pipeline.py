@@ -341,6 +341,9 @@ def test_the_bottleneck_counts_waits_after_the_first_batch_and_is_said_on_the_ma
     src.waits = {"trainer": 0.004, "generator": 0.0, "steps": 1}
     assert src.bottleneck().endswith("trainer waited 0.00 s per step for batches, the generator 0.00 s for weights: "
                                      "neither is the bottleneck")
+    src.waits = {"trainer": 0.005, "generator": 0.0, "steps": 1}  # printed as 0.01 s: a side did wait
+    assert src.bottleneck().endswith("the generator 0.00 s for weights: generation (sampling and rewards) is the "
+                                     "bottleneck")
     src.waits = {"trainer": 3.0, "generator": 1.0, "steps": 2}
     assert src.bottleneck().startswith("async K=1: the trainer waited 1.50 s per step for batches, the generator "
                                        "0.50 s for weights: generation (sampling and rewards) is the bottleneck")
