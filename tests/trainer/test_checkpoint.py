@@ -343,3 +343,23 @@ def test_with_many_processes_each_rank_resumes_its_own_rollouts_and_sampling_str
     state = checkpoint.restore(run, _with(cfg, resume="auto"))
     assert state.buffer == "rank 1's" and state.step == 2 and random.random() == expected
     assert state.in_flight == {"batches": ["b1"]}  # this rank's share, not rank 0's in trainer_state.pt
+
+
+def test_a_vision_language_models_final_holds_its_image_processor_under_the_manifest(tmp_path):
+    from types import SimpleNamespace
+
+    class Processor:
+        def save_pretrained(self, directory):
+            (Path(directory) / "preprocessor_config.json").write_text("{}")
+
+    def save_final(tmp, tokenizer, merge_lora):
+        tmp.mkdir()
+        (tmp / "model").write_text("new")
+
+    rt = SimpleNamespace(is_main=True, save_final=save_final, barrier=lambda: None)
+    run = SimpleNamespace(runtime=rt, tokenizer="tok", image_processor=Processor())
+    cfg = SimpleNamespace(trainer=SimpleNamespace(output_dir=str(tmp_path)),
+                          model=SimpleNamespace(lora=SimpleNamespace(enabled=False, merge_on_save=True)))
+    out = checkpoint.save_final(run, cfg)
+    assert sorted(p.name for p in out.iterdir()) == [manifest.NAME, "model", "preprocessor_config.json"]
+    assert manifest.problem(out) is None  # the processor's file is written before the manifest, and in it

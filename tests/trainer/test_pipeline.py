@@ -461,3 +461,61 @@ def test_the_trainer_finishes_each_batch_and_its_waits_are_times_not_sums_of_clo
     assert 0 <= src.waits["trainer"] <= took and src.waits["steps"] == 2
     trainable = [p for p in run.policy.parameters() if p.requires_grad]
     assert [list(map(id, g)) for g in gathered] == [list(map(id, run.policy.parameters())), list(map(id, trainable))]
+
+
+def test_the_publish_time_is_the_publishs_own_and_an_old_version_costs_none(no_finish, monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(pipeline, "time", SimpleNamespace(time=lambda: now[0]))
+
+    class Slow(Recorder):
+        def publish(self, version, weights):
+            now[0] += 1.0  # each publication: 1 s
+            super().publish(version, weights)
+
+    def start():
+        now[0] += 5.0  # the generator's start: 5 s, not the publication's
+        return Slow()
+
+    src = AsyncBatches(_run(), start, lag=1, max_steps=4)
+    assert src.batch(1).stats["time/weights_publish_s"] == 1.0
+    src._publish(1)  # published ahead of step 2's batch, which then publishes nothing
+    assert src.batch(2).stats["time/weights_publish_s"] == 0.0
+
+
+def test_a_generator_that_reads_the_model_itself_is_handed_only_the_version():
+    class Reading(Recorder):
+        reads_model = True
+
+        def publish(self, version, weights):
+            self.calls.append(("publish", version, weights))
+            self.held = version
+
+    run = _run()
+    gen = Reading()
+    src = AsyncBatches(run, gen, lag=1, max_steps=3)
+    src._publish(0)
+    assert gen.calls[0] == ("publish", 0, None) and not run.runtime.gathered
+
+
+def test_a_generator_error_caused_by_a_lost_rank_is_the_runtimes_one_line_and_without_a_cause_a_setup_error():
+    class Lost(Exception):
+        pass
+
+    class Peers(Gathering):
+        def peer_failure(self, error):
+            return Lost(f"lost a rank: {error}")
+
+    class Broken(Recorder):
+        def __init__(self, cause):
+            super().__init__()
+            self.cause = cause
+
+        def receive(self, timeout=None):
+            raise pipeline.GeneratorError("the workers stopped") from self.cause
+
+    run = _run()
+    run.runtime = Peers()
+    with pytest.raises(Lost, match="^lost a rank: gloo timed out$"):
+        AsyncBatches(run, Broken(RuntimeError("gloo timed out")), lag=1, max_steps=3).batch(1)
+    with pytest.raises(SetupError, match="^the workers stopped$"):  # no cause: the runtime is not asked
+        AsyncBatches(run, Broken(None), lag=1, max_steps=3).batch(1)
