@@ -194,3 +194,32 @@ def test_a_load_that_fails_without_a_word_is_named_by_its_error(tmp_path, monkey
     monkeypatch.setattr(torch, "load", silent)
     with pytest.raises(SetupError, match=r"refusing .*trainer_state.pt: EOFError \(a checkpoint is read without"):
         state_files.load_legacy(path)
+
+
+def test_an_in_flight_batch_pickled_before_the_generators_module_was_renamed_still_loads(tmp_path, monkeypatch):
+    """Checkpoints of asynchronous GRPO written before `grpo.rollout.generator` became `generator_process` name the
+    in-flight batch's class by its old module: it is still read (without running code) as today's `Generated`."""
+    import dataclasses
+    import sys
+    import types
+
+    old = types.ModuleType("grpo.rollout.generator")
+
+    @dataclasses.dataclass
+    class OldGenerated:  # the same fields under the old module's name
+        step: int
+        version: int
+        batch: object
+        sampler: dict
+        wait_s: float = 0.0
+        busy_s: float = 0.0
+        load_s: float = 0.0
+
+    OldGenerated.__name__ = OldGenerated.__qualname__ = "Generated"
+    OldGenerated.__module__ = old.__name__
+    old.Generated = OldGenerated
+    monkeypatch.setitem(sys.modules, old.__name__, old)
+    path = tmp_path / "trainer_state.pt"
+    torch.save({"in_flight": {"batches": {3: OldGenerated(3, 1, None, {"drawn": 2}, 0.5)}}}, path)
+    got = state_files.load_legacy(path)["in_flight"]["batches"][3]
+    assert type(got) is Generated and (got.step, got.version, got.sampler, got.wait_s) == (3, 1, {"drawn": 2}, 0.5)
