@@ -363,3 +363,20 @@ def test_a_vision_language_models_final_holds_its_image_processor_under_the_mani
     out = checkpoint.save_final(run, cfg)
     assert sorted(p.name for p in out.iterdir()) == [manifest.NAME, "model", "preprocessor_config.json"]
     assert manifest.problem(out) is None  # the processor's file is written before the manifest, and in it
+
+
+def test_the_agreed_step_is_in_the_named_checkpoints_folder_or_else_the_runs(tmp_path):
+    """trainer.resume=<path> in another run's folder: the step every rank holds is taken from that folder; a rank
+    that found no checkpoint of its own (while another did) takes it from its own trainer.output_dir."""
+    from grpo.trainer.checkpoint import _agree_on_checkpoint
+
+    elsewhere = tmp_path / "elsewhere"
+    for step in (2, 9, 10):
+        _save(elsewhere, step, keep_last=5)
+    mine = checkpoint.complete_checkpoints(elsewhere)
+    behind = _Gathered(("step_9", ["step_9", "step_2"]))
+    ckpt, _ = _agree_on_checkpoint(behind, _cfg(tmp_path / "run"), checkpoint.latest(elsewhere), mine)
+    assert ckpt == elsewhere / "checkpoints" / "step_9"
+    ckpt, _ = _agree_on_checkpoint(_Gathered(("step_9", ["step_9"])), _cfg(tmp_path / "run"), None,
+                                   [tmp_path / "run" / "checkpoints" / "step_9"])
+    assert ckpt == tmp_path / "run" / "checkpoints" / "step_9"
