@@ -380,3 +380,42 @@ def test_the_agreed_step_is_in_the_named_checkpoints_folder_or_else_the_runs(tmp
     ckpt, _ = _agree_on_checkpoint(_Gathered(("step_9", ["step_9"])), _cfg(tmp_path / "run"), None,
                                    [tmp_path / "run" / "checkpoints" / "step_9"])
     assert ckpt == tmp_path / "run" / "checkpoints" / "step_9"
+
+
+class _TwoRanks:
+    world_size = 2
+
+    def gather(self, obj):  # the other rank sees what this one sees
+        return [obj, obj]
+
+
+def test_with_many_processes_each_damaged_checkpoint_is_passed_over_newest_first_and_a_named_one_stops_all(tmp_path):
+    """An older damaged checkpoint is passed over too (no rank may agree on it), each listed once, newest first; a
+    checkpoint whose bytes changed but not its size is found by its checksum on a rank that owns the directory; a
+    damaged trainer.resume=<path> is the same one line on every rank."""
+    from types import SimpleNamespace
+
+    from grpo.errors import SetupError
+
+    for step in (1, 2, 4, 6):
+        _save(tmp_path, step, keep_last=5)
+    ck = tmp_path / "checkpoints"
+    (ck / "step_1" / "w").write_text("xx")  # another size
+    (ck / "step_4" / "w").write_text("5")  # the same size, another checksum
+    (ck / "step_6" / "w").write_text("")
+    run = SimpleNamespace(runtime=_TwoRanks(), owns_output_dir=True)
+    cfg = SimpleNamespace(trainer=SimpleNamespace(resume="auto", output_dir=str(tmp_path)))
+    ckpt, skipped, existing = checkpoint._decide(run, cfg)
+    assert ckpt == ck / "step_2" and existing == [ck / "step_2"]
+    assert [p.name for p, _ in skipped] == ["step_6", "step_4", "step_1"] and all("w" in why for _, why in skipped)
+    cfg.trainer.resume = str(ck / "step_4")
+    with pytest.raises(SetupError, match=r"step_4.*\bw\b"):
+        checkpoint._decide(run, cfg)
+    cfg.trainer.resume = "auto"
+    reader = SimpleNamespace(runtime=_TwoRanks(), owns_output_dir=False)  # checks sizes only: reads no file
+    ckpt, _, existing = checkpoint._decide(reader, cfg)
+    assert ckpt == ck / "step_4" and existing == [ck / "step_2", ck / "step_4"]
+    fresh = SimpleNamespace(trainer=SimpleNamespace(resume="auto", output_dir=str(tmp_path / "fresh")))
+    other = SimpleNamespace(world_size=2, gather=lambda obj: [obj, (None, ["step_4"], None)])  # it holds one
+    got = checkpoint._decide(SimpleNamespace(runtime=other, owns_output_dir=True), fresh)
+    assert got[::2] == (None, [tmp_path / "fresh" / "checkpoints" / "step_4"])  # named in this rank's directory
