@@ -18,10 +18,7 @@ per-sequence forward, or bypass our attention function. See docs/prefix-engine.m
 
 from __future__ import annotations
 
-import functools
-import inspect
-
-from grpo.engine.state_layers import handed_over, not_handed_over, recurrent, state_layers
+from grpo.engine.state_layers import forward_source, handed_over, not_handed_over, recurrent, state_layers
 
 _ATTENTION_ENTRY = "ALL_ATTENTION_FUNCTIONS"  # what a layer calls when it goes through transformers' interface
 _LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -42,14 +39,7 @@ def mixing_layers(cfg) -> int:
 
 
 def _uses_interface(cls) -> bool:
-    try:
-        return _ATTENTION_ENTRY in inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-
-
-# cached by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
-_uses_interface = functools.lru_cache(maxsize=None)(_uses_interface)
+    return _ATTENTION_ENTRY in forward_source(cls)
 
 
 def _moe(cfg, attn) -> bool:

@@ -38,7 +38,8 @@ _OTHER_STATE = ("linear_cache", "ssm_state", "recurrent_state", "conv_state")
 _CACHE_ARGS = ("cache", "cache_params", "past_key_values")
 
 
-def _forward_source(cls) -> str:
+def forward_source(cls) -> str:
+    """The source of ``cls.forward`` ("": none to read, e.g. a builtin), read once per class."""
     try:
         return inspect.getsource(cls.forward)
     except (OSError, TypeError):
@@ -46,7 +47,7 @@ def _forward_source(cls) -> str:
 
 
 # cached by a call, not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
-_forward_source = functools.lru_cache(maxsize=None)(_forward_source)
+forward_source = functools.lru_cache(maxsize=None)(forward_source)
 
 
 def _cache_arg(cls) -> str | None:
@@ -68,7 +69,7 @@ def not_handed_over(module) -> str | None:
     keep its state in transformers' linear-attention cache, take the cache as an argument, and its multi-token
     form must start from the recurrent state it is given (Jamba's Mamba scan does not: it reads it only when
     decoding one token)."""
-    src = _forward_source(type(module))
+    src = forward_source(type(module))
     if not any(k in src for k in _INTERFACE) or _cache_arg(type(module)) is None:
         return "a recurrent state outside transformers' linear-attention cache"
     if "get_recurrent_state" in src and "initial_state" not in src:
@@ -80,7 +81,7 @@ def recurrent(module) -> bool:
     """Whether ``module`` is a layer with a recurrent state of any kind (handed over or not): never softmax
     attention, whatever its class is called (MiniMax's ``MiniMaxLightningAttention``, Kimi's
     ``KimiDeltaAttention``)."""
-    src = _forward_source(type(module))
+    src = forward_source(type(module))
     return hasattr(module, "layer_idx") and any(k in src for k in _INTERFACE + _OTHER_STATE)
 
 

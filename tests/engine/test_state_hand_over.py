@@ -225,7 +225,7 @@ def test_which_layers_are_recurrent_and_which_are_handed_over(monkeypatch):
     import grpo.engine.state_layers as sl
 
     sources = {}
-    monkeypatch.setattr(sl, "_forward_source", lambda cls: sources.get(cls, ""))
+    monkeypatch.setattr(sl, "forward_source", lambda cls: sources.get(cls, ""))
 
     def make(src, args="x, cache_params=None", idx=True):
         m = _layer(src, args, idx)
