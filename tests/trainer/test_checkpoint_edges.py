@@ -12,6 +12,7 @@ import pytest
 from grpo.runtime.local import WEIGHTS
 from grpo.trainer import checkpoint, manifest
 from grpo.trainer.run import LoopState
+from tests.helpers import ROOT
 from tests.trainer import test_checkpoint
 from tests.trainer.test_checkpoint import _cfg, _fake_run, _Log, _names, _save, _with
 
@@ -203,3 +204,34 @@ def test_a_damaged_final_is_set_aside_and_kept_under_a_free_name(tmp_path):
     assert not (tmp_path / "final").exists()
     (tmp_path / "final").mkdir()
     assert checkpoint.set_final_aside(str(tmp_path)) == tmp_path / "damaged-2-final" and first.exists()
+
+
+LEGACY_FIXTURE = ROOT / "tests" / "fixtures" / "pre_redesign_checkpoint" / "step_1"
+
+
+def test_reading_a_pre_manifest_checkpoint_says_so_once_unless_asked_not_to(tmp_path, capsys):
+    """A checkpoint in the format before manifests and plain-data state: its state loads, with a one-time note
+    that it was not verified (the default); ``say=False`` (the ranks that do not print) reads it quietly."""
+    said, quiet = tmp_path / "said", tmp_path / "quiet"
+    shutil.copytree(LEGACY_FIXTURE, said)
+    shutil.copytree(LEGACY_FIXTURE, quiet)
+    assert checkpoint.load_state(said)["step"] == 1
+    assert "was written before checkpoints carried a manifest" in capsys.readouterr().err
+    checkpoint.load_state(said)
+    assert capsys.readouterr().err == ""  # once for a checkpoint
+    assert checkpoint.load_state(quiet, say=False)["step"] == 1
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_the_main_rank_says_what_it_read_of_a_checkpoint(built, tmp_path, monkeypatch, rank):
+    """The restore reads the run's state with its one-time notes said on rank 0 only."""
+    run, cfg = built
+    cfg = _with(cfg, output_dir=str(tmp_path))
+    checkpoint.save_checkpoint(run, LoopState(step=1), cfg)
+    read, real = [], checkpoint.load_state
+    monkeypatch.setattr(checkpoint, "load_state", lambda ckpt, name=checkpoint.STATE, say=True:
+                        read.append((name, say)) or real(ckpt, name, say))
+    run.runtime.rank = rank
+    assert checkpoint.restore(run, _with(cfg, resume="auto")).step == 1
+    assert read == [(checkpoint.STATE, rank == 0)]

@@ -324,3 +324,10 @@ def test_model_info_asks_the_worker_extension_and_reads_its_first_result():
     assert server.asked == [("/collective_rpc", {"method": "grpo_model_info"})]
     for empty in (None, {}, {"results": []}, {"results": None}, {"results": [None]}, {"results": [{}]}):
         assert client.model_info(_RecordedPosts(empty)) == {}
+
+
+def test_an_answer_is_its_json_its_text_where_it_is_not_json_and_none_when_empty():
+    assert client._decoded(b"") is None
+    assert client._decoded(b'{"ok": [1, 2]}') == {"ok": [1, 2]} and client._decoded(b"0") == 0
+    assert client._decoded(b"Success: LoRA adapter 'v3' added") == "Success: LoRA adapter 'v3' added"
+    assert client._decoded(b"loaded \xff v3") == "loaded \ufffd v3"  # not UTF-8: replaced, never an error
