@@ -225,13 +225,16 @@ def test_reading_a_pre_manifest_checkpoint_says_so_once_unless_asked_not_to(tmp_
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_only_the_main_rank_says_what_it_read_of_a_checkpoint(built, tmp_path, monkeypatch, rank):
-    """The restore reads the run's state with its one-time notes said on rank 0 only."""
+    """Two processes: the restore reads the run's state with its one-time notes said on rank 0 only, and each
+    rank's own file quietly on every rank."""
     run, cfg = built
     cfg = _with(cfg, output_dir=str(tmp_path))
+    rt = run.runtime
+    rt.rank, rt.world_size = rank, 2
+    rt.gather = lambda obj: [obj, obj]  # both ranks see the same checkpoints
     checkpoint.save_checkpoint(run, LoopState(step=1), cfg)
     read, real = [], checkpoint.load_state
     monkeypatch.setattr(checkpoint, "load_state", lambda ckpt, name=checkpoint.STATE, say=True:
-                        read.append((name, say)) or real(ckpt, name, say))
-    run.runtime.rank = rank
+                        read.append((name, bool(say))) or real(ckpt, name, say))
     assert checkpoint.restore(run, _with(cfg, resume="auto")).step == 1
-    assert read == [(checkpoint.STATE, rank == 0)]
+    assert read == [(checkpoint.STATE, rank == 0), (f"rank_{rank}", False)]
