@@ -110,7 +110,7 @@ def _sandbox_uid() -> int | None:
     return 1_000_000 + (os.getpid() % 1_000_000) * 1024 + next(_uids) % 1024
 
 
-def _owned(uid: int, proc: str = "/proc") -> list[str]:
+def _owned(uid: int, proc: str) -> list[str]:
     """The process ids (entries of ``proc``) of ``uid``'s processes."""
     pids = []
     for p in os.listdir(proc):
@@ -152,21 +152,26 @@ def _bwrap_argv(python: str, workdir: str, argv: list[str], tmp_bytes: int) -> l
     return cmd + [python, *argv[1:]]
 
 
+def _live(proc: str, pid: str) -> bool:
+    """Whether process ``pid`` still runs: not a zombie (dead, its parent reaps it), nor gone."""
+    try:
+        with open(f"{proc}/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # the state follows the name, which may hold ")"
+    except (OSError, IndexError):
+        return False
+
+
 def _kill_uid(uid: int, proc: str = "/proc") -> None:
     """SIGKILL every live process of ``uid`` until none is left (at most 100 rounds)."""
     for _ in range(100):
-        found = False
-        for p in _owned(uid, proc):
-            try:
-                with open(f"{proc}/{p}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # a zombie: dead, its parent reaps it
-                        continue
-                os.kill(int(p), signal.SIGKILL)
-                found = True
-            except (OSError, IndexError):
-                pass
-        if not found:
+        live = [int(p) for p in _owned(uid, proc) if _live(proc, p)]
+        if not live:
             return
+        for pid in live:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:  # it ended meanwhile
+                pass
         time.sleep(0.005)
 
 

@@ -17,7 +17,8 @@ from tests.under_mutmut import bounded_under_mutmut  # noqa: F401  (a mutant's e
 def test_the_code_is_the_last_python_fence_after_the_reasoning_else_the_last_bare_fence_else_the_text():
     text = "<think>```python\nwrong()\n```</think>Here:\n```py\ndef f():\n    return 1\n```\nand ```python\nx = 2\n```"
     assert extract_code(text) == "x = 2\n"
-    assert extract_code("<think>a</think>b</think>```python\nc\n```") == "c\n"  # after the last </think>
+    assert extract_code("<think>```python\nwrong()\n```</think>no code") == "no code"  # reasoning's code is not it
+    assert extract_code("<think>a</think>```python\nX\n```</think>B") == "B"  # after the last </think>
     assert extract_code("```\nprint(1)\n```\n```\nprint(2)\n```") == "print(2)\n"
     assert extract_code("```Python3 title\nA\n```\n```\nB\n```") == "A\n"  # a python fence beats a bare one
     assert extract_code("```js\nlet a\n```\n```py3\nP\n```\n```\nB\n```") == "P\n"
@@ -40,6 +41,7 @@ def test_a_rows_tests_are_its_items_its_top_level_asserts_or_one_check_of_the_en
                                                                          "\ncheck(f)")]
     assert parse_tests("this is not python (") == [("test", "this is not python (")]
     assert parse_tests("x = \0") == [("test", "x = \0")]  # null bytes: ast refuses them
+    assert parse_tests("\xa0\n") == []  # no code, and not python either (a no-break space)
     assert parse_tests("   \n") == [] and parse_tests("") == [] and parse_tests(None) == [] and parse_tests([]) == []
     assert parse_tests(12) == [("test", "12")]
 
@@ -77,6 +79,8 @@ def test_run_tests_sends_the_code_steps_and_harness_and_reads_back_only_its_nonc
     (["{n} 0 1", "{n} 1 1"], 2 / 3),              # the third test hung: no result, no credit
     (["{n} 0 1", "{n} 0 1"], 0.0),                # a result repeated: forged, nothing counts
     (["{n} 0 1", "{n} 3 1"], 0.0),                # a test index past the last: forged
+    (["{n} 0 0", "{n} 0 1"], 0.0),                # a failed test reported as passed too
+    (["{n} 1 1", "{n} 5 0"], 0.0),                # an index past the last, even failing
     (["{n} 2 1", "{n} 1 0", "{n} 0 1"], 2 / 3),   # in any order
     (["deadbeef 0 1", "{n} 1 1"], 1 / 3),         # another nonce: not the harness's
     (["{n} 0 1 x", "{n} 0", "{n} x 1", "{n} -1 1", "{n} 1 2", "{n} 1 01", "{n}  2   1"], 1 / 3),

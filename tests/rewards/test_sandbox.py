@@ -308,6 +308,8 @@ def test_default_python_is_the_base_interpreter_else_a_system_one_that_others_ca
     monkeypatch.setattr(sandbox, "sys", SimpleNamespace(_base_executable=None, executable="/nowhere/venv/python"))
     exists.add("/nowhere/venv/python")
     assert sandbox.default_python() == "/nowhere/venv/python"  # no base interpreter recorded: this one
+    monkeypatch.setattr(sandbox, "sys", SimpleNamespace(executable="/nowhere/venv/python"))
+    assert sandbox.default_python() == "/nowhere/venv/python"  # a Python without the attribute at all
     monkeypatch.setattr(sandbox, "sys", SimpleNamespace(_base_executable="/nowhere/base/python",
                                                         executable="/nowhere/venv/python"))
     monkeypatch.setattr(os, "geteuid", lambda: 0)  # root: the code runs as another uid, which must reach it
@@ -358,12 +360,12 @@ def test_the_tasks_of_a_uid_are_the_task_folders_of_its_processes(tmp_path):
     assert sorted(sandbox._owned(me, proc)) == ["12", "40", "41"]
     assert sandbox._tasks_of(me, proc) == 4  # 41 has no task folder (it ended): none counted
     assert sandbox._owned(me + 1, proc) == [] and sandbox._tasks_of(me + 1, proc) == 0
-    assert sandbox._tasks_of(os.geteuid()) >= 1  # the real /proc: this process at least
+    assert sandbox._tasks_of(os.geteuid()) >= 1  # the real /proc by default: this process at least
 
 
 def test_kill_uid_kills_every_live_process_round_after_round_until_none_is_left(tmp_path, monkeypatch):
     proc = _proc_tree(tmp_path, {"12": (1, "12 (py) R 1 2"), "13": (1, "13 (zombie) Z 1 2"),
-                                 "14": (1, "14 (a) Z) S 1 2"), "15": (1, "garbage"), "16": (1, "16 (x) S 1")})
+                                 "14": (1, "14 (a) Z b) S 1 2"), "15": (1, "garbage"), "16": (1, "16 (x) S 1")})
     me = os.stat(tmp_path).st_uid
     killed, clock = [], _Clock(0.0)
     respawned = []
@@ -384,9 +386,13 @@ def test_kill_uid_kills_every_live_process_round_after_round_until_none_is_left(
     sandbox._kill_uid(me + 1, proc)
     assert killed == [] and clock.slept == []  # another uid's processes are left alone
     sandbox._kill_uid(me, proc)
-    # 13 is a zombie (dead already); 14's name holds ") Z": its state is S; 15's stat cannot be read
+    # 13 is a zombie (dead already); 14's name holds ") Z ": its state is S; 15's stat cannot be read
     assert sorted(killed[:3]) == [(12, signal.SIGKILL), (14, signal.SIGKILL), (16, signal.SIGKILL)]
     assert killed[3:] == [(17, signal.SIGKILL)] and clock.slept == [0.005, 0.005]
+    assert not sandbox._live(proc, "13") and not sandbox._live(proc, "15") and not sandbox._live(proc, "99")
+    del killed[:]
+    sandbox._kill_uid(2_000_000_000)  # the real /proc by default: no process of that uid, nothing killed
+    assert killed == []
 
 
 def test_kill_uid_gives_up_after_100_rounds_on_a_process_that_does_not_die(tmp_path, monkeypatch):
@@ -450,7 +456,13 @@ def test_read_keeps_the_first_bytes_from_the_start_and_replaces_bad_utf8():
 
 
 def test_the_work_directory_holds_the_files_owned_by_the_runs_uid(tmp_path, monkeypatch):
-    owned = []
+    owned, opened = [], []
+
+    def recording_open(path, mode="r", **kw):
+        opened.append((os.path.basename(path), mode, kw))
+        return open(path, mode, **kw)
+
+    monkeypatch.setattr(sandbox, "open", recording_open, raising=False)
     monkeypatch.setattr(os, "chown", lambda p, u, g: owned.append((p, u, g)))
     monkeypatch.setattr(os, "chmod", lambda p, m: owned.append((p, oct(m))))
     files = {"main.py": "print('h\xe9')\n", "data.txt": "x"}
@@ -459,6 +471,7 @@ def test_the_work_directory_holds_the_files_owned_by_the_runs_uid(tmp_path, monk
     assert work == str(tmp_path / "a" / "work") and owned == []
     assert (tmp_path / "a" / "work" / "main.py").read_bytes() == "print('h\xe9')\n".encode()
     assert sorted(os.listdir(work)) == ["data.txt", "main.py"]
+    assert opened == [("main.py", "w", {"encoding": "utf-8"}), ("data.txt", "w", {"encoding": "utf-8"})]  # any locale
     (tmp_path / "b").mkdir()
     work = sandbox._workdir(str(tmp_path / "b"), files, 1_000_123)
     assert owned == [(str(tmp_path / "b"), oct(0o711)), (work, 1_000_123, 1_000_123),
@@ -577,27 +590,31 @@ def test_execute_at_the_timeout_has_no_returncode_and_keeps_what_was_written(mon
 
 
 def test_run_gives_the_work_directory_and_config_to_execute_and_removes_them(monkeypatch):
-    seen = {}
+    seen, owned = {}, []
 
     def execute(mode, python, cfg, work, stdin, limits):
         seen.update(mode=mode, python=python, cfg=cfg, work=work, stdin=stdin, limits=limits,
                     files={n: open(os.path.join(work, n)).read() for n in os.listdir(work)})
         if stdin == "boom":
             raise OSError("no launcher")
+        if stdin == "gone":
+            shutil.rmtree(os.path.dirname(work))  # removing what is already gone is no error
         return "result"
 
     monkeypatch.setattr(sandbox, "_execute", execute)
-    monkeypatch.setattr(sandbox, "_sandbox_uid", lambda: None)
-    monkeypatch.setattr(sandbox, "_tasks_of", lambda uid: 0)
-    assert sandbox._run("rlimits", {"m.py": "pass"}, "m.py", LIMITS, "/py", "in") == "result"
+    monkeypatch.setattr(sandbox, "_sandbox_uid", lambda: 1_000_123)
+    monkeypatch.setattr(os, "chown", lambda p, u, g: owned.append((os.path.basename(p), u)))
+    assert sandbox._run("unshare", {"m.py": "pass"}, "m.py", LIMITS, "/py", "in") == "result"
     work = seen["work"]
     assert os.path.basename(os.path.dirname(work)).startswith("grpo-sandbox-") and seen["files"] == {"m.py": "pass"}
-    assert seen["cfg"] == sandbox._launch_config("rlimits", "/py", work, "m.py", LIMITS, None)
-    assert (seen["mode"], seen["python"], seen["stdin"], seen["limits"]) == ("rlimits", "/py", "in", LIMITS)
+    assert owned == [("work", 1_000_123), ("m.py", 1_000_123)]  # the run's own uid
+    assert seen["cfg"] == sandbox._launch_config("unshare", "/py", work, "m.py", LIMITS, 1_000_123)
+    assert (seen["mode"], seen["python"], seen["stdin"], seen["limits"]) == ("unshare", "/py", "in", LIMITS)
     assert not os.path.exists(os.path.dirname(work))
     with pytest.raises(OSError):
         sandbox._run("rlimits", {"m.py": "pass"}, "m.py", LIMITS, "/py", "boom")
     assert not os.path.exists(os.path.dirname(seen["work"]))
+    assert sandbox._run("rlimits", {"m.py": "pass"}, "m.py", LIMITS, "/py", "gone") == "result"
 
 
 def test_isolation_probes_each_mode_once_and_warns_once_below_bwrap(monkeypatch):
@@ -614,7 +631,7 @@ def test_isolation_probes_each_mode_once_and_warns_once_below_bwrap(monkeypatch)
     monkeypatch.setattr(sandbox, "_probed", {})
     monkeypatch.setattr(sandbox, "_warned", False)
     monkeypatch.setattr(sandbox, "default_python", lambda: "/py")
-    monkeypatch.setattr(sandbox, "shutil", SimpleNamespace(which=lambda name: "/usr/bin/bwrap"))
+    monkeypatch.setattr(sandbox, "shutil", SimpleNamespace(which={"bwrap": "/usr/bin/bwrap"}.get))
     answers.update(bwrap=(0, " ok\n", ""), unshare=(0, "ok\n", ""))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -627,6 +644,7 @@ def test_isolation_probes_each_mode_once_and_warns_once_below_bwrap(monkeypatch)
         assert caught[0].category is RuntimeWarning and "runs with unshare isolation" in str(caught[0].message)
         answers.update(bwrap=(0, "ko\n", ""), unshare=RuntimeError("no namespaces"))
         assert sandbox.isolation("/third") == "rlimits" and len(caught) == 1  # warned once a process
+        assert sandbox._works("unshare", "/third") is False and sandbox._works("bwrap", "/third") is False
     monkeypatch.setattr(sandbox, "shutil", SimpleNamespace(which=lambda name: None))
     monkeypatch.setattr(sandbox, "_probed", {})
     del probes[:]
