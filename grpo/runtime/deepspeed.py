@@ -267,7 +267,6 @@ class DeepSpeedRuntime(Runtime):
         return getattr(model, "module", model)
 
     # ---------------------------------------------------------------------------- generation
-    @contextlib.contextmanager
     def generation_context(self):
         """Around the rollout: yields extra rollout options. ZeRO-3: every rank keeps stepping until
         all are done (synced_gpus), on fully gathered weights when distributed.gather_for_generation."""
@@ -291,7 +290,6 @@ class DeepSpeedRuntime(Runtime):
                 register = getattr(offload, "_register_deepspeed_module", None) or offload._register_hooks_recursively
                 register(offload.module)
 
-    @contextlib.contextmanager
     def full_weights(self, params):
         """ZeRO-3: ``params`` gathered for the block (only these: one layer at a time, never the whole model);
         ZeRO-2: every rank holds every parameter already."""
@@ -300,6 +298,10 @@ class DeepSpeedRuntime(Runtime):
             return
         with self._ds.zero.GatheredParameters(list(params), modifier_rank=None):
             yield True
+
+    # context managers by a call, not as decorators: mutmut (`make mutate`) does not mutate a decorated function
+    generation_context = contextlib.contextmanager(generation_context)
+    full_weights = contextlib.contextmanager(full_weights)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, gathered, as CPU tensors on every rank (for checks; needs the full model in memory)."""
