@@ -539,7 +539,8 @@ def test_bwrap_binds_the_system_read_only_and_the_work_directory_alone(monkeypat
         assert sandbox._bwrap_argv(python, "/t/work", argv, 123) == [*head, "--ro-bind", prefix, prefix, *tail,
                                                                      python, "-I", "/sandbox/m.py"]
     monkeypatch.setattr(sandbox, "shutil", SimpleNamespace(which=lambda name: None))
-    assert sandbox._bwrap_argv("/usr/local/bin/python3", "/w", argv, 1)[0] == "bwrap"  # found on PATH at run time
+    local = sandbox._bwrap_argv("/usr/local/bin/python3", "/t/work", argv, 123)  # under /usr: bound already
+    assert local == ["bwrap", *head[1:], *tail, "/usr/local/bin/python3", "-I", "/sandbox/m.py"]  # bwrap from PATH
 
 
 class _Popen:

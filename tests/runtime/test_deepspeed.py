@@ -117,6 +117,9 @@ def test_on_gpus_it_uses_nccl_on_the_local_rank_unless_the_trainer_asks_for_the_
     rt = DeepSpeedRuntime(_d(), "shape", device="cpu")
     assert rt.backend == "gloo" and rt.device == torch.device("cpu") and not any(c[0] == "set_device" for c in calls)
     assert ds_runtime.os.environ["DS_ACCELERATOR"] == "cuda"  # a launcher's own choice is kept
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fake.ops = SimpleNamespace()  # a DeepSpeed without the op table: nothing to switch off
+    assert DeepSpeedRuntime(_d(), "shape").backend == "gloo"
 
 
 def test_a_group_made_already_is_used_as_it_is_and_without_deepspeed_it_says_what_to_install(started, monkeypatch):
@@ -196,9 +199,9 @@ def test_an_offloaded_optimizer_becomes_deepspeeds_cpu_adam_or_stays_torchs_with
     class DeepSpeedCPUAdam:
         pass
 
-    monkeypatch.setattr(rt, "_cpu_adam", lambda o, s: (DeepSpeedCPUAdam(), "cpu sched"))
+    monkeypatch.setattr(rt, "_cpu_adam", lambda o, s: (DeepSpeedCPUAdam(), ("on cpu adam", o, s)))
     rt.setup("model", "adamw", "sched")
-    assert fake.calls[0][1]["config"] == {} and rt.scheduler == "cpu sched"
+    assert fake.calls[0][1]["config"] == {} and rt.scheduler == ("on cpu adam", "adamw", "sched")
     assert type(fake.calls[0][1]["optimizer"]) is DeepSpeedCPUAdam
     monkeypatch.setattr(rt, "_cpu_adam", lambda o, s: (o, s))  # it could not be built
     del fake.calls[:]
@@ -433,8 +436,8 @@ def test_reductions_are_one_float64_all_reduce_in_name_order(monkeypatch):
     assert rt._reduce({"y": 1}, "op", group="g", device="cpu") == {"y": 2.0}  # another group's
     assert seen[-1][3:] == ("op", "g")
     assert rt.any_rank(True) is True and seen[-1][0] == [1.0]
-    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None, group=None: None)
-    assert rt.any_rank(False) is False
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None, group=None: None)  # one rank
+    assert rt.any_rank(False) is False and rt.any_rank(True) is True
 
 
 def test_gather_barrier_and_a_thread_view_go_through_torch_distributed(monkeypatch):
@@ -464,7 +467,9 @@ def test_a_lost_collective_is_one_line_naming_the_ranks_that_did_not_answer(monk
                          "was killed, or hangs, or a step takes longer than distributed.timeout_s=30")
     monkeypatch.setattr(ds_runtime, "_roll_call", lambda r: [])
     text = str(rt.peer_failure(RuntimeError("Broken pipe" + "!" * 300)))
-    assert "(Broken pipe" + "!" * 149 + ");" in text and "another rank failed (its message is above) or hangs" in text
+    assert text == ("rank 1 of 3: a collective timed out or lost another rank (Broken pipe" + "!" * 149 + "); "
+                    "another rank failed (its message is above) or hangs, or a step takes longer than "
+                    "distributed.timeout_s=30")
 
     class DistError(RuntimeError):
         pass
@@ -498,14 +503,14 @@ class _Store:
 
 
 def test_the_roll_call_names_the_ranks_that_never_say_they_are_alive_once_a_process(monkeypatch):
-    clock = iter([100.0, 101.0, 106.0])
+    clock = iter([100.0, 105.0, 106.0])
     sleeps = []
     monkeypatch.setattr(ds_runtime.time, "monotonic", lambda: next(clock))
     monkeypatch.setattr(ds_runtime.time, "sleep", lambda s: sleeps.append(s))
     rt = SimpleNamespace(rank=1, world_size=4, lost=None, store=_Store(alive=[0]))
     assert ds_runtime._roll_call(rt) == [2, 3] and rt.lost == [2, 3]
     assert rt.store.calls == [("timeout", datetime.timedelta(seconds=5)), ("set", "alive/1", "1")]
-    assert sleeps == [0.1]  # asked at 101 (before the deadline, 105), then at 106: past it
+    assert sleeps == [0.1]  # asked at the deadline (105), which is still waited for, then at 106: past it
     rt.store = _Store(alive=[0, 1, 2, 3])
     assert ds_runtime._roll_call(rt) == [2, 3]  # asked once a process
     monkeypatch.setattr(ds_runtime.time, "monotonic", lambda: 100.0)
