@@ -105,7 +105,7 @@ def run_tests(code: str, steps: list[tuple[str, str]], limits: sandbox.Limits) -
     passed: dict[int, int] = {}
     for line in res.stdout.splitlines():
         parts = line.split()
-        if len(parts) == 3 and parts[0] == nonce and parts[1].isdigit() and parts[2] in "01":
+        if len(parts) == 3 and parts[0] == nonce and parts[1].isdigit() and parts[2] in ("0", "1"):
             idx = int(parts[1])
             if idx in passed or idx >= n:  # a forged or repeated line: trust nothing
                 return 0.0
@@ -113,7 +113,6 @@ def run_tests(code: str, steps: list[tuple[str, str]], limits: sandbox.Limits) -
     return sum(passed.values()) / n
 
 
-@register("code_tests")
 def code_tests(prompts: list[str], completions: list[str], tests: list | None = None,
                entry_point: list | None = None, timeout_s: float = 5.0, max_workers: int | None = None,
                memory_mb: int = 1024, max_procs: int = 16, **_) -> list[float | None]:
@@ -144,3 +143,6 @@ def code_tests(prompts: list[str], completions: list[str], tests: list | None = 
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(one, jobs))
+
+
+register("code_tests")(code_tests)  # by a call, not a decorator: mutmut (`make mutate`) skips decorated functions

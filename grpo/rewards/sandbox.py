@@ -110,15 +110,27 @@ def _sandbox_uid() -> int | None:
     return 1_000_000 + (os.getpid() % 1_000_000) * 1024 + next(_uids) % 1024
 
 
-def _tasks_of(uid: int) -> int:
-    n = 0
-    for p in os.listdir("/proc"):
+def _owned(uid: int, proc: str) -> list[str]:
+    """The process ids (entries of ``proc``) of ``uid``'s processes."""
+    pids = []
+    for p in os.listdir(proc):
         if p.isdigit():
             try:
-                if os.stat(f"/proc/{p}").st_uid == uid:
-                    n += len(os.listdir(f"/proc/{p}/task"))
-            except OSError:
+                if os.stat(f"{proc}/{p}").st_uid == uid:
+                    pids.append(p)
+            except OSError:  # it ended meanwhile
                 pass
+    return pids
+
+
+def _tasks_of(uid: int, proc: str = "/proc") -> int:
+    """How many tasks (processes and threads, what RLIMIT_NPROC counts) ``uid`` runs."""
+    n = 0
+    for p in _owned(uid, proc):
+        try:
+            n += len(os.listdir(f"{proc}/{p}/task"))
+        except OSError:
+            pass
     return n
 
 
@@ -140,26 +152,34 @@ def _bwrap_argv(python: str, workdir: str, argv: list[str], tmp_bytes: int) -> l
     return cmd + [python, *argv[1:]]
 
 
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every live process of ``uid`` until none is left."""
+def _live(proc: str, pid: str) -> bool:
+    """Whether process ``pid`` still runs: not a zombie (dead, its parent reaps it), nor gone."""
+    try:
+        with open(f"{proc}/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # the state follows the name, which may hold ")"
+    except (OSError, IndexError):
+        return False
+
+
+def _kill_uid(uid: int, proc: str = "/proc") -> None:
+    """SIGKILL every live process of ``uid`` until none is left (at most 100 rounds)."""
     for _ in range(100):
-        found = False
-        for p in os.listdir("/proc"):
-            if not p.isdigit():
-                continue
-            try:
-                if os.stat(f"/proc/{p}").st_uid != uid:
-                    continue
-                with open(f"/proc/{p}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                        continue
-                os.kill(int(p), signal.SIGKILL)
-                found = True
-            except (OSError, IndexError):
-                pass
-        if not found:
+        live = [int(p) for p in _owned(uid, proc) if _live(proc, p)]
+        if not live:
             return
+        for pid in live:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:  # it ended meanwhile
+                pass
         time.sleep(0.005)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is gone, or its processes switched uid
+        pass
 
 
 def _wait(pid: int, timeout_s: float) -> bool:
@@ -182,55 +202,67 @@ def _read(f, limit: int) -> str:
     return f.read(limit).decode("utf-8", "replace")
 
 
+def _workdir(root: str, files: dict[str, str], uid: int | None) -> str:
+    """``root``/work holding ``files``, owned by ``uid`` (when the code runs under one of its own)."""
+    work = os.path.join(root, "work")
+    os.mkdir(work)
+    for name, text in files.items():
+        path = os.path.join(work, name)
+        if os.path.dirname(os.path.abspath(path)) != work:
+            raise ValueError(f"sandbox file name must be a plain name, got {name!r}")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    if uid is not None:
+        os.chmod(root, 0o711)
+        for p in [work, *(os.path.join(work, n) for n in files)]:
+            os.chown(p, uid, uid)
+    return work
+
+
+def _launch_config(mode: str, python: str, work: str, main: str, limits: Limits, uid: int | None) -> dict:
+    """What the launcher (``_LAUNCHER``) applies before it execs the code: rlimits, namespaces, uid, argv, env."""
+    inside = "/sandbox" if mode == "bwrap" else work
+    argv = [python, "-I", "-X", "utf8", os.path.join(inside, main)]
+    if mode == "bwrap":
+        argv = _bwrap_argv(python, work, argv, limits.max_file_mb << 22)
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": inside,
+           "TMPDIR": "/tmp" if mode == "bwrap" else work, "LANG": "C.UTF-8",
+           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8",
+           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    # RLIMIT_NPROC counts every process of the uid: under this user's own uid, its running tasks come on top
+    nproc = limits.max_procs + (_tasks_of(os.geteuid()) if uid is None else 0)
+    cpu = int(limits.timeout_s) + 2
+    return {"rlimits": {"RLIMIT_CPU": cpu, "RLIMIT_AS": limits.memory_mb << 20,
+                        "RLIMIT_NPROC": nproc, "RLIMIT_FSIZE": limits.max_file_mb << 20,
+                        "RLIMIT_NOFILE": limits.max_open_files, "RLIMIT_CORE": 0},
+            "unshare": 0 if mode != "unshare" else _CLONE_NEWNET | (_CLONE_NEWUSER if uid is None else 0),
+            "uid": uid, "argv": argv, "env": env}
+
+
+def _execute(mode: str, python: str, cfg: dict, work: str, stdin: str, limits: Limits) -> Result:
+    """Start the launcher with ``cfg`` in its own session, wait up to the timeout, then kill what is left."""
+    with tempfile.TemporaryFile() as fin, tempfile.TemporaryFile() as fout, tempfile.TemporaryFile() as ferr:
+        fin.write(stdin.encode())
+        fin.seek(0)
+        proc = subprocess.Popen([python, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)],
+                                stdin=fin, stdout=fout, stderr=ferr, cwd=work, env=cfg["env"],
+                                start_new_session=True, close_fds=True)
+        finished = _wait(proc.pid, limits.timeout_s)
+        _kill_group(proc.pid)  # before the leader is reaped: its group id cannot have been reused
+        proc.wait()
+        if cfg["uid"] is not None:
+            _kill_uid(cfg["uid"])
+        return Result(proc.returncode if finished else None, _read(fout, limits.max_output),
+                      _read(ferr, limits.max_output), not finished, mode)
+
+
 def _run(mode: str, files: dict[str, str], main: str, limits: Limits, python: str,
          stdin: str) -> Result:
     root = tempfile.mkdtemp(prefix="grpo-sandbox-")
     uid = _sandbox_uid()
     try:
-        work = os.path.join(root, "work")
-        os.mkdir(work)
-        for name, text in files.items():
-            path = os.path.join(work, name)
-            if os.path.dirname(os.path.abspath(path)) != work:
-                raise ValueError(f"sandbox file name must be a plain name, got {name!r}")
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-        if uid is not None:
-            os.chmod(root, 0o711)
-            for p in [work, *(os.path.join(work, n) for n in files)]:
-                os.chown(p, uid, uid)
-        inside = "/sandbox" if mode == "bwrap" else work
-        argv = [python, "-I", "-X", "utf8", os.path.join(inside, main)]
-        if mode == "bwrap":
-            argv = _bwrap_argv(python, work, argv, limits.max_file_mb << 22)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": inside,
-               "TMPDIR": "/tmp" if mode == "bwrap" else work, "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8",
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        nproc = limits.max_procs + (_tasks_of(os.geteuid()) if uid is None else 0)
-        cpu = int(limits.timeout_s) + 2
-        cfg = {"rlimits": {"RLIMIT_CPU": cpu, "RLIMIT_AS": limits.memory_mb << 20,
-                           "RLIMIT_NPROC": nproc, "RLIMIT_FSIZE": limits.max_file_mb << 20,
-                           "RLIMIT_NOFILE": limits.max_open_files, "RLIMIT_CORE": 0},
-               "unshare": 0 if mode != "unshare" else _CLONE_NEWNET | (_CLONE_NEWUSER if uid is None else 0),
-               "uid": uid, "argv": argv, "env": env}
-        with tempfile.TemporaryFile(dir=root) as fin, tempfile.TemporaryFile(dir=root) as fout, \
-                tempfile.TemporaryFile(dir=root) as ferr:
-            fin.write(stdin.encode())
-            fin.seek(0)
-            proc = subprocess.Popen([python, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)],
-                                    stdin=fin, stdout=fout, stderr=ferr, cwd=work, env=env,
-                                    start_new_session=True, close_fds=True)
-            finished = _wait(proc.pid, limits.timeout_s)
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
-            if uid is not None:
-                _kill_uid(uid)
-            return Result(proc.returncode if finished else None, _read(fout, limits.max_output),
-                          _read(ferr, limits.max_output), not finished, mode)
+        work = _workdir(root, files, uid)
+        return _execute(mode, python, _launch_config(mode, python, work, main, limits, uid), work, stdin, limits)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

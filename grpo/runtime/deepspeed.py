@@ -147,7 +147,7 @@ class DeepSpeedRuntime(Runtime):
         except Exception as e:  # no compiler / ninja: the op cannot be built
             if self.is_main:
                 print(f"[grpo] DeepSpeedCPUAdam unavailable ({str(e).splitlines()[0][:120]}); "
-                      "offloaded optimizer uses torch AdamW (slower)", file=sys.stderr, flush=True)
+                      "offloaded optimizer uses torch AdamW (slower)", file=sys.stderr)  # line-buffered: no flush
             return optimizer, scheduler
         return new, torch.optim.lr_scheduler.LambdaLR(new, scheduler.lr_lambdas[0])
 
@@ -190,13 +190,13 @@ class DeepSpeedRuntime(Runtime):
             raise RuntimeError(f"{self._backwards} backward calls but {self._expected} were announced")
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else float("nan")
+        norm = float(norm) if norm is not None else math.nan
         applied = self.engine.was_step_applied()
         if applied and not math.isfinite(norm):
             raise SetupError("DeepSpeed applied an update with a non-finite gradient norm; this DeepSpeed version "
                              "does not skip such steps (use deepspeed>=0.16 or distributed.bf16=false)")
         if not applied and math.isfinite(norm):
-            norm = float("nan")  # the cached norm is the previous step's
+            norm = math.nan  # the cached norm is the previous step's
         if applied:
             self.scheduler.step()
         self._expected, self._backwards = None, 0
@@ -267,11 +267,10 @@ class DeepSpeedRuntime(Runtime):
         return getattr(model, "module", model)
 
     # ---------------------------------------------------------------------------- generation
-    @contextlib.contextmanager
     def generation_context(self):
         """Around the rollout: yields extra rollout options. ZeRO-3: every rank keeps stepping until
         all are done (synced_gpus), on fully gathered weights when distributed.gather_for_generation."""
-        offload = _param_offload(self.engine) if self.stage == 3 else None
+        offload = _param_offload(self.engine)  # None but under ZeRO-3
         if offload is None:
             yield {}
             return
@@ -291,7 +290,6 @@ class DeepSpeedRuntime(Runtime):
                 register = getattr(offload, "_register_deepspeed_module", None) or offload._register_hooks_recursively
                 register(offload.module)
 
-    @contextlib.contextmanager
     def full_weights(self, params):
         """ZeRO-3: ``params`` gathered for the block (only these: one layer at a time, never the whole model);
         ZeRO-2: every rank holds every parameter already."""
@@ -300,6 +298,10 @@ class DeepSpeedRuntime(Runtime):
             return
         with self._ds.zero.GatheredParameters(list(params), modifier_rank=None):
             yield True
+
+    # context managers by a call, not as decorators: mutmut (`make mutate`) does not mutate a decorated function
+    generation_context = contextlib.contextmanager(generation_context)
+    full_weights = contextlib.contextmanager(full_weights)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, gathered, as CPU tensors on every rank (for checks; needs the full model in memory)."""
