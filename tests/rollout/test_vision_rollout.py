@@ -184,6 +184,7 @@ class _Cache:
         self.reorders = []
 
     def reorder_cache(self, index):
+        assert index.dtype == torch.long  # an index (a float one is refused by index_select)
         self.reorders.append(index.tolist())
 
 
@@ -200,6 +201,9 @@ class _StandIn(torch.nn.Module):
         return self.weight.device
 
     def forward(self, input_ids, **kw):
+        kinds = {"input_ids": torch.long, "position_ids": torch.long, "attention_mask": torch.long,
+                 "mm_token_type_ids": torch.int32}  # as the model's own processor gives them
+        assert all(v.dtype == kinds[k] for k, v in {"input_ids": input_ids, **kw}.items() if k in kinds)
         self.calls.append({"input_ids": input_ids.tolist(), "training": self.training,
                            **{k: v.tolist() if torch.is_tensor(v) else v for k, v in kw.items()}})
         if len(self.calls) == self.fail_at:
@@ -363,3 +367,21 @@ def test_sampling_runs_in_eval_mode_and_puts_back_the_mode_even_when_a_forward_f
     with pytest.raises(RuntimeError, match="the forward failed"):
         rv.generate_with_images(model, [[5, 1]], 2, Sampling(max_new_tokens=3), eos=[-1], seed=0)
     assert model.training
+
+
+def test_the_loop_ends_at_the_step_the_last_row_says_eos_and_each_row_is_cut_at_its_own(monkeypatch):
+    """A scripted sampler: row r says EOS at step r, the others 1. Rows that said EOS earlier count as done."""
+    _family(monkeypatch, "stand_in_3d", 3, "mm_token_type_ids", start=20)
+    model = _StandIn("stand_in_3d")
+    steps = []
+
+    def pick(logits, **kw):
+        steps.append(len(steps))
+        return torch.tensor([0 if r == steps[-1] else 1 for r in range(3)])
+
+    monkeypatch.setattr(rv, "sample_tokens", pick)
+    out = rv.generate_with_images(model, [[5, 1]], 3, Sampling(max_new_tokens=8), eos=[0], seed=0)
+    assert out.ids == [[[0], [1, 0], [1, 1, 0]]] and out.truncated == [[False] * 3]
+    assert steps == [0, 1, 2] and len(model.calls) == 3
+    for r, lp in zip(out.ids[0], out.logprobs[0]):
+        torch.testing.assert_close(lp, _reference([5, 1], r, 20))
