@@ -32,3 +32,30 @@ def test_the_expected_lines_are_left_out_and_the_rest_kept():
         for log in (renderer, reload):
             log.removeHandler(handler)
     assert seen == ["LlamaAttention: Failed to load weights", "something else"]
+
+
+def test_the_filters_sit_on_the_loggers_of_vllms_renderer_and_layerwise_reload_and_keep_the_others_own():
+    """The loggers vLLM 0.32's modules log these lines on, by name (`SOURCES` is what is filtered), each given one
+    filter of ours next to a filter of its own."""
+    from grpo.rollout.vllm_log import ExpectedLines
+
+    class Own(logging.Filter):
+        pass
+
+    renderer = logging.getLogger("vllm.renderers.base")
+    own = Own()
+    renderer.addFilter(own)
+    try:
+        quiet_expected()
+        quiet_expected()
+        names = ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise")
+        assert [sum(isinstance(f, ExpectedLines) for f in logging.getLogger(n).filters) for n in names] == [1, 1]
+        assert own in renderer.filters
+    finally:
+        renderer.removeFilter(own)
+    record = logging.LogRecord("vllm.renderers.base", logging.WARNING, __file__, 1, "fine: %s", ("x",), None)
+    assert ExpectedLines().filter(record) is True
+    for text in ("Chat template warmup failed", "Using None for BOS token id because tokenizer is not initialized",
+                 "RotaryEmbedding: Failed to load weights"):
+        record = logging.LogRecord("vllm.renderers.base", logging.WARNING, __file__, 1, "%s", (text,), None)
+        assert ExpectedLines().filter(record) is False
