@@ -241,13 +241,14 @@ def test_the_line_heads_with_accuracy_else_the_reward_mean_and_lists_the_at_k_me
 
 def test_evaluate_names_each_sets_metrics_and_skips_an_empty_held_out_split(monkeypatch):
     asked = []
-    monkeypatch.setattr(ev, "evaluate_rows", lambda run, rows, label, name: asked.append((rows, label, name)) or {
+    monkeypatch.setattr(ev, "evaluate_rows", lambda r, rows, label, name: asked.append((r, rows, label, name)) or {
         "acc": len(rows)})
     run = _run([], sets={"a": [1], "b": [1, 2]})
     assert ev.evaluate(run, "before") == {"a/acc": 1, "b/acc": 2}
     run.splits.eval = [7, 8, 9]
     assert ev.evaluate(run, "after") == {"acc": 3, "a/acc": 1, "b/acc": 2}
-    assert asked[2] == ([7, 8, 9], "after", "held-out")
+    assert asked == [(run, [1], "before", "a"), (run, [1, 2], "before", "b"), (run, [7, 8, 9], "after", "held-out"),
+                     (run, [1], "after", "a"), (run, [1, 2], "after", "b")]
 
 
 def test_a_turn_loop_runs_the_padded_prompts_and_scores_the_shards_episodes(scored, monkeypatch):
