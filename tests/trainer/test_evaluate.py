@@ -129,9 +129,10 @@ def _run(rows, rank=0, world_size=1, sampling=None, n=1, sets=None, rewards=("ac
                         correct_reward=None, **evaluation)
     return SimpleNamespace(settings=SimpleNamespace(evaluation=s), runtime=Runtime(rank, world_size),
                            eval_backend=Backend(), splits=SimpleNamespace(eval=rows, sets=sets or {}),
-                           sampler=SimpleNamespace(turn_loop=None, rewards=[SimpleNamespace(name=r, spec=r, kwargs={})
-                                                                            for r in rewards]),
-                           tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: f"{ids[0]}"))
+                           sampler=SimpleNamespace(turn_loop=None, rewards=[
+                               SimpleNamespace(name=r, spec=r, kwargs={"mark": "!"}) for r in rewards]),
+                           tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: f"{ids[0]}" + (
+                               "" if skip_special_tokens is True else "<eos>")))
 
 
 @pytest.fixture
@@ -196,15 +197,16 @@ def test_sampled_evaluation_is_seeded_per_set_and_rank_and_averages_every_ranks_
         return {"pass@1": got[0], "maj@1": float(len(answers or []))}
 
     monkeypatch.setattr(ev, "prompt_metrics", prompt_metrics)
-    monkeypatch.setattr(ev, "vote_key", lambda spec, kwargs: spec == "accuracy" and (lambda text: f"<{text}>"))
+    monkeypatch.setattr(ev, "vote_key", lambda spec, kwargs: spec == "accuracy" and (
+        lambda text: f"<{text}{kwargs['mark']}>"))
     rows = _rows(6)
     sampling = Sampling(6, temperature=0.5)
     run = _run(rows, rank=1, world_size=2, sampling=sampling, n=2)
     out = ev.evaluate_rows(run, rows, "after", "mine")
     (_, prompts, n, got_sampling, seed), = run.eval_backend.asked
     assert (prompts, n, got_sampling, seed) == ([[1], [3], [5]], 2, sampling, ev.set_seed(7, 1, "mine"))
-    assert asked == [([0.0, 0.0], ["<1>", "<1>"], [1, 2], 0.5), ([1.0, 1.0], ["<3>", "<3>"], [1, 2], 0.5),
-                     ([0.0, 0.0], ["<5>", "<5>"], [1, 2], 0.5)]
+    assert asked == [([0.0, 0.0], ["<1!>", "<1!>"], [1, 2], 0.5), ([1.0, 1.0], ["<3!>", "<3!>"], [1, 2], 0.5),
+                     ([0.0, 0.0], ["<5!>", "<5!>"], [1, 2], 0.5)]
     assert run.runtime.reduced[-1] == {"prompts": 3.0, "pass@1": 1.0, "maj@1": 6.0}
     assert out["pass@1"] == 1 / 3 and out["maj@1"] == 2.0 and "prompts" not in out
     asked.clear()
@@ -292,3 +294,27 @@ def test_a_turn_loop_runs_the_padded_prompts_and_scores_the_shards_episodes(scor
     run.sampler.turn_loop = Loop
     ev.evaluate_rows(run, rows, "before", "held-out")
     assert made[0][1](2) == ev.set_seed(7, 0, "held-out") + 2
+
+
+def test_check_sets_reads_each_set_and_refuses_one_without_the_answer_a_reward_reads(monkeypatch):
+    read = []
+    tables = {"a": [{"q": 1, "answer": 2}], "b": [{"question": 1, "solution": 2}]}
+    monkeypatch.setattr(ev.data, "set_rows", lambda spec, dcfg: read.append((spec["name"], dcfg)) or
+                        tables[spec["name"]])
+    monkeypatch.setattr(ev.data, "set_source", lambda spec, dcfg: SimpleNamespace(answer_column=spec.get("col",
+                                                                                                       "answer")))
+
+    def reads(prompts, completions, answer):
+        return []
+
+    def fmt(prompts, completions):
+        return []
+
+    rewards = [SimpleNamespace(name="format", fn=fmt), SimpleNamespace(name="accuracy", fn=reads)]
+    ev.check_sets([{"name": "a"}, {"name": "b", "col": "solution"}], "data section", rewards)
+    assert read == [("a", "data section"), ("b", "data section")]
+    with pytest.raises(ev.DataError) as e:
+        ev.check_sets([{"name": "a"}, {"name": "b"}], "data section", rewards + [SimpleNamespace(name="x", fn=reads)])
+    assert str(e.value) == ("evaluation.sets b: no answer column 'answer' (answer_column), which reward 'accuracy' "
+                            "reads; its columns are: question, solution")
+    ev.check_sets([{"name": "b"}], "data section", rewards[:1])  # no reward reads the answer
