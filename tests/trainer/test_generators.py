@@ -212,12 +212,13 @@ def test_the_process_side_samples_then_takes_the_behaviour_log_probs_of_its_poli
 
 
 def test_build_process_side_loads_its_own_tokenizer_policy_and_sampler_on_the_ranks_runtime(monkeypatch):
-    asked = []
+    asked, made = [], []
     model = torch.nn.Linear(2, 2).eval()
 
     class Runtime:
         def __init__(self, device, rank, world_size):
             asked.append(("runtime", device, rank, world_size))
+            made.append(self)
 
         def setup(self, m, optimizer, scheduler):
             asked.append(("setup", m, optimizer, scheduler))
@@ -229,12 +230,15 @@ def test_build_process_side_loads_its_own_tokenizer_policy_and_sampler_on_the_ra
                         or model)
     monkeypatch.setattr(generators, "LocalRuntime", Runtime)
     monkeypatch.setattr(generators, "build_sampler", lambda *a, **kw: asked.append(("sampler", a[0], a[2:], kw))
+                        or runtimes.append(a[1])
                         or "its sampler")
     settings = SimpleNamespace(seed=5, sampler="sampler settings", collect=None)
     mcfg = SimpleNamespace(name_or_path="tiny")
     spec = generators.ProcessSpec(settings, mcfg, "tools", ["row"], {"pos": 1}, threads=3, rank=1, world_size=2,
                                   device="cuda:1")
+    runtimes = []
     side = generators.build_process_side(spec)
+    assert runtimes == made and len(made) == 1  # the sampler's runtime is this rank's own
     rt = asked[2]
     assert asked == [("threads", 3), ("tokenizer", "tiny"), rt, ("model", mcfg, 11, 5), ("setup", model, None, None),
                      ("sampler", "sampler settings", ("x" * 11, ["row"], "tools"), {"prompts_state": {"pos": 1},
@@ -252,13 +256,13 @@ def test_process_generator_hands_the_ranks_spec_to_a_generator_process(monkeypat
     made = []
     monkeypatch.setattr(generators, "GeneratorProcess", lambda build, spec, name: made.append((build, spec, name)))
     monkeypatch.setattr(generators.torch, "get_num_threads", lambda: 6)
-    run = SimpleNamespace(runtime=SimpleNamespace(rank=3, world_size=4, device=torch.device("cpu")),
+    run = SimpleNamespace(runtime=SimpleNamespace(rank=3, world_size=4, device=torch.device("cuda", 3)),
                           settings="settings", toolset="tools", splits=SimpleNamespace(train=["r"]),
                           sampler=SimpleNamespace(prompts=SimpleNamespace(state_dict=lambda: {"pos": 9})))
     generators.process_generator(run, "model section")
     (build, spec, name), = made
     assert build is generators.build_process_side and name == "grpo-generator-3"
-    assert spec == generators.ProcessSpec("settings", "model section", "tools", ["r"], {"pos": 9}, 6, 3, 4, "cpu")
+    assert spec == generators.ProcessSpec("settings", "model section", "tools", ["r"], {"pos": 9}, 6, 3, 4, "cuda:3")
 
 
 def test_the_server_generator_builds_its_own_sampler_on_the_thread_view_and_checks_the_versions(monkeypatch):
