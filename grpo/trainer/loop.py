@@ -80,7 +80,7 @@ def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSi
     # 1. experience: rollout -> rewards -> advantages -> old/ref log-probs (every mu steps; else the buffer's)
     if state.buffer is None or (step - 1) % mu == 0:
         state.buffer = batches.batch(step)
-        _count_reward_failures(state, run, cfg)  # counted here, the stop is after this step is logged
+        _count_reward_failures(state, run)  # counted here, the stop is after this step is logged
     batch, t1 = state.buffer, time.time()
     # 2. one optimizer step on it
     stats = policy_update(run.runtime, batch, run.settings.update)
@@ -91,7 +91,7 @@ def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSi
     metrics = {"step": step, **batch.stats, **stats, "skipped_steps": state.skipped_steps,
                "lr": lr, "step_time_s": time.time() - t0,
                "time/experience_s": t1 - t0, "time/update_s": time.time() - t1}
-    metrics.setdefault("kl", batch.stats.get("kl"))  # None with beta = 0: there is no reference
+    metrics.setdefault("kl", None)  # logged even where the batch has none (beta = 0: there is no reference)
     metrics.update(watch.step(step, metrics))  # an alarm that fires or clears: one line; alarm/<name> logged
     if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.max_steps:
         metrics.update({f"eval/{k}": v for k, v in evaluate(run, f"step {step}").items()})
@@ -135,7 +135,7 @@ def _eval_before(run: Run, cfg: Config, log: logger.MetricsLogger, start: int) -
     return before
 
 
-def _count_reward_failures(state: LoopState, run: Run, cfg: Config) -> None:
+def _count_reward_failures(state: LoopState, run: Run) -> None:
     """Per function, the training rollouts in a row in which it scored no sample (it raised, timed out, returned
     None or a non-finite value on every one), counted over every rank on the first rollout round. The held-out
     evaluation does not count."""

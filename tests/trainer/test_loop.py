@@ -114,7 +114,7 @@ def _cfg(tmp_path, **sections):
 def world(monkeypatch, tmp_path):
     """The loop's collaborators replaced; ``w.events`` is what they were asked, in order."""
     events = Events()
-    w = SimpleNamespace(events=events, updates=[], clock=iter(range(0, 10_000, 2)), state=LoopState(), stats={},
+    w = SimpleNamespace(events=events, updates=[], clock=iter(range(100, 10_000, 2)), state=LoopState(), stats={},
                         defaults={"reward/acc": 1.0, "reward/acc_errors": 0},
                         update_stats={}, evals={}, log=None, watch=Watch(events), lr=[0.5])
     w.run = SimpleNamespace(runtime=Runtime(events), settings=SimpleNamespace(update="update settings",
@@ -140,6 +140,7 @@ def world(monkeypatch, tmp_path):
         return w.log
 
     def restore(run, cfg):
+        w.cfg = cfg
         return w.state
 
     monkeypatch.setattr(loop, "time", SimpleNamespace(time=lambda: float(next(w.clock))))
@@ -147,8 +148,16 @@ def world(monkeypatch, tmp_path):
     monkeypatch.setattr(loop, "evaluate", evaluate)
     monkeypatch.setattr(loop, "restore", restore)
     monkeypatch.setattr(loop, "abandon_after", lambda run, cfg, log, start: events("abandon_after", start))
-    monkeypatch.setattr(loop, "save_checkpoint", lambda run, state, cfg: events("save", state.step, state.in_flight))
-    monkeypatch.setattr(loop, "save_final", lambda run, cfg: events("final"))
+    def save_checkpoint(run, state, cfg):
+        assert run is w.run and cfg is w.cfg and state is w.state
+        events("save", state.step, state.in_flight)
+
+    def save_final(run, cfg):
+        assert run is w.run and cfg is w.cfg
+        events("final")
+
+    monkeypatch.setattr(loop, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(loop, "save_final", save_final)
     monkeypatch.setattr(loop.pipeline, "batches", lambda run, cfg, state: Batches(events, w.stats, w.defaults))
     monkeypatch.setattr(loop.logger, "MetricsLogger", logger_)
     monkeypatch.setattr(loop.logger, "read_metrics", lambda path: [{"reward_mean": 0.5}, {"x": 1}, {"reward_mean": 1}])
@@ -156,8 +165,10 @@ def world(monkeypatch, tmp_path):
     monkeypatch.setattr(loop.logger, "plot_curves", lambda rows, path: events("plot", rows, path))
     monkeypatch.setattr(loop, "Watch", lambda cfg, log, is_main: w.watch)
     monkeypatch.setattr(loop, "StepClock", lambda start, n: SimpleNamespace(line=lambda k: f"{k}/{n} from {start}"))
-    monkeypatch.setattr(loop.experience, "sample_rows", lambda sampler, batch, n: [("rows", batch.step, n)])
-    monkeypatch.setattr(loop.experience, "completion_rows", lambda sampler, batch: [("table", batch.step)])
+    monkeypatch.setattr(loop.experience, "sample_rows", lambda sampler, batch, n: [("rows", batch.step, n)] * (
+        sampler is w.run.sampler))
+    monkeypatch.setattr(loop.experience, "completion_rows", lambda sampler, batch: [("table", batch.step)] * (
+        sampler is w.run.sampler))
     monkeypatch.setattr(loop.registry, "capabilities", lambda name: SimpleNamespace(remote=name == "server"))
     return w
 
@@ -281,6 +292,19 @@ def test_a_resumed_run_goes_on_from_its_step_with_its_buffer_and_the_before_it_l
         ("logger", str(tmp_path), True, True), ("abandon_after", 3), ("logged_eval", 0), ("update", 3),
         ("batch", 5), ("update", 5), ("evaluate", "after")]
     assert [r["step"] for r in world.log.rows] == [4, 5, 5]
+
+
+@pytest.mark.parametrize(("step", "stored", "sampled"), [(3, True, [4]), (1, False, [2, 4])])
+def test_a_resume_samples_at_each_round_of_num_iterations_and_whenever_it_has_no_batch(world, tmp_path, step, stored,
+                                                                                        sampled):
+    """num_iterations 3 (rounds start at steps 1, 4, 7): a batch stored at step 3 (a checkpoint of a run with other
+    num_iterations) is not trained on at step 4, a new round; a run resumed mid-round without a batch samples one."""
+    cfg = _cfg(tmp_path, trainer={"max_steps": 6}, algorithm={"num_iterations": 3})
+    world.state = LoopState(step=step, buffer=SimpleNamespace(step=0, stats={}) if stored else None)
+    loop._train(world.run, cfg, Signals())
+    assert [e[1] for e in _of(world.events, "batch")] == sampled
+    trained_on = [max(s for s in sampled if s <= k) for k in range(step + 1, 7)]  # the newest batch sampled
+    assert [e[1] for e in _of(world.events, "update")] == trained_on
 
 
 def test_a_fresh_run_with_an_empty_buffer_samples_every_step_with_one_iteration(world, tmp_path):
@@ -411,7 +435,7 @@ def done(world, monkeypatch, tmp_path):
 
 
 def test_resumed_at_max_steps_with_later_steps_keeps_them_and_trains_nothing(done, tmp_path, capsys):
-    done.later = ["checkpoint-4", "checkpoint-6"]
+    done.later = ["checkpoint-4", "checkpoint-5", "checkpoint-6"]
     cfg = _cfg(tmp_path)
     assert loop._train(done.run, cfg, Signals()) == {"steps": 3, "resumed": True}
     assert done.events[1:] == [("later_than", str(tmp_path), 3), ("finish",)]
