@@ -4,6 +4,7 @@ records what it was asked, in one list of events, so the tests read what the loo
 from __future__ import annotations
 
 import contextlib
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
@@ -135,11 +136,13 @@ def world(monkeypatch, tmp_path):
         return dict(w.evals.get(label, {"accuracy": 0.5}))
 
     def logger_(output_dir, cfg_dict, wandb, enabled=True, resumed=False):
+        assert cfg_dict == asdict(w.cfg) and wandb is w.cfg.logging.wandb
         events("logger", output_dir, enabled, resumed)
         w.log = Log(events, {"accuracy": 0.125})
         return w.log
 
     def restore(run, cfg):
+        assert run is w.run and isinstance(cfg, Config)
         w.cfg = cfg
         return w.state
 
@@ -147,7 +150,11 @@ def world(monkeypatch, tmp_path):
     monkeypatch.setattr(loop, "policy_update", update)
     monkeypatch.setattr(loop, "evaluate", evaluate)
     monkeypatch.setattr(loop, "restore", restore)
-    monkeypatch.setattr(loop, "abandon_after", lambda run, cfg, log, start: events("abandon_after", start))
+    def abandon_after(run, cfg, log, start):
+        assert run is w.run and cfg is w.cfg and log is w.log
+        events("abandon_after", start)
+
+    monkeypatch.setattr(loop, "abandon_after", abandon_after)
     def save_checkpoint(run, state, cfg):
         assert run is w.run and cfg is w.cfg and state is w.state
         events("save", state.step, state.in_flight)
@@ -160,7 +167,8 @@ def world(monkeypatch, tmp_path):
     monkeypatch.setattr(loop, "save_final", save_final)
     monkeypatch.setattr(loop.pipeline, "batches", lambda run, cfg, state: Batches(events, w.stats, w.defaults))
     monkeypatch.setattr(loop.logger, "MetricsLogger", logger_)
-    monkeypatch.setattr(loop.logger, "read_metrics", lambda path: [{"reward_mean": 0.5}, {"x": 1}, {"reward_mean": 1}])
+    monkeypatch.setattr(loop.logger, "read_metrics", lambda path: [{"reward_mean": 0.5}, {"x": 1}, {"reward_mean": 1}]
+                        * (path == "metrics.jsonl"))
     monkeypatch.setattr(loop.logger, "ascii_curve", lambda values, label: f"curve {values} {label}")
     monkeypatch.setattr(loop.logger, "plot_curves", lambda rows, path: events("plot", rows, path))
     monkeypatch.setattr(loop, "Watch", lambda cfg, log, is_main: w.watch)
@@ -413,6 +421,14 @@ def test_without_a_first_failure_the_reason_is_failed(world, tmp_path, monkeypat
         loop._train(world.run, cfg, Signals())
 
 
+def test_a_resume_mid_round_without_failure_counts_has_no_failure(world, tmp_path):
+    """A checkpoint holding a batch but no counts (one written before a function was added): none failed yet."""
+    cfg = _failing(world, tmp_path, {}, max_failed=1)
+    cfg.algorithm.num_iterations = 2
+    world.state = LoopState(step=1, buffer=SimpleNamespace(step=1, stats={}))
+    assert loop._train(world.run, cfg, Signals())["steps"] == 5
+
+
 def test_failures_are_counted_on_the_rollout_rounds_only(world, tmp_path):
     """num_iterations 2: steps 1 and 3 sample; a batch reused at step 2 is not a second failed rollout."""
     cfg = _failing(world, tmp_path, {1: 0, 3: 0}, max_failed=3)
@@ -481,7 +497,25 @@ def test_a_missing_final_is_saved_from_the_last_checkpoint(done, tmp_path, capsy
 
 def test_a_fresh_run_of_zero_steps_is_not_already_done(world, tmp_path):
     out = loop._train(world.run, _cfg(tmp_path, trainer={"max_steps": 0}), Signals())
-    assert out["steps"] == 0 and _of(world.events, "final") == [("final",)] and not _of(world.events, "batch")
+    assert out == {"steps": 0, "eval_before": {"accuracy": 0.5}, "eval_after": {"accuracy": 0.5}}
+    assert _of(world.events, "final", "batch", "evaluate") == [("evaluate", "before"), ("evaluate", "after"),
+                                                                ("final",)]
+
+
+def test_a_run_resumed_after_its_first_step_is_a_resume(world, tmp_path, monkeypatch):
+    """Step 1 is a checkpoint like any other: the logger resumes, the later steps go, the before is the logged one;
+    at trainer.max_steps=1 there is nothing to do."""
+    world.state = LoopState(step=1)
+    out = loop._train(world.run, _cfg(tmp_path, trainer={"max_steps": 2}), Signals())
+    assert out["eval_before"] == {"accuracy": 0.125}
+    assert _of(world.events, "logger", "abandon_after", "logged_eval", "batch") == [
+        ("logger", str(tmp_path), True, True), ("abandon_after", 1), ("logged_eval", 0), ("batch", 2)]
+    world.events.clear()
+    world.state = LoopState(step=1)
+    monkeypatch.setattr(loop.checkpoint, "later_than", lambda d, start: [])
+    monkeypatch.setattr(loop.checkpoint, "final_damage", lambda d: None)
+    assert loop._train(world.run, _cfg(tmp_path, trainer={"max_steps": 1}), Signals()) == {"steps": 1, "resumed": True}
+    assert not _of(world.events, "batch", "evaluate", "abandon_after")
 
 
 def test_saved_names_the_last_complete_checkpoint(tmp_path, monkeypatch):
