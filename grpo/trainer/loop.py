@@ -59,7 +59,7 @@ def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
         abandon_after(run, cfg, log, start)
     _say(run, _summary_line(run, cfg))
     signals.step = start + 1
-    summary = {"eval_before": _eval_before(run, cfg, log, start)}
+    summary = {"eval_before": _eval_before(run, log, start)}
     batches = pipeline.batches(run, cfg, state)  # the batch for step t: collected now, or sampled ahead (K > 0)
     watch = Watch(cfg, log, run.runtime.is_main)  # the alarms (alarms.*) over every step's metrics
     clock = StepClock(start, cfg.trainer.max_steps)  # the console's step k/N [elapsed<remaining]
@@ -125,7 +125,7 @@ def _save(run: Run, state: LoopState, cfg: Config, batches) -> None:
     save_checkpoint(run, state, cfg)
 
 
-def _eval_before(run: Run, cfg: Config, log: logger.MetricsLogger, start: int) -> dict:
+def _eval_before(run: Run, log: logger.MetricsLogger, start: int) -> dict:
     """Step 0's held-out evaluation; a resumed run's "before" is the one it logged when it started."""
     if start > 0:
         return log.logged_eval(0)

@@ -135,13 +135,22 @@ def _run(rows, rank=0, world_size=1, sampling=None, n=1, sets=None, rewards=("ac
                                "" if skip_special_tokens is True else "<eos>")))
 
 
+class Calls(list):
+    samplers: list
+
+    def __init__(self):
+        super().__init__()
+        self.samplers = []
+
+
 @pytest.fixture
 def scored(monkeypatch):
     """score_groups and score_stats as stand-ins: what was scored, and the sums' stats as they were reduced."""
-    got = []
+    got = Calls()
 
     def score_groups(sampler, rows, comps, trunc, extra):
         got.append((rows, comps, trunc, extra))
+        got.samplers.append(sampler)
         n = sum(len(g) for g in comps)
         scores = [{"accuracy": float(g[0][0] % 3 == 0), "format": 1.0} for g in comps for _ in g]
         return None, scores, {"n": float(n), "len": 2.0 * n}
@@ -163,7 +172,8 @@ def test_each_rank_decodes_its_share_padded_to_the_longest_and_scores_only_its_o
     (desc, prompts, n, sampling, seed), = run.eval_backend.asked
     assert (desc, prompts, n, sampling, seed) == ("eval before", [[1], [3], [3]], 1, Sampling(5, greedy=True), None)
     (shard, comps, trunc, extra), = scored
-    assert shard == [rows[1], rows[3]] and comps == [[[1, 9]], [[3, 9]]] and trunc == [[True], [True]] and not extra
+    assert shard == [rows[1], rows[3]] and comps == [[[1, 9]], [[3, 9]]] and trunc == [[True], [True]]
+    assert extra is None and scored.samplers == [run.sampler]  # no turn loop: no per-sample columns of episodes
     assert run.runtime.reduced == [{"n": 2.0, "len": 4.0}]
     assert out == {"reward_mean": 4.0, "completion_len_mean": 8.0, "accuracy": 0.25, "format": None}
     assert capsys.readouterr().err == ""  # rank 1 says nothing
@@ -318,3 +328,15 @@ def test_check_sets_reads_each_set_and_refuses_one_without_the_answer_a_reward_r
     assert str(e.value) == ("evaluation.sets b: no answer column 'answer' (answer_column), which reward 'accuracy' "
                             "reads; its columns are: question, solution")
     ev.check_sets([{"name": "b"}], "data section", rewards[:1])  # no reward reads the answer
+
+
+def test_each_line_is_flushed_at_once(scored, monkeypatch):
+    """The console is the run's log (`logger.run_log` tees it into train.log): each line is written through."""
+    calls = []
+    monkeypatch.setattr(ev.sys, "stderr", SimpleNamespace(write=lambda t: calls.append(t), flush=lambda: calls.append(
+        "flush")))
+    rows = _rows(2)
+    ev.evaluate_rows(_run(rows), rows, "before", "held-out")
+    lines = "".join(c for c in calls if c != "flush").splitlines()
+    assert len(lines) == 2 and calls.count("flush") == 2 and calls[-1] == "flush"
+    assert calls[calls.index("flush") - 1] == "\n"  # the first line flushed before the evaluation's result

@@ -117,7 +117,7 @@ def world(monkeypatch, tmp_path):
     events = Events()
     w = SimpleNamespace(events=events, updates=[], clock=iter(range(100, 10_000, 2)), state=LoopState(), stats={},
                         defaults={"reward/acc": 1.0, "reward/acc_errors": 0},
-                        update_stats={}, evals={}, log=None, watch=Watch(events), lr=[0.5])
+                        update_stats={}, evals={}, log=None, eval_steps=[], signals=None, watch=Watch(events), lr=[0.5])
     w.run = SimpleNamespace(runtime=Runtime(events), settings=SimpleNamespace(update="update settings",
                                                                               sampler=SimpleNamespace(backend="hf")),
                             scheduler=SimpleNamespace(get_last_lr=lambda: list(w.lr)),
@@ -133,6 +133,7 @@ def world(monkeypatch, tmp_path):
     def evaluate(run, label):
         assert run is w.run
         events("evaluate", label)
+        w.eval_steps.append(w.signals and w.signals.step)
         return dict(w.evals.get(label, {"accuracy": 0.5}))
 
     def logger_(output_dir, cfg_dict, wandb, enabled=True, resumed=False):
@@ -165,13 +166,21 @@ def world(monkeypatch, tmp_path):
 
     monkeypatch.setattr(loop, "save_checkpoint", save_checkpoint)
     monkeypatch.setattr(loop, "save_final", save_final)
-    monkeypatch.setattr(loop.pipeline, "batches", lambda run, cfg, state: Batches(events, w.stats, w.defaults))
+    def batches(run, cfg, state):
+        assert run is w.run and cfg is w.cfg and state is w.state
+        return Batches(events, w.stats, w.defaults)
+
+    def watch(cfg, log, is_main):
+        assert cfg is w.cfg and log is w.log and is_main is w.run.runtime.is_main
+        return w.watch
+
+    monkeypatch.setattr(loop.pipeline, "batches", batches)
     monkeypatch.setattr(loop.logger, "MetricsLogger", logger_)
     monkeypatch.setattr(loop.logger, "read_metrics", lambda path: [{"reward_mean": 0.5}, {"x": 1}, {"reward_mean": 1}]
                         * (path == "metrics.jsonl"))
     monkeypatch.setattr(loop.logger, "ascii_curve", lambda values, label: f"curve {values} {label}")
     monkeypatch.setattr(loop.logger, "plot_curves", lambda rows, path: events("plot", rows, path))
-    monkeypatch.setattr(loop, "Watch", lambda cfg, log, is_main: w.watch)
+    monkeypatch.setattr(loop, "Watch", watch)
     monkeypatch.setattr(loop, "StepClock", lambda start, n: SimpleNamespace(line=lambda k: f"{k}/{n} from {start}"))
     monkeypatch.setattr(loop.experience, "sample_rows", lambda sampler, batch, n: [("rows", batch.step, n)] * (
         sampler is w.run.sampler))
@@ -190,7 +199,7 @@ def test_a_fresh_run_trains_each_step_then_evaluates_saves_and_reports(world, tm
     evaluation is), the console every 2 steps, samples every 3, a checkpoint every 3 and at the end."""
     cfg = _cfg(tmp_path, trainer={"max_steps": 4, "eval_every": 2, "save_every": 3},
                algorithm={"num_iterations": 2}, logging={"log_every": 2, "sample_every": 3, "num_samples": 5})
-    signals = Signals()
+    signals = world.signals = Signals()
     world.evals = {"after": {"accuracy": 0.75}}
     out = loop._train(world.run, cfg, signals)
     assert out == {"steps": 4, "eval_before": {"accuracy": 0.5}, "eval_after": {"accuracy": 0.75}}
@@ -209,6 +218,7 @@ def test_a_fresh_run_trains_each_step_then_evaluates_saves_and_reports(world, tm
     assert rows[0] == {"step": 0, "eval/accuracy": 0.5} and rows[-1] == {"step": 4, "eval/accuracy": 0.75}
     assert rows[2]["eval/accuracy"] == 0.5 and "eval/accuracy" not in rows[1] and "eval/accuracy" not in rows[4]
     assert signals.step == 4 and signals.saved_step == 3 and world.state.step == 4 and world.state.buffer is None
+    assert world.eval_steps == [1, 2, 4]  # a signal in the before evaluation stops after step 1: none is done yet
     assert world.run.runtime.asked == [False] * 4
     err = capsys.readouterr().err
     assert err.startswith("[grpo] tiny: 3 train / 2 held-out prompts, ")
@@ -236,6 +246,7 @@ def test_each_steps_metrics_are_the_batchs_the_updates_the_counters_and_the_time
 
 def test_bad_steps_in_a_row_are_counted_an_empty_batch_leaves_the_count_and_a_good_one_resets_it(world, tmp_path):
     state = world.state
+    world.run.runtime.is_main = "main?"  # the alarms are the main rank's: Watch is told which
     cfg = _cfg(tmp_path, trainer={"max_steps": 6, "max_bad_steps": 3})
     world.update_stats = {1: {"skipped": True}, 2: {"skipped": True, "empty_batch": True}, 3: {"skipped": True},
                           4: {}, 5: {"skipped": True}, 6: {"empty_batch": True}}
@@ -579,3 +590,15 @@ def test_fit_closes_the_run_when_training_fails(world, tmp_path, monkeypatch):
     with pytest.raises(SetupError):
         loop.fit(_cfg(tmp_path, trainer={"max_steps": 2, "max_bad_steps": 1}))
     assert world.events[-1] == ("run closed",)
+
+
+def test_a_line_is_flushed_at_once(world, monkeypatch):
+    """The console is the run's log (`logger.run_log` tees it into train.log): each line is written through."""
+    calls = []
+    monkeypatch.setattr(loop.sys, "stderr", SimpleNamespace(write=lambda t: calls.append(t), flush=lambda: calls.append(
+        "flush")))
+    loop._say(world.run, "saved")
+    assert calls[-1] == "flush" and "".join(calls[:-1]) == "[grpo] saved\n"
+    world.run.runtime.is_main = False
+    loop._say(world.run, "not said")
+    assert len(calls) == 3
