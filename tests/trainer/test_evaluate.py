@@ -311,8 +311,12 @@ def test_check_sets_reads_each_set_and_refuses_one_without_the_answer_a_reward_r
     tables = {"a": [{"q": 1, "answer": 2}], "b": [{"question": 1, "solution": 2}]}
     monkeypatch.setattr(ev.data, "set_rows", lambda spec, dcfg: read.append((spec["name"], dcfg)) or
                         tables[spec["name"]])
-    monkeypatch.setattr(ev.data, "set_source", lambda spec, dcfg: SimpleNamespace(answer_column=spec.get("col",
-                                                                                                       "answer")))
+
+    def set_source(spec, dcfg):
+        assert dcfg == "data section"
+        return SimpleNamespace(answer_column=spec.get("col", "answer"))
+
+    monkeypatch.setattr(ev.data, "set_source", set_source)
 
     def reads(prompts, completions, answer):
         return []
