@@ -59,7 +59,7 @@ def _train(run: Run, cfg: Config, signals: StopSignals) -> dict:
         abandon_after(run, cfg, log, start)
     _say(run, _summary_line(run, cfg))
     signals.step = start + 1
-    summary = {"eval_before": _eval_before(run, cfg, log, start)}
+    summary = {"eval_before": _eval_before(run, log, start)}
     batches = pipeline.batches(run, cfg, state)  # the batch for step t: collected now, or sampled ahead (K > 0)
     watch = Watch(cfg, log, run.runtime.is_main)  # the alarms (alarms.*) over every step's metrics
     clock = StepClock(start, cfg.trainer.max_steps)  # the console's step k/N [elapsed<remaining]
@@ -80,7 +80,7 @@ def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSi
     # 1. experience: rollout -> rewards -> advantages -> old/ref log-probs (every mu steps; else the buffer's)
     if state.buffer is None or (step - 1) % mu == 0:
         state.buffer = batches.batch(step)
-        _count_reward_failures(state, run, cfg)  # counted here, the stop is after this step is logged
+        _count_reward_failures(state, run)  # counted here, the stop is after this step is logged
     batch, t1 = state.buffer, time.time()
     # 2. one optimizer step on it
     stats = policy_update(run.runtime, batch, run.settings.update)
@@ -91,7 +91,7 @@ def _step(run: Run, cfg: Config, state: LoopState, batches, log, signals: StopSi
     metrics = {"step": step, **batch.stats, **stats, "skipped_steps": state.skipped_steps,
                "lr": lr, "step_time_s": time.time() - t0,
                "time/experience_s": t1 - t0, "time/update_s": time.time() - t1}
-    metrics.setdefault("kl", batch.stats.get("kl"))  # None with beta = 0: there is no reference
+    metrics.setdefault("kl", None)  # logged even where the batch has none (beta = 0: there is no reference)
     metrics.update(watch.step(step, metrics))  # an alarm that fires or clears: one line; alarm/<name> logged
     if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < cfg.trainer.max_steps:
         metrics.update({f"eval/{k}": v for k, v in evaluate(run, f"step {step}").items()})
@@ -125,7 +125,7 @@ def _save(run: Run, state: LoopState, cfg: Config, batches) -> None:
     save_checkpoint(run, state, cfg)
 
 
-def _eval_before(run: Run, cfg: Config, log: logger.MetricsLogger, start: int) -> dict:
+def _eval_before(run: Run, log: logger.MetricsLogger, start: int) -> dict:
     """Step 0's held-out evaluation; a resumed run's "before" is the one it logged when it started."""
     if start > 0:
         return log.logged_eval(0)
@@ -135,7 +135,7 @@ def _eval_before(run: Run, cfg: Config, log: logger.MetricsLogger, start: int) -
     return before
 
 
-def _count_reward_failures(state: LoopState, run: Run, cfg: Config) -> None:
+def _count_reward_failures(state: LoopState, run: Run) -> None:
     """Per function, the training rollouts in a row in which it scored no sample (it raised, timed out, returned
     None or a non-finite value on every one), counted over every rank on the first rollout round. The held-out
     evaluation does not count."""

@@ -120,6 +120,9 @@ UNMUTATED_DECORATED = {
     "grpo/rollout/weights.py: as_they_are": "a context manager yielding False (full_weights of one process), "
                                             "pinned by test_lora_sync",
     "grpo/vision/images.py: ImagePrompt.ids": "a one-line property (list(self)), pinned by test_vision",
+    "grpo/trainer/run.py: Run.model": "a one-line property (the runtime's), pinned by test_run",
+    "grpo/trainer/run.py: Run.optimizer": "a one-line property (the runtime's), pinned by test_run",
+    "grpo/trainer/run.py: Run.scheduler": "a one-line property (the runtime's), pinned by test_run",
 }
 
 

@@ -167,3 +167,143 @@ def test_the_server_generator_samples_with_its_own_parts_and_the_pushed_versions
         run.close()
     assert len(killed) == 1 + episodes and servers.closed  # one shared reward worker, killed once; the tool worker
     assert len({id(r.worker) for r in mine.rewards if r.worker is not None}) == 1
+
+
+# ---- over stand-ins (no model, no run, no process): the unit tests `make mutate` selects ---------------------------
+def _side(monkeypatch, asked):
+    policy = torch.nn.Linear(2, 2)
+    prompts = SimpleNamespace(state_dict=lambda: {"pos": len(asked)})
+    sampler = SimpleNamespace(runtime="its runtime", prompts=prompts)
+    settings = SimpleNamespace(collect=SimpleNamespace(engine="its engine", sampling=SimpleNamespace(temperature=0.7)))
+
+    def sample(smp, s):
+        asked.append(("sample", smp, s))
+        return SimpleNamespace(completion_ids=[[1], [2], [3]])
+
+    monkeypatch.setattr(generators.experience, "sample", sample)
+    monkeypatch.setattr(generators, "nested_logprobs", lambda *a: asked.append(("logprobs", *a)) or "behaviour")
+    return generators.ProcessSide(sampler, policy, settings)
+
+
+def test_the_process_side_copies_each_weight_by_name_and_holds_its_version(monkeypatch):
+    side = _side(monkeypatch, [])
+    assert side.version is None and side.params == dict(side.policy.named_parameters())
+    w = torch.arange(4.0).reshape(2, 2)
+    side.load(3, {"weight": w})
+    assert side.version == 3 and torch.equal(side.policy.weight, w) and side.policy.weight.requires_grad
+    assert side.policy.weight.data_ptr() != w.data_ptr()  # copied into its own parameter
+    b = side.policy.bias.detach().clone()
+    side.load(4, {})
+    assert side.version == 4 and torch.equal(side.policy.bias, b)
+
+
+def test_the_process_side_samples_then_takes_the_behaviour_log_probs_of_its_policy(monkeypatch):
+    asked = []
+    side = _side(monkeypatch, asked)
+    side.load(2, {})
+    got = side.sample(5, 2)
+    s = side.settings.collect
+    assert asked == [("sample", side.sampler, s),
+                     ("logprobs", "its runtime", side.policy, got.batch, "its engine", 0.7)]
+    assert (got.step, got.version, got.sampler) == (5, 2, {"pos": 2})
+    assert got.batch.sampling_logps == "behaviour" and got.batch.versions == [2, 2, 2]
+    with pytest.raises(RuntimeError, match=r"^step 6 wants the weights of version 3, the generator holds 2: "):
+        side.sample(6, 3)
+
+
+def test_build_process_side_loads_its_own_tokenizer_policy_and_sampler_on_the_ranks_runtime(monkeypatch):
+    asked, made = [], []
+    model = torch.nn.Linear(2, 2).eval()
+
+    class Runtime:
+        def __init__(self, device, rank, world_size):
+            asked.append(("runtime", device, rank, world_size))
+            made.append(self)
+
+        def setup(self, m, optimizer, scheduler):
+            asked.append(("setup", m, optimizer, scheduler))
+            return m
+
+    monkeypatch.setattr(generators.torch, "set_num_threads", lambda n: asked.append(("threads", n)))
+    monkeypatch.setattr(generators, "load_tokenizer", lambda name: asked.append(("tokenizer", name)) or "x" * 11)
+    monkeypatch.setattr(generators, "load_model", lambda mcfg, vocab, seed: asked.append(("model", mcfg, vocab, seed))
+                        or model)
+    monkeypatch.setattr(generators, "LocalRuntime", Runtime)
+    monkeypatch.setattr(generators, "build_sampler", lambda *a, **kw: asked.append(("sampler", a[0], a[2:], kw))
+                        or runtimes.append(a[1])
+                        or "its sampler")
+    settings = SimpleNamespace(seed=5, sampler="sampler settings", collect=None)
+    mcfg = SimpleNamespace(name_or_path="tiny")
+    spec = generators.ProcessSpec(settings, mcfg, "tools", ["row"], {"pos": 1}, threads=3, rank=1, world_size=2,
+                                  device="cuda:1")
+    runtimes = []
+    side = generators.build_process_side(spec)
+    assert runtimes == made and len(made) == 1  # the sampler's runtime is this rank's own
+    rt = asked[2]
+    assert asked == [("threads", 3), ("tokenizer", "tiny"), rt, ("model", mcfg, 11, 5), ("setup", model, None, None),
+                     ("sampler", "sampler settings", ("x" * 11, ["row"], "tools"), {"prompts_state": {"pos": 1},
+                                                                                    "ahead": True})]
+    assert rt == ("runtime", "cuda:1", 1, 2) and side.policy is model and model.training
+    assert side.sampler == "its sampler" and side.settings is settings
+
+
+def test_a_process_spec_defaults_to_one_thread_on_rank_zero_of_one_on_the_cpu():
+    spec = generators.ProcessSpec("s", "m", None, [], {})
+    assert (spec.threads, spec.rank, spec.world_size, spec.device) == (1, 0, 1, "cpu")
+
+
+def test_process_generator_hands_the_ranks_spec_to_a_generator_process(monkeypatch):
+    made = []
+    monkeypatch.setattr(generators, "GeneratorProcess", lambda build, spec, name: made.append((build, spec, name)))
+    monkeypatch.setattr(generators.torch, "get_num_threads", lambda: 6)
+    run = SimpleNamespace(runtime=SimpleNamespace(rank=3, world_size=4, device=torch.device("cuda", 3)),
+                          settings="settings", toolset="tools", splits=SimpleNamespace(train=["r"]),
+                          sampler=SimpleNamespace(prompts=SimpleNamespace(state_dict=lambda: {"pos": 9})))
+    generators.process_generator(run, "model section")
+    (build, spec, name), = made
+    assert build is generators.build_process_side and name == "grpo-generator-3"
+    assert spec == generators.ProcessSpec("settings", "model section", "tools", ["r"], {"pos": 9}, 6, 3, 4, "cuda:3")
+
+
+def test_the_server_generator_builds_its_own_sampler_on_the_thread_view_and_checks_the_versions(monkeypatch):
+    asked = []
+    tokenizer = SimpleNamespace(vocab={"a": 1})
+    prompts = SimpleNamespace(state_dict=lambda: {"pos": len(asked)})
+    mine = SimpleNamespace(versions=set(), prompts=prompts, close="its close",
+                           backend=SimpleNamespace(ready=lambda: "connected servers"))
+
+    def build_sampler(settings, view, tok, train, toolset, prompts_state, ahead):
+        asked.append(("sampler", settings, view, tok, train, toolset, prompts_state, ahead))
+        return mine
+
+    def sample(smp, s):
+        assert smp is mine and not smp.versions, "the versions of an earlier batch are cleared"
+        asked.append(("sample", s))
+        smp.versions.update(answers.pop(0))
+        return SimpleNamespace(completion_ids=[[1], [2]], stats={"reward_mean": 1.0})
+
+    monkeypatch.setattr(generators, "build_sampler", build_sampler)
+    monkeypatch.setattr(generators.experience, "sample", sample)
+    monkeypatch.setattr(generators, "ServerGenerator", lambda backend, model, fn, full_weights, closers:
+                        SimpleNamespace(backend=backend, model=model, sample=fn, full_weights=full_weights,
+                                        closers=closers))
+    rt = SimpleNamespace(thread_view=lambda: "thread view", model="the model", full_weights="gather")
+    run = SimpleNamespace(runtime=rt, settings=SimpleNamespace(collect="collect", sampler="sampler settings"),
+                          tokenizer=tokenizer, splits=SimpleNamespace(train=["r"]), toolset="tools",
+                          sampler=SimpleNamespace(prompts=SimpleNamespace(state_dict=lambda: {"pos": -1})))
+    gen = generators.server_generator(run)
+    (_, settings, view, tok, train, toolset, state, ahead), = asked
+    assert (settings, view, train, toolset, state, ahead) == ("sampler settings", "thread view", ["r"], "tools",
+                                                              {"pos": -1}, True)
+    assert tok is not tokenizer and tok.vocab == tokenizer.vocab and tok.vocab is not tokenizer.vocab
+    assert (gen.backend, gen.model, gen.full_weights, gen.closers) == ("connected servers", "the model", "gather",
+                                                                       ["its close"])
+    answers = [{4}, {3, 4}, set()]
+    got = gen.sample(6, 4)
+    assert asked[1:] == [("sample", "collect")]
+    assert (got.step, got.version, got.sampler) == (6, 4, {"pos": 2})
+    assert got.batch.versions == [4, 4] and got.batch.stats == {"reward_mean": 1.0, "server/version_lag": 1.0}
+    with pytest.raises(RuntimeError, match=r"^the batch of step 7 was sampled with weight versions \[3, 4\], not 4: "):
+        gen.sample(7, 4)
+    with pytest.raises(RuntimeError, match=r"with weight versions \[\], not 5"):
+        gen.sample(8, 5)
