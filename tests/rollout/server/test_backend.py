@@ -221,14 +221,28 @@ def _pool(servers, **kw):
     return pool, said
 
 
+def _other_ranks(*theirs):
+    """An ``all_max`` stand-in: each collective in turn meets another rank's values (``theirs``, in order; a key not
+    there: 0); what this rank sent is kept in ``.sent``."""
+    it = iter(theirs)
+
+    def all_max(d):
+        all_max.sent.append(dict(d))
+        other = next(it, {})
+        return {k: max(v, other.get(k, 0.0)) for k, v in d.items()}
+
+    all_max.sent = []
+    return all_max
+
+
 def _stand_in(monkeypatch, servers, *, vision=None, adapters=None, weights=None, logprobs=MINE, **kw):
     """A `ServerBackend` over ``servers`` with stand-ins for what reads the model; returns it and what it said."""
     seen = {}
-    monkeypatch.setattr(sb, "vision_inputs", lambda model: vision)
+    monkeypatch.setattr(sb, "vision_inputs", lambda model: seen.setdefault("vision", model) and vision)
     monkeypatch.setattr(sb, "connect_adapters", lambda *a, **k: seen.setdefault("adapters", (a, k)) and adapters)
     monkeypatch.setattr(sb, "trainer_logprobs", lambda model, ids, device: seen.setdefault("logprobs", []).append(
         (model, list(ids), device)) or logprobs)
-    monkeypatch.setattr(sb, "hf_weights", lambda model, **k: seen.setdefault("hf", []).append(k) or iter(
+    monkeypatch.setattr(sb, "hf_weights", lambda model, **k: seen.setdefault("hf", []).append((model, k)) or iter(
         weights if weights is not None else [("w", torch.zeros(4)), ("visual.p", torch.zeros(2))]))
     pool, said = _pool(servers)
     kw = {"transfer": _Gloo(), **kw}
@@ -246,7 +260,7 @@ def test_connect_checks_each_server_joins_the_channel_and_draws_one_run_id(monke
     assert b.label(None) == "None@0000000000ff"
     assert b.urls == ["http://a", "http://c"] and b.stats() == {"server/servers_up": 2.0}
     assert b.transfer.joined == [["http://a", "http://c"]] and b.version is None and b.rejoiner is None
-    assert b.check_ids == [1, 9, 4, 9] and b.eos_ids == [2] and b.served() == "m"
+    assert b.check_ids == [1, 9, 4, 9] and b.eos_ids == [2] and b.served() == "m" and seen["vision"] == "MODEL"
     assert all(s.calls[:3] == [("up", 5.0), ("/v1/models",), ("/collective_rpc", {"method": "grpo_model_info"})]
                for s in (a, c))
     args, kw = seen["adapters"]
@@ -280,6 +294,12 @@ def test_the_gloo_flag_of_the_adapters_and_the_rejoiner_of_several_servers(monke
     assert _stand_in(monkeypatch, two, rejoin_every_s=0)[0].rejoiner is not None
 
 
+def test_the_default_tolerance_is_a_thousandth(monkeypatch):
+    assert _stand_in(monkeypatch, [_Srv("http://a", gap=9e-4)])[0].check(mine=MINE) == pytest.approx(9e-4, rel=1e-2)
+    with pytest.raises(ServerError, match="sync_check_tol=0.001"):
+        _stand_in(monkeypatch, [_Srv("http://a", gap=2e-3)])[0].check(mine=MINE)
+
+
 def test_an_image_token_is_left_out_of_the_check_sequence(monkeypatch):
     b = _stand_in(monkeypatch, [_Srv("http://a")], vision=(9, 2, "tower"))[0]
     assert b.check_ids == [1, 4] and b.vision == (9, 2, "tower")
@@ -301,6 +321,9 @@ def test_check_server_refuses_another_model_or_a_shorter_length(what):
 def test_check_server_passes_what_serves_the_run_and_returns_its_info():
     info = sb.check_server(_Srv("http://a", length=200), "m", FACTS, 200)
     assert info == {**FACTS, "max_model_len": 200}
+    served = _Srv("http://a", length=300)  # /v1/models' length is the served one, before the worker's
+    served.post = lambda path, body=None: {"results": [{**FACTS, "max_model_len": 100}]}
+    assert sb.check_server(served, "m", FACTS, 300)["max_model_len"] == 100
     srv = _Srv("http://a", length=None)
     srv.post = lambda path, body=None: {"results": [{**FACTS, "max_model_len": 300}]}
     assert sb.check_server(srv, "m", FACTS, 300)["max_model_len"] == 300  # the worker's, where /v1/models has none
@@ -323,7 +346,7 @@ def test_a_push_labels_every_server_after_the_stream_and_counts_what_went(monkey
     b.sync_weights("MODEL", 3)
     assert b.version == 3 and b.transfer.pushes == [(["w", "x"], ["http://a", "http://c"], {})]
     assert barriers == [b.transfer.pushes]  # after the push
-    assert seen["hf"] == [{}]
+    assert seen["hf"] == [("MODEL", {})]
     for s in (a, c):
         assert s.paths()[3:] == ["/reset_prefix_cache", "/update_weight_version", "/v1/completions"]
         assert s.calls[4] == ("/update_weight_version", {"new_version": b.label(3)})
@@ -387,11 +410,19 @@ def test_a_server_that_loses_its_push_or_its_label_is_dropped_on_every_rank(monk
     assert [s.url for s in b2.pool.servers] == ["http://e"]
     assert said2 == ["rollout server http://f failed its weight push on another rank: carrying on with 1 of 2 "
                      "rollout servers (http://e)"]
+    # what this rank saw itself is said as it saw it
+    g, h, i = _Srv("http://g"), _Srv("http://h"), _Srv("http://i")
+    b3, said3, _ = _stand_in(monkeypatch, [g, h, i], transfer=_Gloo(fail={"http://g": "g lost its channel"}),
+                             all_max=_other_ranks({}, {"http://h": 1.0}))
+    b3.push(iter([]), 0)
+    assert said3 == ["g lost its channel: carrying on with 2 of 3 rollout servers (http://h, http://i)",
+                     "rollout server http://h failed its weight push on another rank: carrying on with 1 of 3 "
+                     "rollout servers (http://i)"]
 
 
 def test_the_check_drops_a_server_too_far_stops_when_none_agrees_and_nan_is_the_worst(monkeypatch):
     a, c, d = _Srv("http://a", gap=1e-4), _Srv("http://c", gap=0.5), _Srv("http://d", down={"/v1/completions"})
-    b, said, _ = _stand_in(monkeypatch, [a, c, d], tol=1e-3)
+    b, said, _ = _stand_in(monkeypatch, [d, a, c], tol=1e-3)  # one down does not end the check of the next
     b.version = 4
     gap = b.check(mine=MINE)
     assert gap == pytest.approx(1e-4, rel=1e-2) and b.stats()["server/sync_logprob_gap"] == gap
@@ -422,11 +453,23 @@ def test_the_check_drops_a_server_too_far_stops_when_none_agrees_and_nan_is_the_
 def test_the_check_takes_the_largest_gap_of_every_rank_and_reads_the_model_unless_given(monkeypatch):
     a, c = _Srv("http://a", gap=1e-4), _Srv("http://c", gap=1e-4)
     # another rank's largest gaps (the collectives in turn: the run id, the check's gaps, the drops)
-    others = iter([{}, {"http://a": 2e-4, "http://c": 0.1}, {}])
-    b, said, seen = _stand_in(monkeypatch, [a, c], tol=1e-3, all_max=lambda d: (lambda theirs: {
-        k: max(v, theirs.get(k, 0.0)) for k, v in d.items()})(next(others)))
+    b, said, seen = _stand_in(monkeypatch, [a, c], tol=1e-3, all_max=_other_ranks({}, {"http://a": 2e-4, "http://c": 0.1}))
     assert b.check("MODEL") == pytest.approx(2e-4)
     assert seen["logprobs"] == [("MODEL", [1, 9, 4, 9], "cpu")] and [s.url for s in b.pool.servers] == ["http://a"]
+    assert said == ["weight sync check failed: rollout server http://c scores the check sequence 0.1 away from the "
+                    "trainer (rollout.server.sync_check_tol=0.001) after pushing weight version None: it does not "
+                    "sample from the trainer's policy: carrying on with 1 of 2 rollout servers (http://a)"]
+    # this rank's own gap where it is the larger; a server out of the pool sends 0; one another rank saw fail is
+    # dropped naming the check
+    e, f, g = _Srv("http://e", gap=1e-4), _Srv("http://f", gap=1e-4), _Srv("http://g")
+    b, said, _ = _stand_in(monkeypatch, [e, f, g], tol=1e-3, all_max=_other_ranks({}, {"http://e": 5e-5},
+                                                                                  {"http://f": 1.0}))
+    b.pool.drop("http://g", "g lost")
+    assert b.check(mine=MINE) == pytest.approx(1e-4, rel=1e-2)
+    assert b.all_max.sent[1] == {"http://e": pytest.approx(1e-4, rel=1e-2), "http://f": pytest.approx(1e-4, rel=1e-2),
+                       "http://g": 0.0}
+    assert said[-1] == ("rollout server http://f failed the weight sync check on another rank: carrying on with 1 of 3 "
+                        "rollout servers (http://e)")
     # a sequence of one token has no log-probs to compare: no gap
     short = _stand_in(monkeypatch, [_Srv("http://a", gap=5.0)])[0]
     short.check_ids = [1]
@@ -452,12 +495,13 @@ def test_the_adapters_go_with_their_own_label_and_the_base_weights_once(monkeypa
     monkeypatch.setattr(sb, "adapter_state", lambda model, full: states.append((model, full)) or adapter)
     b, said, seen = _stand_in(monkeypatch, [a, c], adapters=ad)
     assert b.served() == "m"  # before the first push: the base model
-    assert b.weights("MODEL") is adapter and ad.base_loaded and seen["hf"] == [{"merge": False}]
+    assert b.weights("MODEL") is adapter and ad.base_loaded and seen["hf"] == [("MODEL", {"merge": False})]
     assert b.transfer.pushes[0][0] == ["w", "visual.p"] and a.calls[4][1]["new_version"] == b.label(-1)
     assert states == [("MODEL", sb.as_they_are)]
     assert b.weights("MODEL") is adapter and len(b.transfer.pushes) == 1  # the base weights went once
     b.push(adapter, 2)
     assert ad.pushed == [(adapter, 2, b.transfer, ["http://a", "http://c"], "m")] and b.version == 2
+    assert a.calls[-1] == ("/update_weight_version", {"new_version": b.label(2)})
     assert b.served() == "m@v2" and [s.url for s in b.pool.servers] == ["http://a"]
     assert a.paths()[-1] == "/update_weight_version" and "/reset_prefix_cache" not in a.paths()[-2:]
     assert b.stats()["sync/bytes"] == 6 * 4 + 3 * 4 and b.stats()["sync/adapters"] == 1.0
@@ -469,7 +513,20 @@ def test_the_adapters_go_with_their_own_label_and_the_base_weights_once(monkeypa
     other.push(other.weights("MODEL"), 1)
     assert other.version == 1 and states[-1] == ("MODEL", full) and other.adapters.pushed == []
     merged, _, seen = _stand_in(monkeypatch, [_Srv("http://a")], full_weights=full)
-    assert [n for n, _ in merged.weights("MODEL")] == ["w", "visual.p"] and seen["hf"] == [{"full_weights": full}]
+    assert [n for n, _ in merged.weights("MODEL")] == ["w", "visual.p"]
+    assert seen["hf"] == [("MODEL", {"full_weights": full})]
+    # the base weights gathered through full_weights too, labelled with the version the servers hold
+    late, _, seen = _stand_in(monkeypatch, [_Srv("http://a")], adapters=_Adapters(), full_weights=full)
+    late.version = 5
+    assert late.weights("MODEL") is adapter and seen["hf"] == [("MODEL", {"merge": False, "full_weights": full})]
+    assert late.pool.servers[0].held == late.label(5) and states[-1] == ("MODEL", full)
+    # another rank lost its adapter push: this one drops that server too, saying so
+    two = [_Srv("http://a"), _Srv("http://c")]
+    other, said, _ = _stand_in(monkeypatch, two, adapters=_Adapters(), transfer=None,
+                               all_max=_other_ranks({}, {"http://c": 1.0}))
+    other.push(adapter, 3)
+    assert said == ["rollout server http://c failed its adapter push on another rank: carrying on with 1 of 2 "
+                    "rollout servers (http://a)"]
 
 
 def test_with_images_the_label_empties_the_encoder_cache_and_a_frozen_tower_goes_once(monkeypatch):
@@ -538,7 +595,8 @@ def test_a_rank_that_does_not_probe_takes_back_the_servers_rank_0_took_back(monk
     a, c = _Srv("http://a"), _Srv("http://c")
     b, said, _ = _stand_in(monkeypatch, [a, c], rejoin_every_s=0, transfer=None,
                            all_max=lambda d: {k: (1.0 if k == "http://c" else v) for k, v in d.items()})
-    b.pool.drop("http://c", "c lost")
+    b._drop_everywhere({"http://c": "c lost"}, "lost")
+    assert b.stats()["server/servers_up"] == 1.0
     b._rejoin()
     assert [s.url for s in b.pool.servers] == ["http://a", "http://c"] and b.rejoined == ["http://c"]
     assert c.calls[3:] == [] and b.stats()["server/servers_up"] == 2.0  # rank 0 probed it, not this one
@@ -588,6 +646,29 @@ def test_a_group_of_a_server_that_went_down_or_restarted_is_asked_again_of_the_o
         "http://e": f"rollout server http://e stopped answering (/weight_info: refused); {RESUME}"}
     f.get = lambda path: None
     assert list(b2._relabelled(["http://f"])) == ["http://f"]
+    assert list(b2._relabelled(["http://e", "http://f"])) == ["http://e", "http://f"]  # one unreadable, then the next
+
+
+def test_the_sampler_log_probs_are_float32_and_the_groups_go_out_at_once_up_to_64(monkeypatch):
+    made = []
+
+    class _Executor(sb.ThreadPoolExecutor):
+        def __init__(self, max_workers=None):
+            made.append(max_workers)
+            super().__init__(max_workers=max_workers)
+
+    monkeypatch.setattr(sb, "ThreadPoolExecutor", _Executor)
+    b = _stand_in(monkeypatch, [_Srv("http://a"), _Srv("http://c")])[0]
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = b.generate([[1]], 2, Sampling(4), seed=0)
+    finally:
+        torch.set_default_dtype(default)
+    assert out.logprobs[0][0].dtype == torch.float32
+    b.generate([[1]] * 3, 1, Sampling(4), seed=0)
+    b.generate([[1]] * 70, 1, Sampling(4), seed=0)
+    assert made == [1, 3, 64]
 
 
 def test_the_last_servers_loss_stops_generate_in_one_line(monkeypatch):

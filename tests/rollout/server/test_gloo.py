@@ -74,8 +74,9 @@ def channels(monkeypatch):
     ports = iter(range(29500, 29600))
     monkeypatch.setattr(_Channel, "made", [])
     monkeypatch.setattr(_Channel, "plan", [], raising=False)
+    monkeypatch.setattr(_Channel, "port_hosts", [], raising=False)
     monkeypatch.setattr(transfer, "WeightChannel", _Channel)
-    monkeypatch.setattr(transfer, "free_port", lambda host: (host, next(ports))[1])
+    monkeypatch.setattr(transfer, "free_port", lambda host: _Channel.port_hosts.append(host) or next(ports))
     return _Channel
 
 
@@ -89,6 +90,7 @@ def test_each_server_joins_a_channel_of_its_own_with_the_spec_and_the_key(channe
     g = GlooTransfer("10.0.0.5", timeout_s=12.5, api_key="k3y")
     g.connect(servers)
     assert [c.args for c in channels.made] == [("10.0.0.5", 29500, 0, 2, 12.5), ("10.0.0.5", 29501, 0, 2, 12.5)]
+    assert channels.port_hosts == ["10.0.0.5", "10.0.0.5"]  # a free port where the servers reach the trainer
     assert [c.keys for c in channels.made] == [["k3y"], ["k3y"]]
     assert g.channels == {"http://s1": channels.made[0], "http://s2": channels.made[1]}
     for s, port in zip(servers, (29500, 29501)):
