@@ -453,7 +453,8 @@ def test_the_check_drops_a_server_too_far_stops_when_none_agrees_and_nan_is_the_
 def test_the_check_takes_the_largest_gap_of_every_rank_and_reads_the_model_unless_given(monkeypatch):
     a, c = _Srv("http://a", gap=1e-4), _Srv("http://c", gap=1e-4)
     # another rank's largest gaps (the collectives in turn: the run id, the check's gaps, the drops)
-    b, said, seen = _stand_in(monkeypatch, [a, c], tol=1e-3, all_max=_other_ranks({}, {"http://a": 2e-4, "http://c": 0.1}))
+    b, said, seen = _stand_in(monkeypatch, [a, c], tol=1e-3,
+                              all_max=_other_ranks({}, {"http://a": 2e-4, "http://c": 0.1}))
     assert b.check("MODEL") == pytest.approx(2e-4)
     assert seen["logprobs"] == [("MODEL", [1, 9, 4, 9], "cpu")] and [s.url for s in b.pool.servers] == ["http://a"]
     assert said == ["weight sync check failed: rollout server http://c scores the check sequence 0.1 away from the "
