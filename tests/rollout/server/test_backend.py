@@ -154,6 +154,8 @@ class _Srv:
 
     def _maybe_down(self, path):
         if path in self.down:
+            self.refused = getattr(self, "refused", 0) + 1
+            assert self.refused < 50, "a server that stopped answering was asked again and again"  # not dropped
             raise ServerDown(f"rollout server {self.url} stopped answering ({path}: refused); {RESUME}")
 
     def up(self, timeout_s=5.0):
