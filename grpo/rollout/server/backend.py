@@ -86,7 +86,6 @@ class ServerBackend:
         self.rejoined: list[str] = []  # servers back in the pool for the push under way (said after its check)
 
     # ------------------------------------------------------------------------------------ weights
-    @torch.no_grad()
     def sync_weights(self, model, version: int) -> None:
         """Push the weights, labelled ``version`` (the trainer's optimizer step count), when ``sync_every`` steps
         have passed since the last push (always the first time), then check the sync. Every training rank calls it
@@ -96,10 +95,11 @@ class ServerBackend:
         if self.version is not None and v - self.version < self.sync_every:
             self.metrics["time/sync_s"] = 0.0
             return
-        t0 = time.time()
-        self.push(self.weights(model), v)
-        self.metrics.update({"time/sync_s": time.time() - t0, "server/version_lag": 0.0})
-        self.check(model)
+        with torch.no_grad():  # not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+            t0 = time.time()
+            self.push(self.weights(model), v)
+            self.metrics.update({"time/sync_s": time.time() - t0, "server/version_lag": 0.0})
+            self.check(model)
 
     def weights(self, model):
         """What a push of ``model`` sends: its adapter (`Adapter`), after the base weights have gone once (pushed

@@ -191,3 +191,147 @@ def test_grpo_serve_refuses_the_key_on_its_command_line(capsys):
     with pytest.raises(SystemExit):
         serve.main(["recipe=smoke", "trainer.device=cpu", *TINY, "--print", "--", "--api-key", "k"])
     assert "not as vLLM's --api-key" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ over stand-ins (no tiny model built, no files but
+# the stand-ins' own): the mutation tests' selection (`make mutate`)
+class _Config(dict):
+    def save_pretrained(self, folder):
+        (Path(folder) / "config.json").write_text(json.dumps({**self, "architectures": self.architectures}))
+
+
+class StandInForCausalLM:
+    def __init__(self, family, vocab, **kw):
+        self.config, self.made = _Config(family=family, vocab=vocab, **kw), (family, vocab, kw)
+        self.config.architectures = None
+
+
+class _Tok:
+    def __len__(self):
+        return 77
+
+    def save_pretrained(self, folder):
+        (Path(folder) / "tokenizer.json").write_text("{}")
+
+
+def _stand_ins(monkeypatch, images=None):
+    """grpo.models' loaders and folder publisher replaced: what `model_dir` asked of each is recorded."""
+    from grpo import models
+    from grpo.rollout import vllm_images
+
+    asked = {"built": [], "published": [], "processor": []}
+    monkeypatch.setattr(models, "load_tokenizer", lambda name: asked.setdefault("tokenizer", name) and _Tok())
+    monkeypatch.setattr(models, "load_image_processor", lambda name: asked.setdefault("images", name) and images)
+
+    def build(family, vocab, **kw):
+        asked["built"].append(StandInForCausalLM(family, vocab, **kw))
+        return asked["built"][-1]
+
+    def publish(out, write, complete):
+        tmp = out.parent / (out.name + ".tmp")
+        tmp.mkdir(parents=True)
+        assert not complete(tmp)
+        write(tmp)
+        assert complete(tmp)
+        tmp.rename(out)
+        asked["published"].append(out)
+        return out
+
+    monkeypatch.setattr(models, "tiny_model", build)
+    monkeypatch.setattr(models, "publish_folder", publish)
+    monkeypatch.setattr(models, "resolve_path", lambda name: f"/resolved/{name}")
+    monkeypatch.setattr(vllm_images, "save_processor", lambda path, tok, img: asked["processor"].append(
+        (path, tok, img)) or (Path(path) / "processor.json").write_text("{}"))
+    return asked
+
+
+def test_model_dir_of_a_checkpoint_is_its_resolved_path_with_its_own_weights(tmp_path, monkeypatch):
+    from grpo.rollout.server.launch import model_dir
+
+    asked = _stand_ins(monkeypatch)
+    assert model_dir(_settings(model="embedded:smollm2-135m-instruct"), tmp_path) == \
+        ("/resolved/embedded:smollm2-135m-instruct", False)
+    assert model_dir(_settings(model="/ckpt/tiny:x"), tmp_path) == ("/resolved//ckpt/tiny:x", False)
+    assert asked["built"] == [] and not (tmp_path / "serve").exists()
+
+
+def test_model_dir_of_a_tiny_model_is_written_once_under_a_name_of_its_shape(tmp_path, monkeypatch):
+    import hashlib
+
+    from grpo.rollout.server.launch import model_dir
+
+    asked = _stand_ins(monkeypatch)
+    tiny = {"num_hidden_layers": 2, "hidden_size": 64}
+    key = hashlib.sha256(json.dumps(["tiny:llama", tiny], sort_keys=True).encode()).hexdigest()[:12]
+    want = tmp_path / "serve" / f"tiny-llama-{key}"
+    assert model_dir(_settings(tiny=tiny), tmp_path) == (str(want), True)
+    assert asked["tokenizer"] == asked["images"] == "tiny:llama" and asked["published"] == [want]
+    (model,) = asked["built"]
+    assert model.made == ("llama", 77, tiny)
+    assert json.loads((want / "config.json").read_text())["architectures"] == ["StandInForCausalLM"]
+    assert sorted(p.name for p in want.iterdir()) == ["config.json", "tokenizer.json"] and asked["processor"] == []
+    # the same shape in another key order: the same folder, found again, nothing built
+    assert model_dir(_settings(tiny={"hidden_size": 64, "num_hidden_layers": 2}), tmp_path) == (str(want), True)
+    assert len(asked["built"]) == 1 and asked["published"] == [want]
+    # another shape or family: another folder
+    other, _ = model_dir(_settings(tiny={**tiny, "hidden_size": 32}), tmp_path)
+    qwen, _ = model_dir(_settings(model="tiny:qwen2", tiny=tiny), tmp_path)
+    assert len({other, qwen, str(want)}) == 3 and Path(qwen).name.startswith("tiny-qwen2-")
+    assert [m.made[0] for m in asked["built"]] == ["llama", "llama", "qwen2"]
+
+
+def test_model_dir_of_a_tiny_vision_model_writes_its_processor_with_the_tokenizer(tmp_path, monkeypatch):
+    from grpo.rollout.server.launch import model_dir
+
+    images = object()
+    asked = _stand_ins(monkeypatch, images=images)
+    path, dummy = model_dir(_settings(model="tiny:qwen2_5_vl", tiny={}), tmp_path)
+    ((written, tok, given),) = asked["processor"]
+    assert dummy and written == str(Path(path).parent / (Path(path).name + ".tmp")) and given is images
+    assert isinstance(tok, _Tok)
+    assert sorted(p.name for p in Path(path).iterdir()) == ["config.json", "processor.json"]
+    assert asked["built"][0].made == ("qwen2_5_vl", 77, {})
+
+
+def _command(monkeypatch, dummy=False, extra=(), **kw):
+    from grpo.rollout.server import launch
+
+    seen = []
+    monkeypatch.setattr(launch, "model_dir", lambda s, cache: seen.append((s, cache)) or ("/m", dummy))
+    argv, env = launch.serve_command(_settings(**kw), Path("/cache"), list(extra))
+    assert seen == [(_settings(**kw), Path("/cache"))]
+    return argv, env
+
+
+BASE_ARGV = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--served-model-name",
+             "tiny:llama", "--host", "127.0.0.1", "--port", "8100", "--dtype", "float32", "--max-model-len", "300",
+             "--seed", "3", "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs", "--generation-config",
+             "vllm", "--worker-extension-cls", "grpo.rollout.server.worker.GRPOWorkerExtension",
+             "--tensor-parallel-size", "1", "--middleware", "grpo.rollout.server.guard.RequireKey"]
+
+
+def test_the_cpu_command_line_is_vllms_whole_with_every_prompt_prefilled_at_once(monkeypatch):
+    argv, env = _command(monkeypatch)
+    assert argv == BASE_ARGV + ["--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
+    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "0.5"}
+    argv, env = _command(monkeypatch, dummy=True, enforce_eager=False, max_model_len=9000, kv_cache_gib=2.25,
+                         extra=["--max-num-seqs", "4"])
+    assert argv == [*BASE_ARGV[:14], "9000", *BASE_ARGV[15:], "--load-format", "dummy", "--no-enable-chunked-prefill",
+                    "--max-num-batched-tokens", "9000", "--max-num-seqs", "4"]
+    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2.25"}
+    assert _command(monkeypatch, max_model_len=8192)[0][-1] == "8192"
+    assert _command(monkeypatch, max_model_len=8193)[0][-1] == "8193"
+
+
+def test_the_cuda_command_line_its_nccl_transfer_images_lora_and_key(monkeypatch):
+    argv, env = _command(monkeypatch, device="cuda", enforce_eager=False, tensor_parallel_size=2,
+                         weight_transfer="nccl", vision=True, lora_rank=8, max_loras=3, api_key="k3y")
+    tp = BASE_ARGV.index("--tensor-parallel-size") + 1
+    assert argv == [*BASE_ARGV[:tp], "2", *BASE_ARGV[tp + 1:], "--gpu-memory-utilization", "0.9",
+                    "--weight-transfer-config", '{"backend": "nccl"}', "--enable-scale-out", "--enable-mm-embeds",
+                    "--limit-mm-per-prompt", '{"image": 8, "video": 0}', "--enable-lora", "--max-lora-rank", "8",
+                    "--max-loras", "3"]
+    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": "k3y", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    argv, env = _command(monkeypatch, device="cuda", api_key="")
+    assert argv == BASE_ARGV + ["--enforce-eager", "--gpu-memory-utilization", "0.9"]
+    assert env == {"VLLM_SERVER_DEV_MODE": "1"}
