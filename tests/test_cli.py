@@ -10,6 +10,7 @@ import grpo.trainer.build  # noqa: F401 - what _preflight imports (torch, the mo
 from grpo.cli import prepare_argv
 from grpo.rollout import registry
 from tests.helpers import compose_recipe
+from tests.under_mutmut import bounded_under_mutmut  # noqa: F401
 
 SMOKE = ["recipe=smoke", "trainer.max_steps=1", "data.num_eval=0"]
 
@@ -223,7 +224,7 @@ def test_a_wrong_server_is_refused_before_the_held_out_evaluation_and_leaves_no_
 def _fake_schema(monkeypatch, options=None):
     from grpo import cli
 
-    monkeypatch.setattr(cli, "schema_keys", lambda: ["trainer.lr", "data.num_eval"])
+    monkeypatch.setattr(cli, "schema_keys", lambda: ["trainer.lr", "data.num_eval", "Xs.key"])
     monkeypatch.setattr(cli, "open_dict_keys", lambda: {"data.task_kwargs"})
     monkeypatch.setattr(cli, "groups", lambda: options or {"model": ["tiny", "smollm2"], "recipe": ["smoke"]})
 
@@ -237,8 +238,9 @@ def test_check_argv_takes_the_schemas_keys_the_groups_options_and_what_it_leaves
     monkeypatch.setattr(cli, "find_recipe", found.append)
     cli.check_argv(["--cfg", "job", "noequals", "trainer.lr=1", "+trainer.lr=2", "~data.num_eval=3", "+~trainer.lr=1",
                     "data.task_kwargs.level=2", "hydra.run.dir=x", "hydrax.y=1", "reward.functions.a.fn=b",
-                    "model=tiny", "model=tiny,smollm2", "recipe=\"smoke\",'./mine.yaml'", "~recipe=smoke"])
-    assert found == ["smoke", "./mine.yaml"]  # quotes dropped, each swept value; `~recipe=` is not looked up
+                    "model=tiny", "model=tiny,smollm2", "recipe=\"smoke\",'./mine.yaml'", "~recipe=smoke", "Xs.key=1",
+                    "recipe=Xrecipe"])
+    assert found == ["smoke", "./mine.yaml", "Xrecipe"]  # quotes dropped, each swept value; not `~recipe=`
     with pytest.raises(ConfigError, match=r"^model='big' does not exist; available: tiny, smollm2$"):
         cli.check_argv(["model=tiny,big"])
     with pytest.raises(ConfigError, match=r"^unknown config key 'trainer\.lrr' \(did you mean 'trainer\.lr'\?\)$"):
@@ -279,6 +281,7 @@ def test_prepare_argv_checks_normalizes_and_preflights_a_single_run(monkeypatch)
 
 
 @pytest.mark.parametrize("flags, preflight", [([], True), (["-c", "job"], True), (["--cfg", "hydra"], False),
+                                              (["-c", "all"], False),
                                               (["--cfg", "all"], False), (["--info"], False), (["-i"], False),
                                               (["--multirun"], False), (["-m"], False)])
 def test_prepare_argv_preflights_only_a_single_run_and_cfg_job(monkeypatch, flags, preflight):
@@ -349,6 +352,8 @@ def test_sweep_dir_is_the_one_output_dir_given_unless_the_sweep_dir_is(monkeypat
     monkeypatch.setenv("HOME", str(tmp_path))
     assert _sweep_dir(["a=1", "trainer.output_dir='~/s'", "b=2"]) == ["a=1", "b=2", f"hydra.sweep.dir='{tmp_path}/s'"]
     assert _sweep_dir(['trainer.output_dir="/abs/s"']) == ["hydra.sweep.dir='/abs/s'"]
+    monkeypatch.chdir(tmp_path)
+    assert _sweep_dir(["trainer.output_dir=X=1"]) == [f"hydra.sweep.dir='{tmp_path}/X=1'"]
     for kept in (["trainer.output_dir=a,b"], ["trainer.output_dir=a", "trainer.output_dir=b"], ["a=1"],
                  ["trainer.output_dir=a", "hydra.sweep.dir=x"]):
         assert _sweep_dir(kept) == kept
@@ -378,13 +383,15 @@ def test_usage_lists_each_recipe_once_with_its_first_sentence(monkeypatch, tmp_p
     (builtin / "b.yaml").write_text("# The built-in b.\n")
     (builtin / "a-long-name.yaml").write_text("# " + "w" * 80 + "\n")
     (builtin / "c.yaml").write_text("x: 1\n")
+    (builtin / "x.yaml").write_text("# Xylophone sums\n")
     (builtin / "d.yaml").write_text("# " + "v" * 76 + "\n")
     monkeypatch.setattr(compose, "recipe_folders", lambda: [mine, builtin])
     text = cli.usage("grpo-train")
     assert text.startswith(cli._USAGE["grpo-train"] + "\n\nrecipes (recipe=NAME; your own folders first with "
                            "GRPO_RECIPE_PATH):\n")
-    assert text.split("GRPO_RECIPE_PATH):\n")[1].splitlines()[:4] == [
-        "  b            Mine first", f"  a-long-name  {'w' * 75}…", "  c            ", f"  d            {'v' * 76}"]
+    assert text.split("GRPO_RECIPE_PATH):\n")[1].splitlines()[:5] == [
+        "  b            Mine first", f"  a-long-name  {'w' * 75}…", "  c            ", f"  d            {'v' * 76}",
+        "  x            Xylophone sums"]
     assert text.endswith("\n\nevery key: grpo-train recipe=NAME --cfg job; docs (in the grpo repository):\n"
                          "docs/getting-started.md, docs/recipes.md, docs/config-reference.md")
     assert cli.usage("grpo-serve").endswith(", docs/config-reference.md, docs/rollout.md#the-server-backend")

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from grpo import eval as grpo_eval
 from grpo.config.schema import Config
 from grpo.errors import ConfigError, SetupError
+from tests.under_mutmut import bounded_under_mutmut  # noqa: F401
 
 
 def test_parse_takes_each_model_the_out_dir_and_leaves_the_overrides():
@@ -21,6 +22,16 @@ def test_parse_takes_each_model_the_out_dir_and_leaves_the_overrides():
     assert args.model == [] and args.out == "eval-results" and rest == []
     with pytest.raises(SetupError, match=r"^grpo-eval: unknown option --modle; usage: grpo-eval \[recipe=NAME\]"):
         grpo_eval.parse(["a=1", "--modle", "x", "-q"])
+
+
+def test_help_says_what_grpo_eval_does_and_each_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        grpo_eval.parse(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0 and out.startswith(f"usage: {grpo_eval.USAGE} ")
+    assert " ".join(grpo_eval.__doc__.split("\n\n")[0].split()) in out and "no training. options:" in out
+    assert "--model MODEL a model to evaluate (repeat to compare)" in out
+    assert "--out OUT where eval.json and eval.md go (default: eval-results)" in out
 
 
 def _config_stand_ins(monkeypatch, raw):
@@ -223,12 +234,12 @@ def _evaluate_stand_ins(monkeypatch, splits, metrics=None):
         return metrics
 
     monkeypatch.setattr(local, "LocalRuntime", Runtime)
-    monkeypatch.setattr(grpo_eval, "load_policy", lambda cfg, spec, device: seen.setdefault("policy", (spec, device))
-                        and ("tok", "model"))
-    monkeypatch.setattr(data, "build", lambda d, tok, sets: seen.setdefault("data", (tok, sets)) and splits)
-    monkeypatch.setattr(settings, "eval_settings", lambda cfg: "SETTINGS")
+    monkeypatch.setattr(grpo_eval, "load_policy", lambda cfg, spec, device: seen.setdefault(
+        "policy", (cfg, spec, device)) and ("tok", "model"))
+    monkeypatch.setattr(data, "build", lambda d, tok, sets: seen.setdefault("data", (d, tok, sets)) and splits)
+    monkeypatch.setattr(settings, "eval_settings", lambda cfg: seen.setdefault("settings", cfg) and "SETTINGS")
     monkeypatch.setattr(grpo_eval, "backend_for", lambda cfg, rt, tok, sp, st: seen.setdefault(
-        "backend", (rt, tok, sp, st)) and Backend())
+        "backend", (cfg, rt, tok, sp, st)) and Backend())
     monkeypatch.setattr(evaluate, "evaluate", fake_evaluate)
     return seen
 
@@ -240,12 +251,13 @@ def test_evaluate_model_evaluates_one_model_without_gradients_and_closes_the_bac
     splits = SimpleNamespace(eval=[1], sets={})
     seen = _evaluate_stand_ins(monkeypatch, splits, {"pass@1": 0.5, "acc": 1.0})
     assert grpo_eval.evaluate_model(cfg, "m", ["R"]) == {"eval/pass@1": 0.5, "eval/acc": 1.0}
-    assert seen["runtime"] == "cpu" and seen["policy"] == ("m", "cpu") and seen["setup"] == ("model", None, None)
-    assert seen["data"] == ("tok", cfg.evaluation.sets) and seen["backend"][1:] == ("tok", splits, "SETTINGS")
+    assert seen["runtime"] == "cpu" and seen["policy"] == (cfg, "m", "cpu") and seen["setup"] == ("model", None, None)
+    assert seen["data"] == (cfg.data, "tok", cfg.evaluation.sets) and seen["settings"] is cfg
+    assert seen["backend"][0] is cfg and seen["backend"][2:] == ("tok", splits, "SETTINGS")
     run = seen["run"]
     assert seen["label"] == "m" and not seen["grad"] and seen["closed"] == 1
     assert (run.tokenizer, run.splits, run.settings.evaluation, run.runtime) == ("tok", splits, "SETTINGS",
-                                                                                  seen["backend"][0])
+                                                                                  seen["backend"][1])
     assert run.eval_backend is not None and vars(run.sampler) == {
         "tokenizer": "tok", "rewards": ["R"], "completion_format": "answer_tags", "turn_loop": None}
     seen = _evaluate_stand_ins(monkeypatch, SimpleNamespace(eval=[], sets={"s": [1]}))
@@ -291,8 +303,8 @@ def test_run_eval_checks_everything_then_evaluates_each_model_and_writes_both_fi
     killed = []
     worker = SimpleNamespace(kill=lambda: killed.append(1))
     seen = _run_eval_stand_ins(monkeypatch, cfg, worker)
-    path = grpo_eval.run_eval(["x=1", "--model", "a", "--model", "b", "--out", str(tmp_path / "o")])
-    assert path == tmp_path / "o" / "eval.json" and killed == [1]  # one worker, killed once
+    path = grpo_eval.run_eval(["x=1", "--model", "a", "--model", "b", "--out", str(tmp_path / "o" / "p")])
+    assert path == tmp_path / "o" / "p" / "eval.json" and killed == [1]  # one worker, killed once
     assert seen["order"] == [("config", ["x=1"]), ("rewards", {"r": {"fn": "m:f"}}, 3.0), ("sets", True),
                              ("resolve", "a"), ("resolve", "b"), "quiet", ("eval", "a"), ("eval", "b")]
     doc = json.loads(path.read_text())
@@ -300,7 +312,7 @@ def test_run_eval_checks_everything_then_evaluates_each_model_and_writes_both_fi
     assert doc["max_new_tokens"] == 7 and doc["reward"] == {"r": {"fn": "m:f"}}
     assert doc["evaluation"]["seed"] == cfg.evaluation.seed and doc["data"]["source"] == cfg.data.source
     assert path.read_text().endswith("}\n") and path.read_text().startswith('{\n  "models"')
-    assert (tmp_path / "o" / "eval.md").read_text() == "# grpo-eval: a, b\n\n" + grpo_eval.markdown(
+    assert (tmp_path / "o" / "p" / "eval.md").read_text() == "# grpo-eval: a, b\n\n" + grpo_eval.markdown(
         ["a", "b"], [{"eval/x": 0.5}, {"eval/x": 0.75}])
 
 
@@ -310,6 +322,7 @@ def test_run_eval_without_a_model_evaluates_the_configs_and_kills_the_workers_on
                   rollout=replace(cfg.rollout, max_new_tokens=11))
     seen = _run_eval_stand_ins(monkeypatch, cfg)
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "eval-results").mkdir()  # there already: written into
     path = grpo_eval.run_eval([])
     assert path == tmp_path.joinpath("eval-results", "eval.json").relative_to(tmp_path)
     assert ("eval", "tiny:gpt2") in seen["order"] and json.loads(path.read_text())["max_new_tokens"] == 11

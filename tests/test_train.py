@@ -1,5 +1,6 @@
 """grpo/train.py: the entry point checks the command line before torch or a model is touched."""
 from tests.helpers import train_cli_error
+from tests.under_mutmut import bounded_under_mutmut  # noqa: F401
 
 
 def test_a_mistyped_key_is_one_line_and_no_run_directory(tmp_path, monkeypatch, capsys):
@@ -23,8 +24,13 @@ from grpo import train  # noqa: E402
 from grpo.errors import ConfigError, SetupError  # noqa: E402
 
 
+def _no_exit(code):
+    raise AssertionError(f"os._exit({code}) in one process")
+
+
 def test_fail_prints_one_line_drops_the_empty_run_dir_and_exits_2(monkeypatch, capsys):
     dropped = []
+    monkeypatch.setattr(os, "_exit", _no_exit)
     monkeypatch.setattr(train, "_drop_empty_run_dir", dropped.append)
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -178,6 +184,7 @@ class _Hydra:
 def _hydra_run(monkeypatch, tmp_path, fit, subdir=".hydra", output_dir=None, precedence=None, seen=None):
     """The Hydra job's body on ``{"trainer": {"output_dir": output_dir, "max_steps": 3}}`` with stand-ins for
     Hydra's config, the precedence rules, fit and the run log; `_fail` and `_interrupted` record and exit."""
+    import hydra
     from hydra.core.hydra_config import HydraConfig
 
     from grpo.config import compose
@@ -185,9 +192,11 @@ def _hydra_run(monkeypatch, tmp_path, fit, subdir=".hydra", output_dir=None, pre
 
     seen = {} if seen is None else seen
     monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: _Hydra(tmp_path / "run", subdir)))
+    monkeypatch.setattr(hydra, "compose", lambda **kw: seen.setdefault("compose", kw))
 
     def apply(raw, task, choices, compose_fn):
         seen["precedence"] = (task, choices)
+        compose_fn(["~recipe"])  # the recipe-less pass composes the config again
         if precedence:
             raise precedence
         return raw
@@ -219,6 +228,7 @@ def test_the_hydra_job_trains_in_its_run_dir_saves_the_config_and_returns_the_re
     monkeypatch.delenv("RANK", raising=False)
     seen, result = _hydra_run(monkeypatch, tmp_path, lambda cfg: {"eval_after": {"reward_mean": 0.25}})
     assert result == 0.25 and seen["precedence"] == (["a=1"], {"model": "tiny"})
+    assert seen["compose"] == {"config_name": "config", "overrides": ["~recipe"]}
     cfg = seen["fit"]
     assert cfg.trainer.output_dir == str(tmp_path / "run") and cfg.trainer.max_steps == 3
     assert seen["log"] == (str(tmp_path / "run"), True) and "fail" not in seen

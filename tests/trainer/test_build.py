@@ -1,8 +1,10 @@
-"""grpo/trainer/build.py: the learning-rate schedule (warmup, then constant, linear or cosine)."""
+"""grpo/trainer/build.py: the learning-rate schedule, the seed, the runtime, the checks before any model loads
+(`preflight`), the parts of a run wired from the config (`_build`, over stand-ins) and who owns the output directory."""
 import pytest
 
 from grpo.config.schema import TrainerConfig
 from grpo.trainer.build import lr_lambda
+from tests.under_mutmut import bounded_under_mutmut  # noqa: F401
 
 
 @pytest.mark.parametrize("schedule,mid,end", [("constant", 1.0, 1.0), ("linear", 0.5, 0.0), ("cosine", 0.5, 0.0)])
@@ -180,10 +182,11 @@ def test_build_run_preflights_then_builds_under_the_runtimes_failure_guard(monke
 
     runtime = Runtime()
     monkeypatch.setattr(build, "preflight", lambda cfg: seen.append(("preflight", cfg)) or (["R"], "T"))
-    monkeypatch.setattr(build, "make_runtime", lambda cfg: seen.append("runtime") or runtime)
+    monkeypatch.setattr(build, "make_runtime", lambda cfg: seen.append(("runtime", cfg)) or runtime)
     monkeypatch.setattr(build, "_build", lambda cfg, rt, rw, ts: seen.append(("build", cfg, rt, rw, ts)) or "RUN")
     assert build.build_run("CFG") == "RUN"
-    assert seen == [("preflight", "CFG"), "runtime", "guard", ("build", "CFG", runtime, ["R"], "T"), "unguarded"]
+    assert seen == [("preflight", "CFG"), ("runtime", "CFG"), "guard", ("build", "CFG", runtime, ["R"], "T"),
+                    "unguarded"]
 
 
 class _Runtime:
