@@ -48,6 +48,8 @@ def test_fail_prints_one_line_drops_the_empty_run_dir_and_exits_2(monkeypatch, c
 
 def test_fail_with_hydra_full_error_raises_the_error_itself(monkeypatch, capsys):
     dropped = []
+    monkeypatch.setattr(os, "_exit", _no_exit)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(train, "_drop_empty_run_dir", dropped.append)
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     err = SetupError("bad")
