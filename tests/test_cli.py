@@ -236,8 +236,8 @@ def test_check_argv_takes_the_schemas_keys_the_groups_options_and_what_it_leaves
     _fake_schema(monkeypatch)
     found = []
     monkeypatch.setattr(cli, "find_recipe", found.append)
-    cli.check_argv(["--cfg", "job", "--config-name=mine", "noequals", "trainer.lr=1", "+trainer.lr=2", "~data.num_eval=3",
-                    "+~trainer.lr=1",
+    cli.check_argv(["--cfg", "job", "--config-name=mine", "noequals", "trainer.lr=1", "+trainer.lr=2",
+                    "~data.num_eval=3", "+~trainer.lr=1",
                     "data.task_kwargs.level=2", "hydra.run.dir=x", "hydrax.y=1", "reward.functions.a.fn=b",
                     "model=tiny", "model=tiny,smollm2", "recipe=\"smoke\",'./mine.yaml'", "~recipe=smoke", "Xs.key=1",
                     "recipe=Xrecipe"])
