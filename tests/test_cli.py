@@ -386,13 +386,14 @@ def test_usage_lists_each_recipe_once_with_its_first_sentence(monkeypatch, tmp_p
     (builtin / "c.yaml").write_text("x: 1\n")
     (builtin / "x.yaml").write_text("# Xylophone sums\n")
     (builtin / "d.yaml").write_text("# " + "v" * 76 + "\n")
+    (builtin / "e.yaml").write_text("# " + "u" * 77 + "\n")
     monkeypatch.setattr(compose, "recipe_folders", lambda: [mine, builtin])
     text = cli.usage("grpo-train")
     assert text.startswith(cli._USAGE["grpo-train"] + "\n\nrecipes (recipe=NAME; your own folders first with "
                            "GRPO_RECIPE_PATH):\n")
-    assert text.split("GRPO_RECIPE_PATH):\n")[1].splitlines()[:5] == [
+    assert text.split("GRPO_RECIPE_PATH):\n")[1].splitlines()[:6] == [
         "  b            Mine first", f"  a-long-name  {'w' * 75}…", "  c            ", f"  d            {'v' * 76}",
-        "  x            Xylophone sums"]
+        f"  e            {'u' * 75}…", "  x            Xylophone sums"]
     assert text.endswith("\n\nevery key: grpo-train recipe=NAME --cfg job; docs (in the grpo repository):\n"
                          "docs/getting-started.md, docs/recipes.md, docs/config-reference.md")
     assert cli.usage("grpo-serve").endswith(", docs/config-reference.md, docs/rollout.md#the-server-backend")

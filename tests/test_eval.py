@@ -279,20 +279,23 @@ def test_markdown_is_a_row_a_metric_a_column_a_model_and_their_difference_for_tw
         "| `x` | 1.000 | 2.000 | 3.000 |"
 
 
-def _run_eval_stand_ins(monkeypatch, cfg, worker=None):
+def _run_eval_stand_ins(monkeypatch, cfg, *workers):
+    """Stand-ins for what run_eval calls; the rewards share ``workers`` (each reward function with a worker of its
+    own, and one more sharing the first's)."""
     from grpo.rewards import score
     from grpo.trainer import evaluate, logger
 
     seen = {"order": []}
-    rewards = [SimpleNamespace(worker=worker), SimpleNamespace(worker=worker), SimpleNamespace(worker=None)]
+    rewards = [SimpleNamespace(worker=w) for w in (*workers, *workers[:1], None)]
     monkeypatch.setattr(grpo_eval, "load_config", lambda ov: seen["order"].append(("config", ov)) or cfg)
     monkeypatch.setattr(score, "build", lambda fns, timeout: seen["order"].append(("rewards", fns, timeout))
                         or rewards)
-    monkeypatch.setattr(evaluate, "check_sets", lambda sets, d, rw: seen["order"].append(("sets", rw is rewards)))
+    monkeypatch.setattr(evaluate, "check_sets", lambda sets, d, rw: seen["order"].append(
+        ("sets", sets is cfg.evaluation.sets, d is cfg.data, rw is rewards)))
     monkeypatch.setattr(grpo_eval, "resolve_model", lambda spec: seen["order"].append(("resolve", spec)))
     monkeypatch.setattr(logger, "quiet_when_not_interactive", lambda: seen["order"].append("quiet"))
-    monkeypatch.setattr(grpo_eval, "evaluate_model", lambda c, spec, rw: seen["order"].append(("eval", spec)) or {
-        "eval/x": 0.5 if spec == "a" else 0.75})
+    monkeypatch.setattr(grpo_eval, "evaluate_model", lambda c, spec, rw: seen["order"].append(
+        ("eval", spec, c is cfg, rw is rewards)) or {"eval/x": 0.5 if spec == "a" else 0.75})
     return seen
 
 
@@ -301,12 +304,13 @@ def test_run_eval_checks_everything_then_evaluates_each_model_and_writes_both_fi
     cfg = replace(cfg, reward=replace(cfg.reward, functions={"r": {"fn": "m:f"}}, timeout_s=3.0),
                   trainer=replace(cfg.trainer, eval_max_new_tokens=7))
     killed = []
-    worker = SimpleNamespace(kill=lambda: killed.append(1))
-    seen = _run_eval_stand_ins(monkeypatch, cfg, worker)
+    workers = [SimpleNamespace(kill=lambda n=n: killed.append(n)) for n in (1, 2)]
+    seen = _run_eval_stand_ins(monkeypatch, cfg, *workers)
     path = grpo_eval.run_eval(["x=1", "--model", "a", "--model", "b", "--out", str(tmp_path / "o" / "p")])
-    assert path == tmp_path / "o" / "p" / "eval.json" and killed == [1]  # one worker, killed once
-    assert seen["order"] == [("config", ["x=1"]), ("rewards", {"r": {"fn": "m:f"}}, 3.0), ("sets", True),
-                             ("resolve", "a"), ("resolve", "b"), "quiet", ("eval", "a"), ("eval", "b")]
+    assert path == tmp_path / "o" / "p" / "eval.json" and killed == [1, 2]  # each worker, once
+    assert seen["order"] == [("config", ["x=1"]), ("rewards", {"r": {"fn": "m:f"}}, 3.0), ("sets", True, True, True),
+                             ("resolve", "a"), ("resolve", "b"), "quiet", ("eval", "a", True, True),
+                             ("eval", "b", True, True)]
     doc = json.loads(path.read_text())
     assert doc["models"] == [{"model": "a", "metrics": {"eval/x": 0.5}}, {"model": "b", "metrics": {"eval/x": 0.75}}]
     assert doc["max_new_tokens"] == 7 and doc["reward"] == {"r": {"fn": "m:f"}}
@@ -325,7 +329,7 @@ def test_run_eval_without_a_model_evaluates_the_configs_and_kills_the_workers_on
     (tmp_path / "eval-results").mkdir()  # there already: written into
     path = grpo_eval.run_eval([])
     assert path == tmp_path.joinpath("eval-results", "eval.json").relative_to(tmp_path)
-    assert ("eval", "tiny:gpt2") in seen["order"] and json.loads(path.read_text())["max_new_tokens"] == 11
+    assert ("eval", "tiny:gpt2", True, True) in seen["order"] and json.loads(path.read_text())["max_new_tokens"] == 11
     killed = []
     _run_eval_stand_ins(monkeypatch, cfg, SimpleNamespace(kill=lambda: killed.append(1)))
 
