@@ -267,7 +267,7 @@ def _build_stand_ins(monkeypatch, splits, toolset_note=None):
 
     seen = {"printed": []}
     tokenizer, policy = _Tokenizer(), _Policy().eval()
-    monkeypatch.setattr(build, "owns_output_dir", lambda rt, out: seen.setdefault("owner", out) and "OWNER")
+    monkeypatch.setattr(build, "owns_output_dir", lambda rt, out: seen.setdefault("owner", (rt, out)) and "OWNER")
     monkeypatch.setattr(build, "set_seed", lambda s: seen.setdefault("seed", s))
     monkeypatch.setattr(build, "load_tokenizer", lambda name: seen.setdefault("tokenizer", name) and tokenizer)
     monkeypatch.setattr(build, "load_image_processor", lambda name, tok: seen.setdefault("images", (name, tok))
@@ -319,7 +319,7 @@ def test_build_loads_and_wires_every_part_of_a_single_turn_run(monkeypatch, caps
     runtime = _Runtime(rank=1, world_size=1)
     runtime.is_main = True
     run = build._build(cfg, runtime, ["R"], None)
-    assert seen["owner"] == "OUT" and seen["seed"] == 11 and seen["tokenizer"] == "tiny:llama"
+    assert seen["owner"] == (runtime, "OUT") and seen["seed"] == 11 and seen["tokenizer"] == "tiny:llama"
     assert seen["images"] == ("tiny:llama", tokenizer) and "format" not in seen
     assert seen["data"] == (cfg.data, tokenizer, {"tools": None, "keep_turns": False, "system_text": None,
                                                   "sets": cfg.evaluation.sets, "image_processor": "IMAGES"})
