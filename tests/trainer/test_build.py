@@ -34,6 +34,7 @@ from grpo.trainer import build  # noqa: E402
 def test_the_schedule_at_its_edges():
     linear = lr_lambda(TrainerConfig(max_steps=10, warmup_steps=0, lr_schedule="linear"))
     assert linear(0) == 1.0 and linear(5) == pytest.approx(0.5) and linear(10) == 0.0 and linear(20) == 0.0
+    assert linear(2) == pytest.approx(0.8)  # a straight line (the cosine is 0.905 there)
     cosine = lr_lambda(TrainerConfig(max_steps=4, warmup_steps=4, lr_schedule="cosine"))
     assert [cosine(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     assert cosine(4) == pytest.approx(1.0) and cosine(5) == pytest.approx(0.0, abs=1e-12)  # a span of at least 1
@@ -280,13 +281,14 @@ def _build_stand_ins(monkeypatch, splits, toolset_note=None):
     monkeypatch.setattr(build, "load_reference", lambda m, p, vocab, seed: seen.setdefault(
         "reference", (m, p, vocab, seed)) and "REF")
     monkeypatch.setattr(build, "check_head", lambda model, agree: seen.setdefault("head", (model, agree(0.5))))
-    monkeypatch.setattr(budget, "plan", lambda cfg, sp, rt: seen.setdefault("plan", (sp, rt)) and "PLAN")
+    monkeypatch.setattr(budget, "plan", lambda cfg, sp, rt: seen.setdefault("plan", (cfg, sp, rt)) and "PLAN")
     monkeypatch.setattr(registry, "resolve", lambda name, device: seen.setdefault("resolve", (name, device)) and "hf")
     monkeypatch.setattr(registry, "check_images", lambda name, backend, rows, **kw: seen.setdefault(
         "images_check", (name, backend, rows, kw)))
     monkeypatch.setattr(build, "uses_chat", lambda d, tok: seen.setdefault("chat", (d, tok)) and "CHAT")
     settings = SimpleNamespace(sampler="SAMPLER_SETTINGS", evaluation=SimpleNamespace(batch_size=6))
-    monkeypatch.setattr(build, "derive", lambda cfg, plan, **kw: seen.setdefault("derive", (plan, kw)) and settings)
+    monkeypatch.setattr(build, "derive", lambda cfg, plan, **kw: seen.setdefault("derive", (cfg, plan, kw))
+                        and settings)
     monkeypatch.setattr(build, "interactive", lambda: True)
     monkeypatch.setattr(build, "build_sampler", lambda st, rt, tok, rows, ts, **kw: seen.setdefault(
         "sampler", (st, rt, tok, rows, ts, kw)) and "SAMPLER")
@@ -331,11 +333,11 @@ def test_build_loads_and_wires_every_part_of_a_single_turn_run(monkeypatch, caps
     assert (group["betas"], group["weight_decay"]) == ((0.8, 0.9), 0.1)
     assert group["lr"] == pytest.approx(0.005) and runtime.scheduler.lr_lambdas[0](1) == 1.0  # warmup, step 0: 1/2
     assert seen["head"] == (policy, 1.0) and ("all_max", {"head_gap": 0.5}) in runtime.calls
-    assert seen["plan"] == (splits, runtime) and seen["resolve"] == (cfg.rollout.backend, "cpu")
+    assert seen["plan"] == (cfg, splits, runtime) and seen["resolve"] == (cfg.rollout.backend, "cpu")
     assert seen["images_check"] == (cfg.rollout.backend, "hf", rows, {
         "zero3": False, "rollout": cfg.rollout, "frozen_tower": cfg.model.freeze_vision_tower})
     assert seen["chat"] == (cfg.data, tokenizer)
-    assert seen["derive"] == ("PLAN", {"chat": "CHAT", "backend": "hf", "longest_prompt": 5})
+    assert seen["derive"] == (cfg, "PLAN", {"chat": "CHAT", "backend": "hf", "longest_prompt": 5})
     assert seen["sampler"] == ("SAMPLER_SETTINGS", runtime, tokenizer, rows, None, {"rewards": ["R"],
                                                                                     "progress": True})
     model_of, tok, kw = seen["greedy"]
@@ -358,7 +360,7 @@ def test_build_with_beta_places_a_reference_and_zero3_and_the_longest_prompt_def
     run = build._build(cfg, runtime, [], None)
     assert seen["reference"] == (cfg.model, policy, 11, 10) and ("reference", "REF") in runtime.calls
     assert run.reference == ("placed", "REF") and seen["images_check"][3]["zero3"] is True
-    assert seen["derive"][1]["longest_prompt"] == cfg.data.max_prompt_tokens
+    assert seen["derive"][2]["longest_prompt"] == cfg.data.max_prompt_tokens
     assert seen["sampler"][5]["progress"] is False and seen["greedy"][2]["progress"] is False
     for backend, stage in (("deepspeed", 2), ("none", 3)):
         seen = _build_stand_ins(monkeypatch, splits)[0]
