@@ -34,6 +34,14 @@ def test_help_says_what_grpo_eval_does_and_each_option(capsys):
     assert "--out OUT where eval.json and eval.md go (default: eval-results)" in out
 
 
+def test_a_malformed_option_is_argparses_line_under_grpo_evals_name(capsys):
+    with pytest.raises(SystemExit) as e:
+        grpo_eval.parse(["--model"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"usage: {grpo_eval.USAGE}\n")
+    assert err.endswith("\ngrpo-eval: error: argument --model: expected one argument\n")
+
+
 def _config_stand_ins(monkeypatch, raw):
     from grpo import cli
     from grpo.config import compose, schema

@@ -86,14 +86,15 @@ def _checks(monkeypatch, toolset=None):
     """Stand-ins for every check preflight calls, in the order it calls them."""
     calls = []
     monkeypatch.setattr(build, "check_name", lambda name: calls.append(("name", name)))
-    monkeypatch.setattr(registry, "check", lambda r, m, device: calls.append(("backend", device)))
+    monkeypatch.setattr(registry, "check", lambda r, m, device: calls.append(("backend", device)) or calls.append(
+        ("backend's", r, m)))
     monkeypatch.setattr(build, "resolve_resume", lambda resume, out: calls.append(("resume", resume, out)))
     monkeypatch.setattr(build, "build_rewards", lambda fns: calls.append(("rewards", fns)) or ["R"])
     monkeypatch.setattr(build, "build_toolset", lambda tools, env: calls.append(("tools", tools, env)) or toolset)
-    monkeypatch.setattr(build.data, "check_source", lambda d: calls.append("data"))
-    monkeypatch.setattr(build, "check_sets", lambda sets, d, rw: calls.append(("sets", rw)))
+    monkeypatch.setattr(build.data, "check_source", lambda d: calls.append(("data", d)))
+    monkeypatch.setattr(build, "check_sets", lambda sets, d, rw: calls.append(("sets", sets, d, rw)))
     monkeypatch.setattr(build, "get_policy_loss", lambda name: calls.append(("loss", name)))
-    monkeypatch.setattr(build, "check_async", lambda cfg: calls.append("async"))
+    monkeypatch.setattr(build, "check_async", lambda cfg: calls.append(("async", cfg)))
     return calls
 
 
@@ -108,11 +109,12 @@ def test_preflight_runs_every_check_in_order_and_returns_the_rewards_and_toolset
     tools = Toolset(protocol="tools", env_name="r", env_reward=False)
     calls = _checks(monkeypatch, toolset=tools)
     cfg = _cfg(tmp_path / "o", resume="runs/x/checkpoints/step_1", device="cpu")
+    cfg = replace(cfg, rollout=replace(cfg.rollout, tools=["m:add"], environment="m:Env"))
     assert build.preflight(cfg) == (["R"], tools)
-    assert calls == [("name", "tiny:llama"), ("backend", "cpu"), ("resume", "runs/x/checkpoints/step_1",
-                     str(tmp_path / "o")), ("rewards", {"r": {"fn": "m:f"}}),
-                     ("tools", cfg.rollout.tools, cfg.rollout.environment), "data", ("sets", ["R"]),
-                     ("loss", cfg.algorithm.policy_loss), "async"]
+    assert calls == [("name", "tiny:llama"), ("backend", "cpu"), ("backend's", cfg.rollout, cfg.model),
+                     ("resume", "runs/x/checkpoints/step_1", str(tmp_path / "o")), ("rewards", {"r": {"fn": "m:f"}}),
+                     ("tools", ["m:add"], "m:Env"), ("data", cfg.data), ("sets", cfg.evaluation.sets, cfg.data, ["R"]),
+                     ("loss", cfg.algorithm.policy_loss), ("async", cfg)]
     for resume in (None, "", "auto"):
         calls.clear()
         build.preflight(replace(cfg, trainer=replace(cfg.trainer, resume=resume)))
@@ -165,7 +167,7 @@ def test_preflight_refuses_a_reward_named_as_the_environment_that_rewards(monkey
     named = replace(cfg, reward=replace(cfg.reward, functions={"Game": {"fn": "m:f"}}))
     with pytest.raises(SetupError, match=r"^reward.functions.Game: the environment's reward\(\) is logged under"):
         build.preflight(named)
-    assert "data" not in calls
+    assert not any(c[0] == "data" for c in calls)
     assert build.preflight(cfg) == (["R"], env)  # another name
     _checks(monkeypatch, toolset=replace(env, env_reward=False))
     build.preflight(named)  # an environment without reward(): nothing logged under its name
