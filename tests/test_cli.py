@@ -325,6 +325,7 @@ def test_split_argv_keeps_each_value_flag_with_its_value():
     assert _split_argv(["--cfg", "job", "a=1", "-m", "--info", "b=2", "-cn", "x", "--config-dir", "d", "c=3",
                         "--cfg"]) == (["--cfg", "job", "-m", "--info", "-cn", "x", "--config-dir", "d", "--cfg"],
                                       ["a=1", "b=2", "c=3"])
+    assert _split_argv(["a=1", "-cn", "x"]) == (["-cn", "x"], ["a=1"])  # a flag's value last
     assert _VALUE_FLAGS == {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                             "--config-dir", "-cd", "--info", "-i", "--experimental-rerun"}
 
