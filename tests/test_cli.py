@@ -434,13 +434,14 @@ def test_preflight_composes_loads_and_checks_then_runs_hydra_in_the_output_dir(m
     assert _preflight(["-m"], ["a=1"]) == ["a=1"] and seen["loaded"]["trainer"]["output_dir"] == "outputs"
 
 
-def test_preflight_of_cfg_job_checks_the_inputs_and_prints_the_unresolved_config(monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("flag", ["--cfg", "-c"])
+def test_preflight_of_cfg_job_checks_the_inputs_and_prints_the_unresolved_config(monkeypatch, capsys, tmp_path, flag):
     from grpo.cli import _preflight
 
     job = {"hydra": {"x": 1}, "trainer": {"output_dir": None}, "lr": "${trainer.output_dir}"}
     seen = _preflight_stand_ins(monkeypatch, job)
     with pytest.raises(SystemExit) as e:
-        _preflight(["--cfg", "job"], ["a=1"])
+        _preflight([flag, "job"], ["a=1"])
     assert e.value.code == 0 and seen == {"composed": ["a=1"], "inputs": "CFG",
                                           "loaded": {"trainer": {"output_dir": "outputs"}, "lr": "outputs"}}
     assert capsys.readouterr().out == "trainer:\n  output_dir: null\nlr: ${trainer.output_dir}\n"

@@ -152,6 +152,19 @@ def test_drop_empty_run_dir_never_the_working_directory_nor_on_another_rank_nor_
     assert not outside.exists() and (tmp_path / "x").is_dir()  # parents outside the working directory stay
 
 
+def test_a_run_dir_that_cannot_be_removed_is_left_without_an_error(monkeypatch, tmp_path):
+    def unremovable(*a, **k):
+        raise PermissionError("read-only")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK", raising=False)
+    d = _hydra_dir(tmp_path, "outputs", "day")
+    (d / ".hydra" / "config.yaml").write_text("")
+    monkeypatch.setattr(os, "unlink", unremovable)
+    train._drop_empty_run_dir(str(d))
+    assert (d / ".hydra" / "config.yaml").exists() and (tmp_path / "outputs").is_dir()
+
+
 def test_main_fails_or_is_interrupted_in_one_line(monkeypatch):
     from grpo import cli
 
