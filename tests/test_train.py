@@ -196,7 +196,7 @@ class _Hydra:
         self.output_subdir = subdir
 
 
-def _hydra_run(monkeypatch, tmp_path, fit, subdir=".hydra", output_dir=None, precedence=None, seen=None):
+def _hydra_run(monkeypatch, tmp_path, fit, subdir=".hydra", output_dir=None, precedence=None, seen=None, raw=None):
     """The Hydra job's body on ``{"trainer": {"output_dir": output_dir, "max_steps": 3}}`` with stand-ins for
     Hydra's config, the precedence rules, fit and the run log; `_fail` and `_interrupted` record and exit."""
     import hydra
@@ -234,7 +234,7 @@ def _hydra_run(monkeypatch, tmp_path, fit, subdir=".hydra", output_dir=None, pre
     monkeypatch.setattr(logger, "run_log", run_log)
     monkeypatch.setattr(train, "_fail", fail)
     monkeypatch.setattr(train, "_interrupted", interrupted)
-    raw = OmegaConf.create({"trainer": {"output_dir": output_dir, "max_steps": 3}})
+    raw = OmegaConf.create(raw or {"trainer": {"output_dir": output_dir, "max_steps": 3}})
     return seen, train._hydra_main()(raw)
 
 
@@ -280,6 +280,20 @@ def test_the_hydra_job_turns_a_failed_fit_into_one_line(monkeypatch, tmp_path, r
     run = str(tmp_path / "run")
     expected = tuple(run if x == "RUN" else x for x in said) if isinstance(said, tuple) else run
     assert e.value.code == code and seen[key] == expected
+
+
+def test_the_hydra_job_resolves_the_config_before_the_schema_drops_the_recipe_key(monkeypatch, tmp_path):
+    raw = {"recipe": {"steps": 5}, "trainer": {"output_dir": None, "max_steps": "${recipe.steps}"}}
+    seen, _ = _hydra_run(monkeypatch, tmp_path, lambda cfg: {}, subdir=None, raw=raw)
+    assert seen["fit"].trainer.max_steps == 5
+
+
+def test_the_hydra_job_fails_in_its_run_dir_on_a_config_the_schema_refuses(monkeypatch, tmp_path):
+    seen = {}
+    with pytest.raises(SystemExit):
+        _hydra_run(monkeypatch, tmp_path, lambda cfg: {}, subdir=None, seen=seen, raw={"trainer": {"max_stepz": 1}})
+    assert seen["fail"][0] == "ConfigError" and "trainer.max_stepz" in seen["fail"][1]
+    assert seen["fail"][2] == str(tmp_path / "run") and "fit" not in seen
 
 
 def test_the_hydra_job_exits_with_the_stop_signals_code(monkeypatch, tmp_path):
