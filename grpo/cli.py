@@ -50,7 +50,7 @@ def prepare_argv(argv: list[str]) -> list[str]:
     overrides = _quote_home(overrides)
     check_argv(overrides)
     overrides = normalize(overrides)
-    single = not ({"-m", "--multirun", "-h", "--help", "--info", "-i"} & set(flags))
+    single = not ({"-m", "--multirun", "--info", "-i"} & set(flags))  # (--help has exited above)
     if {"-m", "--multirun"} & set(flags):
         overrides = _sweep_dir(overrides)
     if single and _flag_value(flags, "--cfg", "-c") in (None, "job"):
