@@ -133,9 +133,10 @@ class Adapter:
     tensors: dict[str, torch.Tensor]
     config: dict
 
-    @property
-    def nbytes(self) -> int:
+    def _nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    nbytes = property(_nbytes)  # a property by a call: mutmut mutates no decorated function
 
 
 def adapter_state(model, full_weights) -> Adapter:
