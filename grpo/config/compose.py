@@ -292,7 +292,7 @@ def _option(path: Path) -> str:
         # its own name when no built-in has it (job names and reports say recipe=NAME); else, or for a second file
         # of one name (a sweep over folders): user/NAME, user2/NAME, in that order, so the names taken before this
         # one are the files of its name served already and a built-in of its name
-        taken = sum(p.stem == path.stem for p in _served) + (RECIPE_DIR / path.name).is_file()
+        taken = sum(p.stem == path.stem for p in _served) + (RECIPE_DIR / f"{path.stem}.yaml").is_file()
         option = f"user{taken if taken > 1 else ''}/{path.stem}" if taken else path.stem
         target = _overlay[0] / "recipe" / f"{option}.yaml"
         target.parent.mkdir(parents=True, exist_ok=True)

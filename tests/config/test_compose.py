@@ -282,6 +282,8 @@ def test_overrides_of_a_dict_apply_in_order_to_its_base():
     merged = C._apply_overrides({"n": {"a": 1}}, key, parsed("+data.task_kwargs.n={b: 2}"))
     assert merged == {"n": {"a": 1, "b": 2}}  # + merges into a sub-dict, a plain override replaces it
     assert C._apply_overrides({"n": {"a": 1}}, key, parsed("data.task_kwargs.n={b: 2}")) == {"n": {"b": 2}}
+    deep = C._apply_overrides({"n": {"d": {"x": 1, "y": 2}}}, key, parsed("~data.task_kwargs.n.d.x"))
+    assert deep == {"n": {"d": {"y": 2}}}  # a delete two levels down: the last key comes off its own parent
 
 
 def test_a_dicts_base_is_the_recipes_own_value_or_hydras_merge():
@@ -455,6 +457,23 @@ def test_recipes_outside_the_built_in_folder_are_served_by_their_own_name_or_use
     with pytest.raises(ConfigError, match="no such file"):
         C.find_recipe("user3/smoke")  # not served: a path, which does not exist
     shutil.rmtree(overlay)
+
+
+def test_a_first_recipe_served_as_user_name_and_a_global_one_outside_the_built_ins_are_served(monkeypatch, tmp_path,
+                                                                                             unserved):
+    import shutil
+
+    monkeypatch.setattr(C.atexit, "register", lambda *call: None)
+    shadow, glob = tmp_path / "smoke.yaml", tmp_path / "glob-k3.yaml"
+    shadow.write_text("trainer: {max_steps: 3}\n")
+    glob.write_text("# @package _global_\ntrainer: {max_steps: 4}\n")
+    assert C._option(shadow) == "user/smoke"  # the overlay's recipe/user/ made with its parents
+    assert C._option(glob) == "glob-k3" and C._served[glob] == "glob-k3"  # Hydra reads only its search path
+    assert (C._overlay[0] / "recipe" / "glob-k3.yaml").read_text() == "# @package _global_\n" + glob.read_text()
+    yml = tmp_path / "quickstart.yml"  # a .yml file of a built-in's name
+    yml.write_text("trainer: {max_steps: 5}\n")
+    assert C._option(yml) == "user/quickstart"
+    shutil.rmtree(C._overlay[0])
 
 
 def test_serve_recipes_rewrites_recipe_values_and_puts_the_overlay_on_the_search_path(monkeypatch, tmp_path, unserved):

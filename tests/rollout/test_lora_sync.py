@@ -11,6 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from peft import LoraConfig as PeftLoraConfig  # imported at collection: mutmut's forkserver holds it for every mutant
+from peft import get_peft_model
+from safetensors.torch import load_file
 
 from grpo.config.schema import LoraConfig, VLLMConfig
 from grpo.errors import SetupError
@@ -259,9 +262,6 @@ class _Tiny(torch.nn.Module):
 
 
 def _peft(targets=("q_proj", "v_proj"), name="default", **cfg):
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-
     return get_peft_model(_Tiny(), PeftLoraConfig(r=2, lora_alpha=4, target_modules=list(targets), **cfg),
                           adapter_name=name)
 
@@ -305,6 +305,12 @@ def test_the_active_adapter_is_its_name_and_its_config_or_the_first_of_a_list():
 ])
 def test_the_refusal_names_what_vllm_cannot_serve_as_lora(kwargs, targets, why):
     assert ls.refusal(_peft(targets, **kwargs)) == why
+
+
+def test_a_config_without_dora_or_per_layer_fields_is_plain_lora():
+    policy = _peft()
+    policy.peft_config["default"] = SimpleNamespace(r=2, lora_alpha=4, is_prompt_learning=False)  # without those fields
+    assert ls.refusal(policy) is None
 
 
 def test_a_trained_weight_outside_the_adapters_is_refused_by_its_name_the_first_one():
@@ -382,8 +388,6 @@ def test_the_adapter_bytes_add_up_every_tensors_size():
 
 
 def test_the_adapter_state_is_a_copy_of_the_active_adapters_a_and_b_under_peft_names_gathered_in_pairs():
-    from peft import LoraConfig as PeftLoraConfig
-
     policy = _peft(("q_proj",))
     policy.add_adapter("other", PeftLoraConfig(r=3, lora_alpha=5, target_modules=["v_proj"], use_rslora=True))
     policy.set_adapter("other")  # on v_proj only: each q_proj layer (the first one too) has no "other"
@@ -421,8 +425,6 @@ def test_the_adapter_state_is_a_copy_of_the_active_adapters_a_and_b_under_peft_n
 
 
 def test_the_peft_folder_holds_the_tensors_and_the_config_and_can_be_written_again(tmp_path):
-    from safetensors.torch import load_file
-
     adapter = ls.Adapter({"base_model.model.x.lora_A.weight": torch.arange(6.0).reshape(2, 3)}, {"r": 2, "x": None})
     path = tmp_path / "a" / "b"
     ls.write_peft_dir(adapter, path)
@@ -466,6 +468,17 @@ def test_the_slots_folder_is_under_the_root_given_else_in_ram_where_there_is_dev
     shm = Path("/dev/shm")
     assert slots.root.parent == (shm if shm.is_dir() else Path(tempfile.gettempdir()))
     assert slots.root.name.startswith("grpo-lora-")
+    slots.close()
+
+
+def test_without_dev_shm_the_slots_folder_is_in_the_temporary_directory(tmp_path, monkeypatch):
+    import tempfile
+
+    is_dir = Path.is_dir
+    monkeypatch.setattr(Path, "is_dir", lambda self: str(self) != "/dev/shm" and is_dir(self))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    slots, _ = _slots(tmp_path, root=None)
+    assert slots.root.parent == tmp_path and slots.root.name.startswith("grpo-lora-")
     slots.close()
 
 
