@@ -101,25 +101,38 @@ def apply_precedence(raw: DictConfig, overrides: list[str], choices: dict, compo
         for g in named:
             if g in plain:
                 out[g] = plain[g]
-    rec = _yaml(recipe_file(recipe)) if recipe else OmegaConf.create()
+    rec = _recipe_values(recipe)
     for key in sorted(open_dict_keys()):
-        section = key.split(".")[0]
-        if section not in out:
+        section, leaf = key.split(".")  # every free-form dict is a section's key
+        if not isinstance(out.get(section), DictConfig):
             continue
         base = _dict_base(key, parsed, choices, None if section in named else rec)
         if base is not None:
-            OmegaConf.update(out, key, _apply_overrides(base, key, parsed), merge=False)
+            out[section][leaf] = _apply_overrides(base, key, parsed)  # the whole dict: no key-by-key merge
     return out
+
+
+def _recipe_values(recipe: str | None) -> DictConfig | None:
+    """The recipe file's own values (None: no recipe)."""
+    if not recipe:
+        return None
+    return _yaml(recipe_file(recipe))
+
+
+def _group_source(option: str | None) -> str | None:
+    """``data.source`` of the data group's option (None: no option, or one that sets no source)."""
+    if not option:
+        return None
+    return _yaml(CONFIG_DIR / "data" / f"{option}.yaml").get("source")
 
 
 def _dict_base(key: str, parsed, choices: dict, rec: DictConfig | None):
     """Rule 3: the value of free-form dict ``key`` before the command line's overrides of it, when it is not
     Hydra's key-by-key merge (None: keep that). ``rec`` is the recipe (None when its section is dropped)."""
-    own = OmegaConf.select(rec, key, default=None) if rec is not None else None
+    own = OmegaConf.select(rec, key) if rec is not None else None  # None where the recipe does not set it
     if key == TASK_KWARGS:
-        option = choices.get("data")
-        group_source = _yaml(CONFIG_DIR / "data" / f"{option}.yaml").get("source") if option else None
-        recipe_source = OmegaConf.select(rec, "data.source", default=None) if rec is not None else None
+        group_source = _group_source(choices.get("data"))
+        recipe_source = OmegaConf.select(rec, "data.source") if rec is not None else None
         before = recipe_source if recipe_source is not None else group_source
         cli = [o for o in parsed if o.key_or_group == "data.source" and not o.is_delete()]
         if cli and str(cli[-1].value()) != str(before):
@@ -184,7 +197,7 @@ def _reward_typo(overrides: list[str], compose_fn) -> str | None:
         return None
     for _, name in named:
         if name not in have:
-            close = difflib.get_close_matches(name, sorted(have), n=1, cutoff=0.6)
+            close = difflib.get_close_matches(name, sorted(have))  # the best match first
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             return (f"reward.functions has no '{name}'{hint}; this run's rewards: {', '.join(sorted(have))}; "
                     f"add a new one with '+reward.functions.{name}={{fn: ..., weight: ...}}'")
@@ -196,10 +209,9 @@ def hydra_error_line(e: Exception) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     if not lines:
         return type(e).__name__
-    first = lines[0]
-    detail = next((line for line in lines[1:] if not line.startswith(("full_key", "object_type", "To append"))), "")
-    hint = next((line for line in lines[1:] if line.startswith("To append")), "")
-    return " ".join(part for part in (first, detail, hint) if part)
+    details = [line for line in lines[1:] if not line.startswith(("full_key", "object_type", "To append"))]
+    hints = [line for line in lines[1:] if line.startswith("To append")]
+    return " ".join([lines[0], *details[:1], *hints[:1]])
 
 
 # ------------------------------------------------------------------------------------------ recipes from anywhere
@@ -221,7 +233,8 @@ def recipe_folders() -> list[Path]:
 
 
 def _is_path(value: str) -> bool:
-    return "/" in value or os.sep in value or value.endswith((".yaml", ".yml")) or value.startswith("~")
+    separators = {os.sep, os.altsep}  # "/" on POSIX; "\\" and "/" on Windows
+    return bool(separators & set(value)) or value.endswith((".yaml", ".yml")) or value.startswith("~")
 
 
 def find_recipe(value: str) -> Path:
@@ -259,10 +272,11 @@ def _is_global(text: str) -> bool:
     for line in (line.strip() for line in text.splitlines()):
         if not line:
             continue
-        if not re.match(r"#\s*@", line):
+        header = re.match(r"#\s*(@\S*) *(.*)", line)
+        if not header:
             break
-        key, _, value = line.lstrip("#").strip().partition(" ")
-        is_global = value.strip() == "_global_" if key == "@package" else is_global
+        if header[1] == "@package":
+            is_global = header[2] == "_global_"
     return is_global
 
 
@@ -276,10 +290,10 @@ def _option(path: Path) -> str:
             _overlay.append(Path(tempfile.mkdtemp(prefix="grpo-recipes-")))
             atexit.register(shutil.rmtree, _overlay[0], True)
         # its own name when no built-in has it (job names and reports say recipe=NAME); else, or for a second file
-        # of one name (a sweep over folders): user/NAME, user2/NAME
-        used = set(_served.values()) | {p.stem for p in RECIPE_DIR.glob("*.yaml")}
-        options = (path.stem, *(f"user{i if i > 1 else ''}/{path.stem}" for i in range(1, len(_served) + 2)))
-        option = next(o for o in options if o not in used)
+        # of one name (a sweep over folders): user/NAME, user2/NAME, in that order, so the names taken before this
+        # one are the files of its name served already and a built-in of its name
+        taken = sum(p.stem == path.stem for p in _served) + (RECIPE_DIR / f"{path.stem}.yaml").is_file()
+        option = f"user{taken if taken > 1 else ''}/{path.stem}" if taken else path.stem
         target = _overlay[0] / "recipe" / f"{option}.yaml"
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(_GLOBAL + path.read_text())
@@ -296,14 +310,14 @@ def serve_recipes(overrides: list[str]) -> list[str]:
             out.append(line)
             continue
         values = [str(v) for v in o.value().list] if o.is_sweep_override() else [str(o.value())]
-        prefix = line.split("recipe=", 1)[0]
+        prefix = line.partition("recipe=")[0]
         out.append(f"{prefix}recipe=" + ",".join(_option(find_recipe(v)) for v in values))
-    if _overlay and _served:
+    if _served:  # served by _option, which made the overlay folder first
         entry = f"file://{_overlay[0]}"
         given = [i for i, line in enumerate(out) if line.startswith("hydra.searchpath=")]
         if not given:
             out.append(f"hydra.searchpath=[{entry}]")
         elif entry not in out[given[-1]]:
-            out[given[-1]] = out[given[-1]].rstrip("]") + ("," if out[given[-1]].rstrip("]")[-1] != "[" else "") \
-                + entry + "]"
+            head = out[given[-1]].rstrip("]")
+            out[given[-1]] = head + ("," if head[-1] != "[" else "") + entry + "]"
     return out

@@ -98,7 +98,7 @@ def refusal(model) -> str | None:
         return "per-layer ranks or alphas (rank_pattern / alpha_pattern)"
     from grpo.engine.unwrap import unwrap_model
 
-    other = sorted({n.rsplit(".", 1)[-1] for n in layers} - set(LORA_MODULES))
+    other = sorted({n.rpartition(".")[2] for n in layers} - set(LORA_MODULES))
     if other:
         return f"LoRA on {', '.join(other)}, which vLLM does not serve as LoRA"
     trained = [n for n, p in unwrap_model(model, peft=False).named_parameters()
@@ -133,9 +133,10 @@ class Adapter:
     tensors: dict[str, torch.Tensor]
     config: dict
 
-    @property
-    def nbytes(self) -> int:
+    def _nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    nbytes = property(_nbytes)  # a property by a call: mutmut mutates no decorated function
 
 
 def adapter_state(model, full_weights) -> Adapter:
@@ -153,7 +154,7 @@ def adapter_state(model, full_weights) -> Adapter:
         with full_weights([a, b]), torch.no_grad():
             for part, t in (("lora_A", a), ("lora_B", b)):
                 tensors[f"base_model.model.{layer_name}.{part}.weight"] = t.detach().to("cpu", copy=True).contiguous()
-    targets = sorted({n.rsplit(".", 1)[-1] for n in layers})
+    targets = sorted({n.rpartition(".")[2] for n in layers})
     config = {"peft_type": "LORA", "r": int(cfg.r), "lora_alpha": float(cfg.lora_alpha), "target_modules": targets,
               "use_rslora": bool(getattr(cfg, "use_rslora", False)), "bias": "none", "modules_to_save": None}
     return Adapter(tensors, config)

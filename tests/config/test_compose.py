@@ -282,6 +282,8 @@ def test_overrides_of_a_dict_apply_in_order_to_its_base():
     merged = C._apply_overrides({"n": {"a": 1}}, key, parsed("+data.task_kwargs.n={b: 2}"))
     assert merged == {"n": {"a": 1, "b": 2}}  # + merges into a sub-dict, a plain override replaces it
     assert C._apply_overrides({"n": {"a": 1}}, key, parsed("data.task_kwargs.n={b: 2}")) == {"n": {"b": 2}}
+    deep = C._apply_overrides({"n": {"d": {"x": 1, "y": 2}}}, key, parsed("~data.task_kwargs.n.d.x"))
+    assert deep == {"n": {"d": {"y": 2}}}  # a delete two levels down: the last key comes off its own parent
 
 
 def test_a_dicts_base_is_the_recipes_own_value_or_hydras_merge():
@@ -352,6 +354,7 @@ def test_a_reward_typo_is_not_guessed_when_the_rest_does_not_compose_either():
     ("one line only", "one line only"),
     ("first\n  second  \nthird", "first second"),
     ("first\nTo append: +a\nobject_type=x", "first To append: +a"),
+    ("first\nTo append: +a\nTo append: +b\ndetail", "first detail To append: +a"),  # one detail, one hint, in order
 ])
 def test_hydras_error_is_its_first_line_the_detail_and_the_hint(text, line):
     assert C.hydra_error_line(ValueError(text)) == line
@@ -373,6 +376,13 @@ def test_recipe_folders_are_the_search_path_then_the_built_ins(monkeypatch, tmp_
 ])
 def test_a_recipe_value_is_a_path_when_it_has_a_slash_a_yaml_suffix_or_a_tilde(value, is_path):
     assert C._is_path(value) is is_path
+
+
+def test_a_backslash_is_a_separator_on_windows_only(monkeypatch):
+    assert C._is_path("a\\b") is False  # POSIX: a name with a backslash in it
+    monkeypatch.setattr(C.os, "sep", "\\")
+    monkeypatch.setattr(C.os, "altsep", "/")
+    assert C._is_path("a\\b") is True and C._is_path("a/b") is True and C._is_path("smoke") is False
 
 
 def test_find_recipe_by_path_or_by_name_in_the_folders_in_order(monkeypatch, tmp_path, unserved):
@@ -449,6 +459,23 @@ def test_recipes_outside_the_built_in_folder_are_served_by_their_own_name_or_use
     shutil.rmtree(overlay)
 
 
+def test_a_first_recipe_served_as_user_name_and_a_global_one_outside_the_built_ins_are_served(monkeypatch, tmp_path,
+                                                                                             unserved):
+    import shutil
+
+    monkeypatch.setattr(C.atexit, "register", lambda *call: None)
+    shadow, glob = tmp_path / "smoke.yaml", tmp_path / "glob-k3.yaml"
+    shadow.write_text("trainer: {max_steps: 3}\n")
+    glob.write_text("# @package _global_\ntrainer: {max_steps: 4}\n")
+    assert C._option(shadow) == "user/smoke"  # the overlay's recipe/user/ made with its parents
+    assert C._option(glob) == "glob-k3" and C._served[glob] == "glob-k3"  # Hydra reads only its search path
+    assert (C._overlay[0] / "recipe" / "glob-k3.yaml").read_text() == "# @package _global_\n" + glob.read_text()
+    yml = tmp_path / "quickstart.yml"  # a .yml file of a built-in's name
+    yml.write_text("trainer: {max_steps: 5}\n")
+    assert C._option(yml) == "user/quickstart"
+    shutil.rmtree(C._overlay[0])
+
+
 def test_serve_recipes_rewrites_recipe_values_and_puts_the_overlay_on_the_search_path(monkeypatch, tmp_path, unserved):
     assert C.serve_recipes(["recipe=smoke", "trainer.lr=1", "~recipe"]) == ["recipe=smoke", "trainer.lr=1", "~recipe"]
     mine = tmp_path / "mine-q4.yaml"
@@ -509,6 +536,18 @@ def test_precedence_without_a_recipe_or_a_named_group_composes_nothing_more():
         {"accuracy": {"fn": "arithmetic", "weight": 1.0}, "format": {"fn": "number_only", "weight": 0.5}}
 
 
+def test_precedence_leaves_a_section_that_is_not_a_mapping_alone_and_reads_the_recipe_and_group_files():
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.create({"reward": None, "data": {"task_kwargs": {"level": 1}}})
+    out = C.apply_precedence(raw, [], {"recipe": "quickstart"}, None)
+    assert out.reward is None and out.data.task_kwargs == {"level": 0}  # the recipe's own task arguments
+    assert C._recipe_values(None) is None and C._recipe_values("") is None
+    assert C._recipe_values("smoke").trainer.max_steps == 2
+    assert C._group_source("countdown") == "builtin:countdown" and C._group_source(None) is None
+    assert C._group_source("") is None
+
+
 def test_precedence_says_in_one_line_when_the_named_groups_do_not_compose_without_the_recipe():
     def compose_fn(overrides):
         raise ValueError("Could not override 'reward.functions.g.weight'\nfull_key: x")
@@ -530,6 +569,12 @@ def test_composing_warns_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert C.compose(["recipe=smoke"]).trainer.max_steps == 2
+
+
+def test_a_group_named_beside_a_recipe_is_composed_without_the_recipe():
+    cfg = C.compose(["recipe=quickstart", "reward=math"])
+    assert {k: v.fn for k, v in cfg.reward.functions.items()} == {"accuracy": "math_accuracy", "format": "format"}
+    assert cfg.trainer.max_steps == 15  # the recipe's other sections stay
 
 
 def test_a_reward_typo_lists_the_rewards_of_this_run_not_the_defaults():

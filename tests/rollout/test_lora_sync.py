@@ -2,11 +2,18 @@
 PEFT folder (loaded back by PEFT itself as the independent reference) and the resident versions. The engine side is
 tests/rollout/test_vllm_lora.py (make test-vllm)."""
 import contextlib
+import json
+import shutil
+import sys
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from peft import LoraConfig as PeftLoraConfig  # imported at collection: mutmut's forkserver holds it for every mutant
+from peft import get_peft_model
+from safetensors.torch import load_file
 
 from grpo.config.schema import LoraConfig, VLLMConfig
 from grpo.errors import SetupError
@@ -239,3 +246,268 @@ def test_counted_tallies_what_passed_and_closes_its_source():
     assert tally["tensors"] == 3 and tally["bytes"] == 24 + 8 + 4 and closed == [True]
     assert [n for n, _ in ls_weights.counted([("x", torch.zeros(1))], tally)] == ["x"]  # a list: nothing to close
     assert tally["tensors"] == 1 and tally["bytes"] == 4
+
+
+# ----------------------------------------------------------- unit tests over a tiny PEFT model built in memory
+# (a few Linear layers named as a decoder's, a fraction of a millisecond to build: the mutants' tests; the tests
+# above build a tiny llama each, about a second, and check the folder against PEFT's own loading)
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed_tokens = torch.nn.Embedding(10, 4)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.ModuleDict({p: torch.nn.Linear(4, 4, bias=False) for p in ("q_proj", "v_proj")}) for _ in range(2))
+        self.lm_head = torch.nn.Linear(4, 10, bias=False)
+
+
+def _peft(targets=("q_proj", "v_proj"), name="default", **cfg):
+    return get_peft_model(_Tiny(), PeftLoraConfig(r=2, lora_alpha=4, target_modules=list(targets), **cfg),
+                          adapter_name=name)
+
+
+class DistributedDataParallel(torch.nn.Module):  # named as torch's: unwrap_model goes through it by its name
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+def test_lora_layers_are_the_base_models_names_of_its_lora_layers_through_a_parallel_wrapper():
+    policy = _peft()
+    want = {f"layers.{i}.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")}
+    assert set(ls.lora_layers(policy)) == want
+    got = ls.lora_layers(DistributedDataParallel(policy))  # the peft model inside is not unwrapped: its base is read
+    assert set(got) == want and got["layers.1.v_proj"] is policy.get_base_model().layers[1]["v_proj"]
+    assert ls.lora_layers(_Tiny()) == {}  # not a peft model
+    base = policy.get_base_model()
+    base.only_a = SimpleNamespace()  # not modules: named_modules skips them; modules with one of the two parts:
+    base.layers[0]["half_a"] = torch.nn.Module()
+    base.layers[0]["half_a"].lora_A = torch.nn.ModuleDict()
+    base.layers[0]["half_b"] = torch.nn.Module()
+    base.layers[0]["half_b"].base_layer = torch.nn.Linear(1, 1)
+    assert set(ls.lora_layers(policy)) == want
+
+
+def test_the_active_adapter_is_its_name_and_its_config_or_the_first_of_a_list():
+    policy = _peft(name="first")
+    name, cfg = ls.active_adapter(DistributedDataParallel(policy))
+    assert name == "first" and cfg is policy.peft_config["first"]
+    listed = SimpleNamespace(active_adapter=["b", "a"], peft_config={"a": 1, "b": 2})
+    assert ls.active_adapter(listed) == ("b", 2)
+
+
+@pytest.mark.parametrize("kwargs, targets, why", [
+    (dict(use_dora=True), ("q_proj",), "DoRA adapters (use_dora) are not LoRA to vLLM"),
+    (dict(rank_pattern={"q_proj": 4}), ("q_proj",), "per-layer ranks or alphas (rank_pattern / alpha_pattern)"),
+    (dict(alpha_pattern={"q_proj": 4}), ("q_proj",), "per-layer ranks or alphas (rank_pattern / alpha_pattern)"),
+    ({}, ("lm_head", "q_proj", "embed_tokens"), "LoRA on embed_tokens, lm_head, which vLLM does not serve as LoRA"),
+    ({}, ("q_proj", "v_proj"), None),
+])
+def test_the_refusal_names_what_vllm_cannot_serve_as_lora(kwargs, targets, why):
+    assert ls.refusal(_peft(targets, **kwargs)) == why
+
+
+def test_a_config_without_dora_or_per_layer_fields_is_plain_lora():
+    policy = _peft()
+    policy.peft_config["default"] = SimpleNamespace(r=2, lora_alpha=4, is_prompt_learning=False)  # without those fields
+    assert ls.refusal(policy) is None
+
+
+def test_a_trained_weight_outside_the_adapters_is_refused_by_its_name_the_first_one():
+    policy = _peft()
+    assert ls.refusal(_Tiny()) == "the model has no LoRA layers"
+    base = policy.get_base_model()
+    base.lm_head.weight.requires_grad_(True)
+    base.embed_tokens.weight.requires_grad_(True)
+    assert ls.refusal(policy) == ("trained weights outside the adapters (base_model.model.embed_tokens.weight: "
+                                  "modules_to_save, a trained embedding or bias)")
+    base.embed_tokens.weight.requires_grad_(False)
+    assert "(base_model.model.lm_head.weight: " in ls.refusal(DistributedDataParallel(policy))
+    base.lm_head.weight.requires_grad_(False)
+    for n, p in policy.named_parameters():  # frozen adapters are not trained weights outside them either
+        p.requires_grad_(False)
+    assert ls.refusal(policy) is None
+
+
+def test_choose_says_once_why_it_merges_and_adapters_refuses_in_one_line(capsys):
+    said = []
+    assert ls.choose("auto", _peft(), say=said.append) is True
+    assert ls.choose("merged", _peft(), say=said.append) is False
+    assert ls.choose("adapters", _peft(), say=said.append) is True
+    assert ls.choose("adapters", _Tiny(), say=said.append) is False  # no LoRA: merged, nothing refused or said
+    assert ls.choose("auto", _Tiny(), say=said.append) is False
+    assert said == []
+    dora = _peft(use_dora=True)
+    assert ls.choose("auto", dora, say=said.append) is False
+    assert said == ["LoRA: the merged weights go to vLLM at every sync, not the adapters: DoRA adapters (use_dora) "
+                    "are not LoRA to vLLM"]
+    with pytest.raises(SetupError, match=r"^rollout\.vllm\.lora_sync=adapters: DoRA adapters \(use_dora\) are not "
+                                         r"LoRA to vLLM; use rollout\.vllm\.lora_sync=auto or merged$"):
+        ls.choose("adapters", dora)
+    capsys.readouterr()
+    assert ls.choose("auto", dora) is False  # said on stderr by default
+    assert capsys.readouterr() == ("", "[grpo] " + said[0] + "\n")
+
+
+def test_say_once_prints_the_line_to_stderr_and_flushes_it(monkeypatch):
+    class Err:
+        def __init__(self):
+            self.parts, self.flushed = [], 0
+
+        def write(self, s):
+            self.parts.append(s)
+
+        def flush(self):
+            self.flushed += 1
+
+    err = Err()
+    monkeypatch.setattr("sys.stderr", err)
+    monkeypatch.setattr("sys.stdout", Err())
+    ls.say_once("merged")
+    assert "".join(err.parts) == "[grpo] merged\n" and err.flushed == 1
+
+
+def test_the_config_check_passes_a_servable_or_disabled_adapter_and_refuses_at_the_largest_rank_plus_one():
+    assert ls.config_refusal(LoraConfig(enabled=True, r=512, target_modules=list(ls.LORA_MODULES))) is None
+    assert ls.config_refusal(LoraConfig(enabled=True, r=513)) == ("model.lora.r=513 is above the largest rank vLLM "
+                                                                  "serves (512)")
+    assert ls.config_refusal(LoraConfig(enabled=True, target_modules=["lm_head", "q_proj", "norm"])) == (
+        "model.lora.target_modules has lm_head, norm, which vLLM does not serve as LoRA (it serves q_proj, k_proj, "
+        "v_proj, o_proj, gate_proj, up_proj, down_proj)")
+    bad = LoraConfig(enabled=False, target_modules=["lm_head"])
+    ls.check_config(VLLMConfig(lora_sync="adapters"), bad)  # no LoRA: nothing to refuse
+    ls.check_config(VLLMConfig(lora_sync="adapters"), LoraConfig(enabled=True))
+    with pytest.raises(SetupError, match=r"lm_head, .*; use rollout\.vllm\.lora_sync=auto \(merged weights then\)$"):
+        ls.check_config(VLLMConfig(lora_sync="adapters"), replace(bad, enabled=True))
+
+
+def test_the_adapter_bytes_add_up_every_tensors_size():
+    adapter = ls.Adapter({"a": torch.zeros(2, 3), "b": torch.zeros(5, dtype=torch.float16)}, {})
+    assert adapter.nbytes == 2 * 3 * 4 + 5 * 2
+    assert ls.Adapter({}, {}).nbytes == 0
+
+
+def test_the_adapter_state_is_a_copy_of_the_active_adapters_a_and_b_under_peft_names_gathered_in_pairs():
+    policy = _peft(("q_proj",))
+    policy.add_adapter("other", PeftLoraConfig(r=3, lora_alpha=5, target_modules=["v_proj"], use_rslora=True))
+    policy.set_adapter("other")  # on v_proj only: each q_proj layer (the first one too) has no "other"
+    base = policy.get_base_model()
+    odd = torch.nn.Parameter(torch.randn(4, 3).t())  # a weight that is not contiguous
+    base.layers[0]["v_proj"].lora_A["other"].weight = odd
+    gathered = []
+
+    @contextlib.contextmanager
+    def full_weights(params):
+        gathered.append(params)
+        yield False
+
+    adapter = ls.adapter_state(policy, full_weights)
+    v = [base.layers[i]["v_proj"] for i in (0, 1)]
+    assert [[id(p) for p in ps] for ps in gathered] == [[id(m.lora_A["other"].weight), id(m.lora_B["other"].weight)]
+                                                        for m in v]
+    want = {f"base_model.model.layers.{i}.v_proj.{part}.weight": getattr(v[i], part)["other"].weight
+            for i in (0, 1) for part in ("lora_A", "lora_B")}
+    assert list(adapter.tensors) == list(want)
+    for key, w in want.items():
+        got = adapter.tensors[key]
+        assert torch.equal(got, w) and got.data_ptr() != w.data_ptr() and got.is_contiguous()
+        assert not got.requires_grad and got.device.type == "cpu"
+    assert adapter.config == {"peft_type": "LORA", "r": 3, "lora_alpha": 5.0, "target_modules": ["q_proj", "v_proj"],
+                              "use_rslora": True, "bias": "none", "modules_to_save": None}
+    assert type(adapter.config["r"]) is int and type(adapter.config["lora_alpha"]) is float
+    policy.set_adapter("default")
+    plain = ls.adapter_state(policy, full_weights).config
+    assert plain["use_rslora"] is False and plain["r"] == 2 and plain["lora_alpha"] == 4.0
+    cfg = SimpleNamespace(r=2.0, lora_alpha=4)  # a config without use_rslora: not rank-stabilized
+    listed = SimpleNamespace(active_adapter="default", peft_config={"default": cfg}, get_base_model=lambda: base)
+    got = ls.adapter_state(listed, full_weights).config
+    assert got["use_rslora"] is False and type(got["r"]) is int and type(got["lora_alpha"]) is float
+
+
+def test_the_peft_folder_holds_the_tensors_and_the_config_and_can_be_written_again(tmp_path):
+    adapter = ls.Adapter({"base_model.model.x.lora_A.weight": torch.arange(6.0).reshape(2, 3)}, {"r": 2, "x": None})
+    path = tmp_path / "a" / "b"
+    ls.write_peft_dir(adapter, path)
+    ls.write_peft_dir(adapter, path)  # a folder that is there already
+    assert sorted(p.name for p in path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((path / "adapter_config.json").read_text()) == {"r": 2, "x": None}
+    got = load_file(str(path / "adapter_model.safetensors"))
+    assert list(got) == list(adapter.tensors) and torch.equal(got["base_model.model.x.lora_A.weight"],
+                                                              adapter.tensors["base_model.model.x.lora_A.weight"])
+
+
+def _slots(tmp_path, keep=1, root="given"):
+    calls = []
+    slots = ls.AdapterSlots(lambda path, i: calls.append(("load", path.name, i)),
+                            lambda i: calls.append(("unload", i)), keep=keep,
+                            root=str(tmp_path) if root == "given" else root)
+    return slots, calls
+
+
+def test_the_slots_keep_the_newest_version_by_default_and_at_least_one(tmp_path):
+    adapter = ls.Adapter({"w": torch.zeros(1)}, {"r": 1})
+    for keep in (1, 0, -3):
+        slots, calls = _slots(tmp_path, keep=keep)
+        assert slots.keep == 1 and slots.latest is None and slots.resident == {}
+        slots.add(3, adapter)
+        slots.add(4, adapter)
+        assert calls == [("load", "v3", 4), ("load", "v4", 5), ("unload", 4)] and list(slots.resident) == [4]
+        assert not (slots.root / "v3").exists() and (slots.root / "v4" / "adapter_model.safetensors").is_file()
+    slots, _ = _slots(tmp_path, keep="2")
+    assert slots.keep == 2
+    slots = ls.AdapterSlots(lambda p, i: None, lambda i: None)
+    assert slots.keep == 1
+
+
+def test_the_slots_folder_is_under_the_root_given_else_in_ram_where_there_is_dev_shm(tmp_path):
+    import tempfile
+
+    slots, _ = _slots(tmp_path)
+    assert slots.root.parent == tmp_path and slots.root.name.startswith("grpo-lora-") and slots.root.is_dir()
+    slots, _ = _slots(tmp_path, root=None)
+    shm = Path("/dev/shm")
+    assert slots.root.parent == (shm if shm.is_dir() else Path(tempfile.gettempdir()))
+    assert slots.root.name.startswith("grpo-lora-")
+    slots.close()
+
+
+def test_without_dev_shm_the_slots_folder_is_in_the_temporary_directory(tmp_path, monkeypatch):
+    import tempfile
+
+    is_dir = Path.is_dir
+    monkeypatch.setattr(Path, "is_dir", lambda self: str(self) != "/dev/shm" and is_dir(self))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    slots, _ = _slots(tmp_path, root=None)
+    assert slots.root.parent == tmp_path and slots.root.name.startswith("grpo-lora-")
+    slots.close()
+
+
+def test_a_version_added_again_is_unloaded_first_and_a_folder_already_gone_is_no_error(tmp_path):
+    adapter = ls.Adapter({"w": torch.zeros(1)}, {"r": 1})
+    slots, calls = _slots(tmp_path, keep=2)
+    slots.add(0, adapter)
+    slots.add(0, ls.Adapter({"w": torch.ones(1)}, {"r": 1}))
+    assert calls == [("load", "v0", 1), ("unload", 1), ("load", "v0", 1)] and slots.latest == 0
+    shutil.rmtree(slots.resident[0])  # removed by someone else
+    slots.add(1, adapter)
+    slots.add(2, adapter)
+    assert calls[-1] == ("unload", 1) and sorted(slots.resident) == [1, 2] and slots.latest == 2
+    slots.close()
+    slots.close()  # twice: nothing left to remove
+    assert slots.resident == {} and not slots.root.exists()
+
+
+def test_a_request_names_the_newest_or_the_given_resident_version_by_its_id_and_folder(tmp_path, monkeypatch):
+    made = []
+    monkeypatch.setitem(sys.modules, "vllm.lora.request",
+                        SimpleNamespace(LoRARequest=lambda *a: made.append(a) or a))
+    slots, _ = _slots(tmp_path, keep=2)
+    assert slots.request() is None and made == []
+    adapter = ls.Adapter({"w": torch.zeros(1)}, {"r": 1})
+    slots.add(4, adapter)
+    slots.add(7, adapter)
+    assert slots.request() == ("v7", 8, str(slots.root / "v7"))
+    assert slots.request(4) == ("v4", 5, str(slots.root / "v4"))
+    with pytest.raises(KeyError, match=r"adapter version 5 is not resident \(resident: \[4, 7\]\)"):
+        slots.request(5)
+    slots.close()
