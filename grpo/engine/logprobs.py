@@ -198,7 +198,7 @@ def _forward_shared_prefix(lm, decoder, head, prompts, comps, temperature, want_
 
 
 def _hidden(out) -> torch.Tensor:
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return out[0]  # a ModelOutput's first field is its last_hidden_state (a tuple's first element too)
 
 
 def _empty(device):

@@ -52,8 +52,7 @@ def _softmax(scores: torch.Tensor, allowed: torch.Tensor, extras: ScoreExtras, d
     shape = [1] * scores.dim()
     shape[1] = -1
     sink = extras.sinks.float().view(shape).expand(*scores.shape[:-1], 1)
-    joint = torch.cat([scores, sink], dim=-1)
-    joint = joint - joint.amax(-1, keepdim=True).detach()
+    joint = torch.cat([scores, sink], dim=-1)  # torch.softmax subtracts the row's max itself
     return torch.softmax(joint, dim=-1)[..., :-1].to(dtype)
 
 
