@@ -347,7 +347,12 @@ torch.manual_seed(0)
 ONE = transformers.LlamaForCausalLM(transformers.LlamaConfig(
     vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
     num_key_value_heads=1, attn_implementation="sdpa")).eval()
-SMALL_P, SMALL_C = [[1, 2, 3], [4]], [[[5, 6], [7]], [[8, 9, 10], []]]
+with torch.no_grad():  # sharp attention: at the init's scale it is near uniform, and wrong positions change little
+    for _w in ONE.parameters():
+        if _w.dim() > 1:
+            _w.normal_(0, 0.5)
+# a later completion of two tokens: its second is predicted at its own position (restarting at len(P))
+SMALL_P, SMALL_C = [[1, 2, 3], [4]], [[[5, 6], [7, 11]], [[8, 9, 10], []]]
 
 
 def test_both_layouts_of_one_small_model_equal_the_reference():
@@ -358,7 +363,7 @@ def test_both_layouts_of_one_small_model_equal_the_reference():
     ref_lp, ref_ent = reference(ONE, SMALL_P, nonempty, temperature=0.5)
     for shared in (True, False):
         out = logprobs.token_logprobs(ONE, SMALL_P, SMALL_C, shared_prefix=shared)
-        assert [[len(x) for x in row] for row in out] == [[2, 1], [3, 0]]
+        assert [[len(x) for x in row] for row in out] == [[2, 2], [3, 0]]
         assert out[1][1].dtype == torch.float32
         assert max_err([out[0], out[1][:1]], ref) <= 1e-5
         assert_grads_close(grads(ONE, [out[0], out[1][:1]], w), ref_grads)
@@ -484,7 +489,8 @@ def test_the_shared_layout_is_asked_for_the_longest_sequence_and_a_refusal_warns
     monkeypatch.setattr(logprobs, "shared_prefix_unsupported", lambda lm, n: asked.append((lm, n)))
     assert logprobs._shared_prefix_serves(ONE, [[1, 2, 3], [4]], [[[5]], [[6, 7, 8, 9]]]) is True
     assert logprobs._shared_prefix_serves(ONE, [[1, 2, 3]], [[]]) is True  # a group without completions
-    assert asked == [(ONE, 5), (ONE, 3)]
+    assert logprobs._shared_prefix_serves(ONE, [], []) is True  # no group: nothing long
+    assert asked == [(ONE, 5), (ONE, 3), (ONE, 0)]
     monkeypatch.setattr(logprobs, "shared_prefix_unsupported", lambda lm, n: "why not")
     with pytest.warns(GRPOWarning, match="^shared-prefix forward disabled, using the standard layout: why not$"):
         assert logprobs._shared_prefix_serves(ONE, [[1]], [[[2]]]) is False
@@ -530,14 +536,14 @@ def test_flex_builds_the_block_mask_and_every_layer_is_checked(monkeypatch):
     real = logprobs.check_every_layer
     monkeypatch.setattr(logprobs, "check_every_layer", lambda calls, lm: checked.append((calls, lm)) or real(calls, lm))
     lm, decoder, head = logprobs._model_parts(ONE)
-    want, _ = logprobs._forward_shared_prefix(lm, decoder, head, SMALL_P, SMALL_C, 1.0, False)
+    want, _ = logprobs._forward_shared_prefix(lm, decoder, head, SMALL_P, SMALL_C, 1.0, False, "grouped")
     assert built == [] and checked == [(1, ONE)]
     with torch.no_grad():
         got, ent = logprobs._forward_shared_prefix(lm, decoder, head, SMALL_P, SMALL_C, 1.0, True, "flex")
-    assert built == [10] and checked[-1] == (1, ONE) and ent.shape == got.shape == (6,)
+    assert built == [11] and checked[-1] == (1, ONE) and ent.shape == got.shape == (7,)
     torch.testing.assert_close(got, want.detach())
     assert logprobs._forward_shared_prefix(lm, decoder, head, [[1]], [[[]]], 1.0, False, "flex")[0].shape == (0,)
-    assert built == [10]  # nothing to compute: no layout built
+    assert built == [11]  # nothing to compute: no layout built
 
 
 def test_the_device_is_the_input_embeddings_or_else_the_first_parameter():
@@ -557,3 +563,113 @@ def test_the_device_is_the_input_embeddings_or_else_the_first_parameter():
     assert _device(ONE_meta).type == "meta" and _device(ONE).type == "cpu"
     e = _empty(torch.device("meta"))
     assert e.shape == (0,) and e.device.type == "meta" and e.dtype == torch.float32
+
+
+def test_the_entry_picks_the_layout_the_kernel_and_the_micro_batches_it_is_asked_for(monkeypatch):
+    from grpo.engine import logprobs
+
+    calls = []
+    for name in ("_forward_shared_prefix", "_forward_standard"):
+        real = getattr(logprobs, name)
+        monkeypatch.setattr(logprobs, name, lambda *a, _n=name, _r=real: calls.append((_n, a[3:])) or _r(*a))
+    logprobs.token_logprobs(ONE, SMALL_P, SMALL_C)  # the default: shared
+    assert calls == [("_forward_shared_prefix", (SMALL_P, SMALL_C, 1.0, False, "grouped"))]
+    calls.clear()
+    logprobs.token_logprobs(ONE, SMALL_P, SMALL_C, shared_prefix=False, temperature=0.5, return_entropy=True)
+    assert calls == [("_forward_standard", (SMALL_P, SMALL_C, 0.5, True))]
+    calls.clear()
+    monkeypatch.setattr(logprobs, "flex_available", lambda: True)
+    monkeypatch.setattr(logprobs, "build_block_mask", lambda layout: None)  # (the grouped kernel runs instead)
+    with torch.no_grad():
+        logprobs.token_logprobs(ONE, SMALL_P, SMALL_C, attention_kernel="flex")
+    assert calls == [("_forward_shared_prefix", (SMALL_P, SMALL_C, 1.0, False, "flex"))]
+    for shared in (True, False):  # the plan of each layout, at the budget asked
+        calls.clear()
+        logprobs.token_logprobs(ONE, SMALL_P, SMALL_C, shared_prefix=shared, max_tokens_per_micro_batch=7)
+        plan = plan_micro_batches([3, 1], [[2, 2], [3, 0]], 7, shared_prefix=shared)
+        assert [c[1][:2] for c in calls] == [([SMALL_P[g] for g, _ in mb], [SMALL_C[g][sl] for g, sl in mb])
+                                              for mb in plan]
+    assert len(plan_micro_batches([3, 1], [[2, 2], [3, 0]], 7, shared_prefix=False)) == 3  # not the shared plan's 2
+
+
+def test_a_config_without_a_model_type_is_a_text_model():
+    from grpo.engine import logprobs
+
+    class Untyped(torch.nn.Module):
+        config = types.SimpleNamespace()
+
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        logprobs.token_logprobs(Untyped(), [[1]], [[[2]]], temperature=0)
+
+
+def test_both_layouts_read_the_models_config_for_its_head():
+    """The head's transform of the model's config (HyperCLOVA X's logit scale, grpo/engine/logprob_head.py) applies in
+    both layouts: the reference is the model's logits scaled by hand (Llama's own forward ignores the key)."""
+    from grpo.engine import logprobs
+
+    nonempty = [[r for r in cs if r] for cs in SMALL_C]
+    want = []
+    with torch.no_grad():
+        for p, cs in zip(SMALL_P, nonempty):
+            row = []
+            for r in cs:
+                logits = ONE(torch.tensor([p + r])).logits[0]
+                lp = torch.log_softmax(logits * 2.5, -1)[len(p) - 1:-1]
+                row.append(lp.gather(-1, torch.tensor(r)[:, None])[:, 0])
+            want.append(row)
+        ONE.config.model_type, ONE.config.logits_scaling = "hyperclovax", 2.5
+        try:
+            for shared in (True, False):
+                got = logprobs.token_logprobs(ONE, SMALL_P, SMALL_C, shared_prefix=shared)
+                assert max_err([got[0], got[1][:1]], want) <= 1e-5
+        finally:
+            del ONE.config.model_type, ONE.config.logits_scaling
+
+
+def test_the_decoder_is_the_models_own_answer_before_its_model_attribute():
+    from grpo.engine.logprobs import _model_parts
+
+    class TwoStacks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model, self.stack, self.head = (torch.nn.Linear(2, 2) for _ in range(3))
+
+        def get_output_embeddings(self):
+            return self.head
+
+        def get_decoder(self):
+            return self.stack
+
+    m = TwoStacks()
+    assert _model_parts(m) == (m, m.stack, m.head)
+    m.get_decoder = lambda: None  # no answer: the model attribute
+    assert _model_parts(m)[1] is m.model
+
+
+def test_a_config_without_attention_dropout_trains_with_flex(monkeypatch):
+    from grpo.engine import logprobs
+
+    monkeypatch.setattr(logprobs, "flex_available", lambda: True)
+    monkeypatch.setattr(ONE, "config", types.SimpleNamespace(model_type="llama"))
+    ONE.train()
+    try:
+        with torch.no_grad():
+            assert logprobs._resolve_kernel("flex", ONE) == "flex"
+    finally:
+        ONE.eval()
+
+
+def test_a_layer_that_does_not_pass_the_layout_on_reads_it_from_the_switch(monkeypatch):
+    """StableLM's decoder layers drop keyword arguments: the attention then reads the layout the switch holds."""
+    from grpo.engine import logprobs
+    from grpo.engine.prefix_attention import LAYOUT_KWARG
+
+    attn = ONE.model.layers[0].self_attn
+    real = type(attn).forward
+    monkeypatch.setattr(attn, "forward", lambda *a, **kw: real(attn, *a, **{k: v for k, v in kw.items()
+                                                                            if k != LAYOUT_KWARG}))
+    nonempty = [[r for r in cs if r] for cs in SMALL_C]
+    with torch.no_grad():
+        want, _ = reference(ONE, SMALL_P, nonempty)
+        got = logprobs.token_logprobs(ONE, SMALL_P, SMALL_C)
+    assert max_err([got[0], got[1][:1]], want) <= 1e-5

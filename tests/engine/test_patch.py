@@ -122,8 +122,10 @@ def test_every_config_once_with_its_sub_configs():
     top = _Cfg(text=leaf, vision=None, again=leaf)  # a None sub-config, one reached twice
     no_impl = types.SimpleNamespace(model_type="x")  # a config without an attention field: not switched
     model = _Holder(top, _Holder(leaf), _Holder(no_impl), _Holder(other), _Holder(top))
-    top.sub_configs["plain"] = None
-    top.plain = types.SimpleNamespace()  # a sub-config without the field is skipped
+    top.sub_configs["plain"] = top.sub_configs["absent"] = None
+    top.plain = types.SimpleNamespace()  # a sub-config without the field is skipped, one not set too
+    bare = types.SimpleNamespace(_attn_implementation="sdpa")  # no sub_configs at all
+    assert patch._configs(_Holder(bare)) == [bare]
     got = patch._configs(model)
     assert sorted(map(id, got)) == sorted(map(id, [top, leaf, other]))
     assert patch._configs(_Holder(None, _Holder(_Cfg(deep=_Cfg(deeper=leaf))))).count(leaf) == 1

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo.engine.layout import build_layout
-from grpo.engine.score_attention import ScoreExtras, score_attention
+from grpo.engine.score_attention import ScoreExtras, _dropped, score_attention
 from tests.engine.test_grouped_attention import allowed
 
 torch.set_num_threads(1)
@@ -100,13 +100,27 @@ def test_a_bfloat16_layer_gets_bfloat16_out_of_fp32_scores():
     torch.testing.assert_close(out.double(), want, rtol=0, atol=3e-2)
 
 
+def test_a_bfloat16_layer_without_sinks_gets_bfloat16_too():
+    lay, q, k, v = inputs()
+    q16, k16, v16 = (x.detach().bfloat16() for x in (q, k, v))
+    out = score_attention(q16, k16, v16, lay, SCALE, 0.0, ScoreExtras(window=3))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), reference(q16, k16, v16, mask(lay, PROMPTS, COMPLETIONS, 3), SCALE),
+                               rtol=0, atol=3e-2)
+
+
 def test_dropout_drops_weights_of_prompts_and_completions_and_keeps_the_expectation():
     lay, q, k, v = inputs()
     q, k, v = q.detach(), k.detach(), v.detach()
     extras = ScoreExtras(window=3)
     want = score_attention(q, k, v, lay, SCALE, 0.0, extras)
     torch.manual_seed(0)
-    runs = torch.stack([score_attention(q, k, v, lay, SCALE, 0.5, extras) for _ in range(400)])
+    runs = torch.stack([score_attention(q, k, v, lay, SCALE, 0.3, extras) for _ in range(400)])
+    assert torch.equal(score_attention(q, k, v, lay, SCALE, 0.0, extras), want)
+    torch.manual_seed(1)
+    dropped = _dropped(torch.ones(20000), 0.3)  # 30 % of the weights gone, the others scaled by 1 / 0.7
+    assert abs((dropped == 0).float().mean().item() - 0.3) < 0.02
+    torch.testing.assert_close(dropped[dropped != 0], torch.full_like(dropped[dropped != 0], 1 / 0.7))
     prompt_rows, comp_rows = lay.src < lay.n_groups * lay.max_prompt, lay.src >= lay.n_groups * lay.max_prompt
     for rows in (prompt_rows, comp_rows):
         assert (runs[0][:, rows] - want[:, rows]).abs().max() > 0.1  # dropped: this run differs

@@ -50,7 +50,8 @@ class Core:
 
 
 def test_qwens_image_tokens_are_its_patches_over_the_merge_squared():
-    assert vf._qwen_image_tokens(qwen_config(2), qwen_prompt([[1, 4, 6], [1, 2, 2]])) == (24 + 4) // 4
+    got = vf._qwen_image_tokens(qwen_config(2), qwen_prompt([[1, 4, 6], [1, 2, 2]]))
+    assert got == (24 + 4) // 4 and type(got) is int
     assert vf._qwen_image_tokens(qwen_config(1), qwen_prompt([[1, 2, 3]])) == 6
     assert vf._qwen_image_tokens(qwen_config(2), ImagePrompt([1, 2])) == 0
 
@@ -76,6 +77,26 @@ def test_qwens_features_are_the_towers_merged_ones_and_its_deepstack(deepstack):
         assert [d.tolist() for d in deep] == [(pixels + 1).tolist(), (pixels + 2).tolist()]
     else:
         assert deep is None
+
+
+def test_qwen2s_tower_has_no_deepstack_features():
+    core = Core()
+    core.get_image_features = lambda pixels, grid, return_dict: types.SimpleNamespace(pooler_output=[pixels])
+    p = qwen_prompt([[1, 2, 2]])
+    feats, deep = vf._qwen_features(core, [p])
+    assert torch.equal(feats, p.pixel_values) and deep is None
+
+
+def test_the_tiles_of_one_prompt_and_of_prompts_of_other_sizes_pad_into_one_batch():
+    one = tiled(2, 3, 5, 1)
+    got = vf.pad_tiles([one])
+    assert torch.equal(got["pixel_values"], one.pixel_values[None])
+    assert torch.equal(got["pixel_attention_mask"], one.pixel_attention_mask[None])
+    got = vf.pad_tiles([one, tiled(1, 4, 2, 2)])
+    assert got["pixel_values"].shape == (2, 2, 3, 4, 5) and got["pixel_attention_mask"].shape == (2, 2, 4, 5)
+    assert got["pixel_attention_mask"][0, :, :3, :].all() and not got["pixel_attention_mask"][0, :, 3:].any()
+    assert got["pixel_attention_mask"][1, 0, :, :2].all() and not got["pixel_attention_mask"][1, 0, :, 2:].any()
+    assert got["pixel_values"][1, 0, :, :, :2].eq(2).all() and got["pixel_values"][1, 1].eq(0).all()
 
 
 def test_qwens_positions_are_the_rope_index_with_images_and_text_positions_without():
@@ -114,7 +135,9 @@ def test_text_positions_and_image_runs():
 def test_idefics3s_tokens_are_each_tiles_patches_shuffled():
     config = types.SimpleNamespace(vision_config=types.SimpleNamespace(patch_size=4), scale_factor=2)
     p = ImagePrompt([1], torch.zeros(3, 3, 16, 8), tiles=torch.tensor([[1, 2]]))
-    assert vf._idefics3_image_tokens(config, p) == 3 * (16 // 4) * (8 // 4) // 4
+    assert vf._idefics3_image_tokens(config, p) == 3 * 4 * 2 // 4 and type(vf._idefics3_image_tokens(config, p)) is int
+    odd = ImagePrompt([1], torch.zeros(3, 3, 18, 9), tiles=torch.tensor([[1, 2]]))  # the tower's patches: whole ones
+    assert vf._idefics3_image_tokens(config, odd) == 3 * 4 * 2 // 4
     assert vf._idefics3_image_tokens(config, ImagePrompt([1])) == 0
 
 
