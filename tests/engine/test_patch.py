@@ -14,6 +14,7 @@ from grpo.engine.decode_attention import DECODE_ATTN_NAME, prefix_decode_attenti
 from grpo.engine.layout import ACTIVE
 from grpo.engine.prefix_attention import ATTN_NAME, prefix_attention_forward
 from tests.engine.test_state_hand_over import ToyRecurrent
+from tests.under_mutmut import bounded_under_mutmut  # noqa: F401  (a mutant that makes the config walk endless)
 
 torch.manual_seed(0)
 LLAMA = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -129,6 +130,10 @@ def test_every_config_once_with_its_sub_configs():
     got = patch._configs(model)
     assert sorted(map(id, got)) == sorted(map(id, [top, leaf, other]))
     assert patch._configs(_Holder(None, _Holder(_Cfg(deep=_Cfg(deeper=leaf))))).count(leaf) == 1
+    shared = _Cfg(sub=_Cfg())  # one config on two modules, its sub-config read after the second
+    assert len(patch._configs(_Holder(shared, _Holder(shared)))) == 2
+    leaf.sub_configs, leaf.parent = {"parent": None}, top  # a cycle: each config once, and the walk ends
+    assert sorted(map(id, patch._configs(model))) == sorted(map(id, [top, leaf, other]))
 
 
 def test_set_impl_writes_the_internal_field_where_the_config_has_one():
