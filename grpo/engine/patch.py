@@ -84,16 +84,15 @@ def register() -> None:
 
 def _configs(model) -> list:
     seen: dict[int, object] = {}
-    stack = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
-    while stack:
-        cfg = stack.pop()
+    todo = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
+    for cfg in todo:  # the list grows while it is read: each config's sub-configs are read in their turn
         if id(cfg) in seen:
             continue
         seen[id(cfg)] = cfg
-        for key in getattr(cfg, "sub_configs", {}) or {}:
+        for key in getattr(cfg, "sub_configs", None) or {}:
             sub = getattr(cfg, key, None)
             if sub is not None and hasattr(sub, "_attn_implementation"):
-                stack.append(sub)
+                todo.append(sub)
     return list(seen.values())
 
 
@@ -162,7 +161,8 @@ def switched_attention(model, name: str = ATTN_NAME, state=None):
 # --------------------------------------------------------------------------------------------- around the forward
 def placeholder_mask(device) -> torch.Tensor:
     """The zero-width 4-D ``attention_mask`` passed with our attention switched on (see the module doc)."""
-    return torch.ones(1, 1, 1, 0, dtype=torch.bool, device=device)
+    mask = torch.ones(1, 1, 1, 0, dtype=torch.bool)
+    return mask.to(device)  # pragma: no mutate
 
 
 def check_every_layer(calls: int, model, name: str = ATTN_NAME) -> None:

@@ -46,14 +46,13 @@ def _softmax(scores: torch.Tensor, allowed: torch.Tensor, extras: ScoreExtras, d
     layer has them), the sink's weight dropped. ``scores`` has its head dim at position 1."""
     if extras.softcap is not None:
         scores = torch.tanh(scores / extras.softcap) * extras.softcap
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = scores.masked_fill(~allowed, -torch.inf)
     if extras.sinks is None:
         return torch.softmax(scores, dim=-1).to(dtype)
     shape = [1] * scores.dim()
     shape[1] = -1
     sink = extras.sinks.float().view(shape).expand(*scores.shape[:-1], 1)
-    joint = torch.cat([scores, sink], dim=-1)
-    joint = joint - joint.amax(-1, keepdim=True).detach()
+    joint = torch.cat([scores, sink], dim=-1)  # torch.softmax subtracts the row's max itself
     return torch.softmax(joint, dim=-1)[..., :-1].to(dtype)
 
 
@@ -63,11 +62,11 @@ def score_attention(q, k, v, layout: PrefixLayout, scaling: float, dropout: floa
     Hkv, Dv = k.shape[0], v.shape[-1]
     rep = H // Hkv
     B, Pmax, Gmax, Smax = layout.n_groups, layout.max_prompt, layout.max_group, layout.max_completion
-    device = q.device
-    plen = torch.full((B,), Pmax, device=device) if layout.prompt_valid is None else layout.prompt_valid.sum(-1)
-    valid = torch.ones(B, Pmax, dtype=torch.bool, device=device) if layout.prompt_valid is None else layout.prompt_valid
-    j = torch.arange(Pmax, device=device)
-    s_idx = torch.arange(Smax, device=device)
+    idx = layout.prompt_idx  # (long, on the layout's device: what the index tensors below are made like)
+    plen = idx.new_full((B,), Pmax) if layout.prompt_valid is None else layout.prompt_valid.sum(1)
+    valid = idx.new_ones(B, Pmax, dtype=torch.bool) if layout.prompt_valid is None else layout.prompt_valid
+    j = idx.new_tensor(range(Pmax))
+    s_idx = idx.new_tensor(range(Smax))
 
     # ---- prompts: causal (and windowed) self-attention, once per group ----
     qp = q.index_select(1, layout.prompt_idx).view(Hkv, rep, B, Pmax, D).permute(2, 0, 1, 3, 4)
@@ -78,8 +77,8 @@ def score_attention(q, k, v, layout: PrefixLayout, scaling: float, dropout: floa
         allowed = (j[None, :] <= j[:, None])[None].repeat(B, 1, 1)
     if extras.window is not None:  # after the blocks: AND(window, OR(causal, block)), as Gemma 3's masks compose
         allowed &= (j[:, None] - j[None, :] < extras.window)[None]
-    allowed[..., 0] |= ~allowed.any(-1)  # padded prompt slots past a window: any finite row (their output is dropped)
-    s = torch.matmul(qp.reshape(B, Hkv, rep * Pmax, D), kp.transpose(-1, -2)).float() * scaling
+    allowed[..., :1] |= ~allowed.any(-1, keepdim=True)  # padded prompt slots past a window: a finite row (dropped)
+    s = torch.matmul(qp.reshape(B, Hkv, rep * Pmax, D), kp.transpose(2, 3)).float() * scaling
     a = _dropped(_softmax(s.view(B, H, Pmax, Pmax), allowed[:, None], extras, v.dtype), dropout)
     out_p = torch.matmul(a.view(B, Hkv, rep * Pmax, Pmax), vp).view(B, H, Pmax, Dv)
     out_p = out_p.transpose(1, 2).reshape(B * Pmax, H * Dv)
@@ -88,7 +87,7 @@ def score_attention(q, k, v, layout: PrefixLayout, scaling: float, dropout: floa
     qc = q.index_select(1, layout.comp_idx).view(Hkv, rep, B, Gmax, Smax, D).permute(2, 0, 1, 3, 4, 5)
     kc = k.index_select(1, layout.comp_idx).view(Hkv, B, Gmax, Smax, D).transpose(0, 1)  # (B, Hkv, G, S, D)
     vc = v.index_select(1, layout.comp_idx).view(Hkv, B, Gmax, Smax, Dv).transpose(0, 1)
-    s_p = torch.matmul(qc.reshape(B, Hkv, rep * Gmax * Smax, D), kp.transpose(-1, -2)).float() * scaling
+    s_p = torch.matmul(qc.reshape(B, Hkv, rep * Gmax * Smax, D), kp.transpose(2, 3)).float() * scaling
     s_c = torch.matmul(qc, kc.unsqueeze(2).transpose(-1, -2)).float() * scaling  # (B, Hkv, rep, G, S, S)
     a_pr = valid[:, None, :].expand(B, Smax, Pmax)  # (B, S, P): completion token k against prompt slot j
     a_own = s_idx[None, :] <= s_idx[:, None]  # (S, S)
@@ -103,9 +102,9 @@ def score_attention(q, k, v, layout: PrefixLayout, scaling: float, dropout: floa
     o_c = torch.matmul(a_c.reshape(B, Hkv, rep, Gmax, Smax, Smax), vc.unsqueeze(2))
     out_c = (o_p + o_c).permute(0, 3, 4, 1, 2, 5).reshape(B * Gmax * Smax, H * Dv)
 
-    out = torch.cat([out_p, out_c.to(out_p.dtype)], dim=0).index_select(0, layout.src)
+    out = torch.cat([out_p, out_c]).index_select(0, layout.src)  # both in v's dtype
     return out.view(1, T, H, Dv)
 
 
 def _dropped(a: torch.Tensor, dropout: float) -> torch.Tensor:
-    return F.dropout(a, p=dropout, training=True) if dropout > 0.0 else a
+    return F.dropout(a, p=dropout)  # the caller's p is 0 unless the layer trains: then the weights as they are

@@ -41,7 +41,7 @@ class VisionFamily:
 # --------------------------------------------------------------------------------------------- Qwen-VL
 def _qwen_image_tokens(config, prompt) -> int:
     merge = config.vision_config.spatial_merge_size
-    return 0 if prompt.n_images == 0 else int(prompt.image_grid_thw.prod(-1).sum()) // merge ** 2
+    return 0 if prompt.n_images == 0 else int(prompt.image_grid_thw.prod(1).sum()) // merge ** 2  # (images, 3)
 
 
 def _qwen_image_inputs(prompts) -> dict:
@@ -51,8 +51,9 @@ def _qwen_image_inputs(prompts) -> dict:
 
 def _qwen_features(core, prompts):
     """The tower's merged features of every image (one call) and Qwen3-VL's deepstack features (or None)."""
-    device = core.get_input_embeddings().weight.device
-    inputs = {k: v.to(device) for k, v in _qwen_image_inputs(prompts).items()}
+    device = core.get_input_embeddings().weight.device  # pragma: no mutate
+    inputs = _qwen_image_inputs(prompts)
+    inputs = {k: v.to(device) for k, v in inputs.items()}  # pragma: no mutate
     out = core.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True)
     deep = getattr(out, "deepstack_features", None)
     return torch.cat(out.pooler_output), ([torch.cat(f) for f in deep] if deep else None)
@@ -60,7 +61,7 @@ def _qwen_features(core, prompts):
 
 def _qwen_positions(core, prompt, image_token_id: int) -> torch.Tensor:
     """(3, P): the model's ``get_rope_index`` (images laid out on their grids); 0..P-1 without images."""
-    ids = torch.tensor(prompt.ids, dtype=torch.long)
+    ids = torch.tensor(prompt.ids)  # int64: the ids are ints
     if prompt.n_images == 0:
         return ids.new_tensor(range(len(ids)))[None, :].expand(3, -1)
     kinds = (ids == image_token_id).int()[None, :]
@@ -83,8 +84,10 @@ def _gemma3_image_inputs(prompts) -> dict:
 
 def _gemma3_features(core, prompts):
     """SigLIP on every image (one call, fixed-size images), pooled and projected by the multi-modal projector."""
-    device = core.get_input_embeddings().weight.device
-    out = core.get_image_features(_gemma3_image_inputs(prompts)["pixel_values"].to(device), return_dict=True)
+    device = core.get_input_embeddings().weight.device  # pragma: no mutate
+    pixels = _gemma3_image_inputs(prompts)["pixel_values"]
+    pixels = pixels.to(device)  # pragma: no mutate
+    out = core.get_image_features(pixels, return_dict=True)
     return out.pooler_output.flatten(0, 1), None
 
 
@@ -138,8 +141,9 @@ def pad_tiles(prompts) -> dict:
 def _idefics3_features(core, prompts):
     """The tower on every tile of the prompts (one call, padding tiles dropped by the model), pixel-shuffled and
     projected by the connector."""
-    device = core.get_input_embeddings().weight.device
-    inputs = {k: v.to(device) for k, v in pad_tiles(prompts).items()}
+    device = core.get_input_embeddings().weight.device  # pragma: no mutate
+    inputs = pad_tiles(prompts)
+    inputs = {k: v.to(device) for k, v in inputs.items()}  # pragma: no mutate
     out = core.get_image_features(inputs["pixel_values"], inputs["pixel_attention_mask"], return_dict=True)
     return torch.cat(out.pooler_output), None
 

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import types
 import warnings
 from pathlib import Path
 
@@ -337,3 +338,338 @@ def test_bench_quick_runs():
     assert low <= high and abs(low - speedup) <= 0.01  # one repeat: its speedup is the range
     # the combined ceiling also counts the lm_head, the same work in both layouts: between 1 and the larger ratio
     assert 1.0 < float(cells[8].rstrip("x")) <= max(linear, attention)
+
+
+# --------------------------------------------------------------------------------------------- narrow unit tests
+# One tiny one-layer llama built at import (a module's top runs once in the process every mutant of `make mutate` is
+# forked from), tiny groups: the entry's checks, choices and both forwards, each against the per-sequence reference.
+torch.manual_seed(0)
+ONE = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+    num_key_value_heads=1, attn_implementation="sdpa")).eval()
+with torch.no_grad():  # sharp attention: at the init's scale it is near uniform, and wrong positions change little
+    for _w in ONE.parameters():
+        if _w.dim() > 1:
+            _w.normal_(0, 0.5)
+# a later completion of two tokens: its second is predicted at its own position (restarting at len(P))
+SMALL_P, SMALL_C = [[1, 2, 3], [4]], [[[5, 6], [7, 11]], [[8, 9, 10], []]]
+
+
+def test_both_layouts_of_one_small_model_equal_the_reference():
+    from grpo.engine import logprobs
+
+    nonempty = [[r for r in cs if r] for cs in SMALL_C]
+    ref, w, ref_grads = reference_with_grads(ONE, SMALL_P, nonempty)
+    ref_lp, ref_ent = reference(ONE, SMALL_P, nonempty, temperature=0.5)
+    for shared in (True, False):
+        out = logprobs.token_logprobs(ONE, SMALL_P, SMALL_C, shared_prefix=shared)
+        assert [[len(x) for x in row] for row in out] == [[2, 2], [3, 0]]
+        assert out[1][1].dtype == torch.float32
+        assert max_err([out[0], out[1][:1]], ref) <= 1e-5
+        assert_grads_close(grads(ONE, [out[0], out[1][:1]], w), ref_grads)
+        lp, ent = logprobs.token_logprobs(ONE, SMALL_P, SMALL_C, shared_prefix=shared, temperature=0.5,
+                                          return_entropy=True)
+        for got, want in ((lp, ref_lp), (ent, ref_ent)):
+            assert max_err([got[0], got[1][:1]], want) <= 1e-5 and got[1][1].shape == (0,)
+
+
+def test_groups_without_a_completion_token_and_micro_batches():
+    from grpo.engine import logprobs
+
+    for shared in (True, False):
+        out, ent = logprobs.token_logprobs(ONE, [[1, 2]], [[[], []]], shared_prefix=shared, return_entropy=True)
+        assert [x.shape for x in out[0]] == [(0,), (0,)] == [x.shape for x in ent[0]]
+        full = logprobs.token_logprobs(ONE, SMALL_P, SMALL_C, shared_prefix=shared)
+        split = logprobs.token_logprobs(ONE, SMALL_P, SMALL_C, shared_prefix=shared, max_tokens_per_micro_batch=6)
+        assert max_err([split[0], split[1][:1]], [full[0], full[1][:1]]) <= 1e-6 and split[1][1].shape == (0,)
+
+
+def test_the_inputs_are_checked_before_the_model_runs():
+    from grpo.engine.logprobs import _as_groups, _as_list
+
+    with pytest.raises(ValueError, match="^2 prompts but 1 completion groups$"):
+        _as_groups([[1], [2]], [[[3]]], 1.0)
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match=f"^temperature must be > 0, got {bad}$"):
+            _as_groups([[1]], [[[3]]], bad)
+    with pytest.raises(ValueError, match="^group 1 has an empty prompt"):
+        _as_groups([[1], []], [[[3]], [[4]]], 1.0)
+    prompts, comps = _as_groups([torch.tensor([1, 2]), (3,)], [[torch.tensor([4])], [[5.0, 6]]], 0.01)
+    assert prompts == [[1, 2], [3]] and comps == [[[4]], [[5, 6]]]
+    assert all(type(t) is int for t in _as_list(torch.tensor([7, 8])) + _as_list([9.0]))
+
+
+def test_the_vision_families_and_the_refused_ones_go_to_the_image_path(monkeypatch):
+    from grpo.engine import logprobs
+
+    calls = []
+    monkeypatch.setattr(logprobs, "vision_token_logprobs", lambda *a, **kw: calls.append((a, kw)) or "images")
+    for model_type in ("qwen2_vl", "gemma3", "lfm2_vl"):
+        model = types_model(model_type)
+        got = logprobs.token_logprobs(model, "p", "c", shared_prefix=False, temperature=0.3,
+                                      max_tokens_per_micro_batch=7, return_entropy=True)
+        assert got == "images"
+        assert calls.pop() == ((model, "p", "c"), dict(shared_prefix=False, temperature=0.3,
+                                                      max_tokens_per_micro_batch=7, return_entropy=True))
+    with pytest.raises(ValueError, match="temperature"):  # a text model type: the text path
+        logprobs.token_logprobs(types_model("llama"), [[1]], [[[2]]], temperature=0)
+    assert calls == []
+
+
+def types_model(model_type):
+    return torch.nn.Module() if model_type is None else _Typed(model_type)
+
+
+class _Typed(torch.nn.Module):
+    def __init__(self, model_type):
+        super().__init__()
+        self.config = transformers.PretrainedConfig()
+        self.config.model_type = model_type
+
+
+def test_the_model_parts_of_a_plain_a_wrapped_and_a_headless_model(monkeypatch):
+    from grpo.engine.logprobs import _model_parts
+
+    assert _model_parts(ONE) == (ONE, ONE.model, ONE.lm_head)
+
+    class DistributedDataParallel(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    ddp = DistributedDataParallel(ONE)
+    with pytest.warns(UserWarning, match="DDP does not all-reduce these gradients"):
+        assert _model_parts(ddp) == (ONE, ONE.model, ONE.lm_head)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            assert _model_parts(ddp)[0] is ONE  # no gradients: nothing to all-reduce
+        assert _model_parts(ONE)[0] is ONE
+
+    class Own(torch.nn.Module):  # a decoder found through .model where get_decoder answers the model itself
+        def __init__(self, decoder="model", head=True):
+            super().__init__()
+            self.head = torch.nn.Linear(2, 2) if head else None
+            if decoder == "model":
+                self.model = torch.nn.Linear(2, 2)
+
+        def get_output_embeddings(self):
+            return self.head
+
+        def get_decoder(self):
+            return self
+
+    own = Own()
+    assert _model_parts(own) == (own, own.model, own.head)
+    with pytest.raises(ValueError, match="^Own has no output embeddings: token_logprobs needs a causal LM$"):
+        _model_parts(Own(head=False))
+    with pytest.raises(ValueError, match="^cannot find the decoder stack of Own$"):
+        _model_parts(Own(decoder=None))
+    plain = torch.nn.Module()
+    with pytest.raises(ValueError, match="^Module has no output embeddings"):
+        _model_parts(plain)
+
+    class NoGetter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model, self.head = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+        def get_output_embeddings(self):
+            return self.head
+
+    m = NoGetter()
+    assert _model_parts(m) == (m, m.model, m.head)
+
+
+def test_the_shared_layout_is_asked_for_the_longest_sequence_and_a_refusal_warns(monkeypatch):
+    from grpo.engine import logprobs
+    from grpo.errors import GRPOWarning
+
+    asked = []
+    monkeypatch.setattr(logprobs, "shared_prefix_unsupported", lambda lm, n: asked.append((lm, n)))
+    assert logprobs._shared_prefix_serves(ONE, [[1, 2, 3], [4]], [[[5]], [[6, 7, 8, 9]]]) is True
+    assert logprobs._shared_prefix_serves(ONE, [[1, 2, 3]], [[]]) is True  # a group without completions
+    assert logprobs._shared_prefix_serves(ONE, [], []) is True  # no group: nothing long
+    assert asked == [(ONE, 5), (ONE, 3), (ONE, 0)]
+    monkeypatch.setattr(logprobs, "shared_prefix_unsupported", lambda lm, n: "why not")
+    with pytest.warns(GRPOWarning, match="^shared-prefix forward disabled, using the standard layout: why not$"):
+        assert logprobs._shared_prefix_serves(ONE, [[1]], [[[2]]]) is False
+
+
+def test_the_kernel_choice_and_its_refusals(monkeypatch):
+    from grpo.engine import logprobs
+
+    assert logprobs.ATTENTION_KERNELS == ("auto", "grouped", "flex")
+    with pytest.raises(ValueError, match="^attention_kernel must be one of auto, grouped, flex, got 'fast'$"):
+        logprobs._resolve_kernel("fast", ONE)
+    assert logprobs._resolve_kernel("auto", ONE) == "grouped" == logprobs._resolve_kernel("grouped", ONE)
+    monkeypatch.setattr(logprobs, "flex_available", lambda: True)
+    with pytest.raises(ValueError, match="cannot run backward on CPU"):
+        logprobs._resolve_kernel("flex", ONE)
+    with torch.no_grad():
+        assert logprobs._resolve_kernel("flex", ONE) == "flex"
+        ONE.train()
+        try:
+            assert logprobs._resolve_kernel("flex", ONE) == "flex"  # training, no attention dropout
+            ONE.config.attention_dropout = 0.1
+            with pytest.raises(ValueError, match="has no attention dropout"):
+                logprobs._resolve_kernel("flex", ONE)
+            ONE.config.attention_dropout = None
+            assert logprobs._resolve_kernel("flex", ONE) == "flex"
+            ONE.config.attention_dropout = 0.1
+            ONE.eval()
+            assert logprobs._resolve_kernel("flex", ONE) == "flex"  # eval: dropout off
+        finally:
+            ONE.config.attention_dropout = 0.0
+            ONE.eval()
+        monkeypatch.setattr(logprobs, "flex_available", lambda: False)
+        with pytest.raises(ValueError, match="needs torch.nn.attention.flex_attention"):
+            logprobs._resolve_kernel("flex", ONE)
+        assert logprobs._resolve_kernel("auto", ONE) == "grouped"
+
+
+def test_flex_builds_the_block_mask_and_every_layer_is_checked(monkeypatch):
+    from grpo.engine import logprobs
+
+    built, checked = [], []
+    monkeypatch.setattr(logprobs, "build_block_mask", lambda layout: built.append(layout.n_tokens))
+    real = logprobs.check_every_layer
+    monkeypatch.setattr(logprobs, "check_every_layer", lambda calls, lm: checked.append((calls, lm)) or real(calls, lm))
+    lm, decoder, head = logprobs._model_parts(ONE)
+    want, _ = logprobs._forward_shared_prefix(lm, decoder, head, SMALL_P, SMALL_C, 1.0, False, "grouped")
+    assert built == [] and checked == [(1, ONE)]
+    with torch.no_grad():
+        got, ent = logprobs._forward_shared_prefix(lm, decoder, head, SMALL_P, SMALL_C, 1.0, True, "flex")
+    assert built == [11] and checked[-1] == (1, ONE) and ent.shape == got.shape == (7,)
+    torch.testing.assert_close(got, want.detach())
+    assert logprobs._forward_shared_prefix(lm, decoder, head, [[1]], [[[]]], 1.0, False, "flex")[0].shape == (0,)
+    assert built == [11]  # nothing to compute: no layout built
+
+
+def test_the_device_is_the_input_embeddings_or_else_the_first_parameter():
+    from grpo.engine.logprobs import _device, _empty
+
+    class NoEmbeddings(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1, device="meta"))
+
+        def get_input_embeddings(self):
+            return None
+
+    assert _device(NoEmbeddings()).type == "meta"
+    emb = torch.nn.Embedding(2, 2, device="meta")
+    ONE_meta = types.SimpleNamespace(get_input_embeddings=lambda: emb)
+    assert _device(ONE_meta).type == "meta" and _device(ONE).type == "cpu"
+    e = _empty(torch.device("meta"))
+    assert e.shape == (0,) and e.device.type == "meta" and e.dtype == torch.float32
+
+
+def test_the_entry_picks_the_layout_the_kernel_and_the_micro_batches_it_is_asked_for(monkeypatch):
+    from grpo.engine import logprobs
+
+    calls = []
+    for name in ("_forward_shared_prefix", "_forward_standard"):
+        real = getattr(logprobs, name)
+        monkeypatch.setattr(logprobs, name, lambda *a, _n=name, _r=real: calls.append((_n, a[3:])) or _r(*a))
+    logprobs.token_logprobs(ONE, SMALL_P, SMALL_C)  # the default: shared
+    assert calls == [("_forward_shared_prefix", (SMALL_P, SMALL_C, 1.0, False, "grouped"))]
+    calls.clear()
+    logprobs.token_logprobs(ONE, SMALL_P, SMALL_C, shared_prefix=False, temperature=0.5, return_entropy=True)
+    assert calls == [("_forward_standard", (SMALL_P, SMALL_C, 0.5, True))]
+    calls.clear()
+    monkeypatch.setattr(logprobs, "flex_available", lambda: True)
+    monkeypatch.setattr(logprobs, "build_block_mask", lambda layout: None)  # (the grouped kernel runs instead)
+    with torch.no_grad():
+        logprobs.token_logprobs(ONE, SMALL_P, SMALL_C, attention_kernel="flex")
+    assert calls == [("_forward_shared_prefix", (SMALL_P, SMALL_C, 1.0, False, "flex"))]
+    for shared in (True, False):  # the plan of each layout, at the budget asked
+        calls.clear()
+        logprobs.token_logprobs(ONE, SMALL_P, SMALL_C, shared_prefix=shared, max_tokens_per_micro_batch=7)
+        plan = plan_micro_batches([3, 1], [[2, 2], [3, 0]], 7, shared_prefix=shared)
+        assert [c[1][:2] for c in calls] == [([SMALL_P[g] for g, _ in mb], [SMALL_C[g][sl] for g, sl in mb])
+                                              for mb in plan]
+    assert len(plan_micro_batches([3, 1], [[2, 2], [3, 0]], 7, shared_prefix=False)) == 3  # not the shared plan's 2
+
+
+def test_a_config_without_a_model_type_is_a_text_model():
+    from grpo.engine import logprobs
+
+    class Untyped(torch.nn.Module):
+        config = types.SimpleNamespace()
+
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        logprobs.token_logprobs(Untyped(), [[1]], [[[2]]], temperature=0)
+
+
+def test_both_layouts_read_the_models_config_for_its_head():
+    """The head's transform of the model's config (HyperCLOVA X's logit scale, grpo/engine/logprob_head.py) applies in
+    both layouts: the reference is the model's logits scaled by hand (Llama's own forward ignores the key)."""
+    from grpo.engine import logprobs
+
+    nonempty = [[r for r in cs if r] for cs in SMALL_C]
+    want = []
+    with torch.no_grad():
+        for p, cs in zip(SMALL_P, nonempty):
+            row = []
+            for r in cs:
+                logits = ONE(torch.tensor([p + r])).logits[0]
+                lp = torch.log_softmax(logits * 2.5, -1)[len(p) - 1:-1]
+                row.append(lp.gather(-1, torch.tensor(r)[:, None])[:, 0])
+            want.append(row)
+        ONE.config.model_type, ONE.config.logits_scaling = "hyperclovax", 2.5
+        try:
+            for shared in (True, False):
+                got = logprobs.token_logprobs(ONE, SMALL_P, SMALL_C, shared_prefix=shared)
+                assert max_err([got[0], got[1][:1]], want) <= 1e-5
+        finally:
+            del ONE.config.model_type, ONE.config.logits_scaling
+
+
+def test_the_decoder_is_the_models_own_answer_before_its_model_attribute():
+    from grpo.engine.logprobs import _model_parts
+
+    class TwoStacks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model, self.stack, self.head = (torch.nn.Linear(2, 2) for _ in range(3))
+
+        def get_output_embeddings(self):
+            return self.head
+
+        def get_decoder(self):
+            return self.stack
+
+    m = TwoStacks()
+    assert _model_parts(m) == (m, m.stack, m.head)
+    m.get_decoder = lambda: None  # no answer: the model attribute
+    assert _model_parts(m)[1] is m.model
+
+
+def test_a_config_without_attention_dropout_trains_with_flex(monkeypatch):
+    from grpo.engine import logprobs
+
+    monkeypatch.setattr(logprobs, "flex_available", lambda: True)
+    monkeypatch.setattr(ONE, "config", types.SimpleNamespace(model_type="llama"))
+    ONE.train()
+    try:
+        with torch.no_grad():
+            assert logprobs._resolve_kernel("flex", ONE) == "flex"
+    finally:
+        ONE.eval()
+
+
+def test_a_layer_that_does_not_pass_the_layout_on_reads_it_from_the_switch(monkeypatch):
+    """StableLM's decoder layers drop keyword arguments: the attention then reads the layout the switch holds."""
+    from grpo.engine import logprobs
+    from grpo.engine.prefix_attention import LAYOUT_KWARG
+
+    attn = ONE.model.layers[0].self_attn
+    real = type(attn).forward
+    monkeypatch.setattr(attn, "forward", lambda *a, **kw: real(attn, *a, **{k: v for k, v in kw.items()
+                                                                            if k != LAYOUT_KWARG}))
+    nonempty = [[r for r in cs if r] for cs in SMALL_C]
+    with torch.no_grad():
+        want, _ = reference(ONE, SMALL_P, nonempty)
+        got = logprobs.token_logprobs(ONE, SMALL_P, SMALL_C)
+    assert max_err([got[0], got[1][:1]], want) <= 1e-5
