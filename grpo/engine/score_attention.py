@@ -65,8 +65,8 @@ def score_attention(q, k, v, layout: PrefixLayout, scaling: float, dropout: floa
     idx = layout.prompt_idx  # (long, on the layout's device: what the index tensors below are made like)
     plen = idx.new_full((B,), Pmax) if layout.prompt_valid is None else layout.prompt_valid.sum(1)
     valid = idx.new_ones(B, Pmax, dtype=torch.bool) if layout.prompt_valid is None else layout.prompt_valid
-    j = idx.new_tensor(range(Pmax))
-    s_idx = idx.new_tensor(range(Smax))
+    j = torch.arange(Pmax, device=idx.device)  # pragma: no mutate  (made on the device: no copy from the host)
+    s_idx = torch.arange(Smax, device=idx.device)  # pragma: no mutate
 
     # ---- prompts: causal (and windowed) self-attention, once per group ----
     qp = q.index_select(1, layout.prompt_idx).view(Hkv, rep, B, Pmax, D).permute(2, 0, 1, 3, 4)
