@@ -331,3 +331,11 @@ def test_an_answer_is_its_json_its_text_where_it_is_not_json_and_none_when_empty
     assert client._decoded(b'{"ok": [1, 2]}') == {"ok": [1, 2]} and client._decoded(b"0") == 0
     assert client._decoded(b"Success: LoRA adapter 'v3' added") == "Success: LoRA adapter 'v3' added"
     assert client._decoded(b"loaded \xff v3") == "loaded \ufffd v3"  # not UTF-8: replaced, never an error
+
+
+def test_a_key_is_sent_as_a_bearer_token_by_every_server_of_the_pool_and_a_refusal_names_it(fakes):
+    guarded = fakes(api_key="s3cret")
+    pool = ServerPool([guarded.url], api_key="s3cret", say=lambda msg: None)
+    assert pool.servers[0].get("/v1/models")["data"][0]["id"] == "tiny:llama"  # the guarded server let it in
+    with pytest.raises(ServerError, match="refused /v1/models: wrong or missing API key"):
+        Server(guarded.url, retries=0).get("/v1/models")
