@@ -259,6 +259,20 @@ def test_what_check_lets_through(kw):
     pipeline.check(_cfg(**kw))
 
 
+@pytest.mark.parametrize("device,seen", [("auto", "cpu"), ("cpu", "cpu"), ("cuda", "cuda")])
+def test_a_backends_own_refusal_is_asked_with_the_run_and_the_device_auto_resolved(device, seen, monkeypatch):
+    """One pass per batch is what a backend without several passes may train; its own check is asked last, with
+    the run's rollout section and the device (auto: cuda where there is one, else cpu)."""
+    asked = []
+    caps = registry.Capabilities(ahead="thread", ahead_ranks=False, ahead_passes=False)
+    monkeypatch.setitem(registry.BACKENDS._items, "own", registry.Backend(
+        "own", caps, "unused:make", refuse_ahead=lambda r, dev: asked.append((r, dev)) or None))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = _cfg(backend="own", device=device, passes=1)
+    pipeline.check(cfg)
+    assert asked == [(cfg.rollout, seen)]
+
+
 def test_the_server_refusals_follow_the_device_and_auto_is_resolved(cfg_factory):
     """Both weight paths push snapshots (nccl: `grpo.rollout.server.nccl.StreamSource`), so neither device is
     refused; ``rollout.backend=auto`` resolves to hf on the CPU (runs asynchronously) and the device ``auto`` to the
