@@ -197,6 +197,22 @@ def test_finish_scales_the_advantages_with_the_configured_eps(monkeypatch):
     assert batch.advantages.tolist() == pytest.approx([-0.5 / (std + 1.0), 0.5 / (std + 1.0)])
 
 
+@pytest.mark.parametrize("scale", ["group", "none", "batch"])
+def test_finish_asks_the_ranks_for_the_batch_std_only_when_the_batch_scales_the_advantages(monkeypatch, scale):
+    """With beta = 0 the only collectives of `finish` are the batch std's two (the sum and count, then the squared
+    deviations): ranks not scaling by the batch send none."""
+    import grpo.experience as experience
+    from grpo.batch import Batch
+
+    run = _FinishRun(beta=0.0, scale_rewards=scale)
+    sent = []
+    run.runtime.all_reduce = lambda values: sent.append(sorted(values)) or dict(values)
+    monkeypatch.setattr(experience, "nested_logprobs", run.logprobs)
+    two = Batch([{"prompt": "p"}], [[9]], [[[4], [5]]], [[False] * 2], torch.tensor([0.0, 1.0]), torch.zeros(2))
+    experience.finish(two, run.runtime, run.settings.collect, run)
+    assert sent == ([["n", "sum"], ["dev2"]] if scale == "batch" else [])
+
+
 class RecordingBackend(FixedBackend):
     """FixedBackend with the sampler's own log-probs and truncation flags, recording the seed of every call."""
 

@@ -83,8 +83,10 @@ def test_collect_seeds_every_turn_and_hands_the_episodes_to_the_rewards_and_the_
                                                                                                 seed=seed, **kw)
         batch = experience.collect(run.sampler, run.runtime, run.settings.collect, run)
         base = (run.settings.collect.seed, 0, run.sampler.prompts.epoch, run.sampler.prompts.position)
+        logged = experience.sampling_stats(run.runtime, batch.sums)
     finally:
         run.close()
     assert len(seeds) >= 2 and seeds == [step_seed(*base)] + [step_seed(*base, t) for t in range(2, len(seeds) + 1)]
     assert {"turns", "tool_calls", "episode"} <= set(columns) and len(columns["turns"]) == len(columns["truncated"])
     assert batch.episodes is not None and len(batch.episodes) == len(batch.completion_ids)
+    assert {"score", "episode"} <= set(batch.sums) and logged["episode/turns_mean"] >= 1  # the episodes are logged
