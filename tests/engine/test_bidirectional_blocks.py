@@ -26,13 +26,13 @@ COMPLETIONS = [[[21, 22], [23]], [[24, 25, 26]], [[27], [28, 29, 30, 31]]]
 H, HKV, D, SCALE, WINDOW = 4, 2, 8, 0.3, 3
 
 
-def hf_allowed(window: int | None, spans=SPANS) -> torch.Tensor:
+def hf_allowed(window: int | None, spans=SPANS, prompts=PROMPTS, completions=COMPLETIONS) -> torch.Tensor:
     """(T, T) bool on the packed row: each sequence [P; R_i]'s mask from transformers' mask functions (per-sequence
     indices), put where its tokens sit in the row."""
-    T = sum(len(p) + sum(map(len, cs)) for p, cs in zip(PROMPTS, COMPLETIONS))
+    T = sum(len(p) + sum(map(len, cs)) for p, cs in zip(prompts, completions))
     ok = torch.zeros(T, T, dtype=torch.bool)
     t = 0
-    for p, cs, sp in zip(PROMPTS, COMPLETIONS, spans):
+    for p, cs, sp in zip(prompts, completions, spans):
         P, start = len(p), t
         t += P
         for r in cs:
@@ -52,8 +52,8 @@ def hf_allowed(window: int | None, spans=SPANS) -> torch.Tensor:
     return ok
 
 
-def inputs(spans=SPANS):
-    lay = build_layout(PROMPTS, COMPLETIONS, torch.device("cpu"), bidirectional=spans)
+def inputs(spans=SPANS, prompts=PROMPTS, completions=COMPLETIONS):
+    lay = build_layout(prompts, completions, torch.device("cpu"), bidirectional=spans)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, lay.n_tokens, D, generator=g).requires_grad_() for h in (H, HKV, HKV))
     return lay, q, k, v
@@ -78,6 +78,22 @@ def test_kernels_equal_transformers_masks_with_blocks(kernel, window):
     g_o = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     for a, b in zip(torch.autograd.grad(out, (q, k, v), g_o), torch.autograd.grad(want, (q, k, v), g_o.double())):
         torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=1e-5)
+
+
+# prompts of one length (no padding: the layout's prompt_valid is None), and a first prompt shorter than the others
+# whose block starts at the row's first token (what a padded slot of its group reads)
+EVEN = ([[1, 2, 3, 4], [5, 6, 7, 8]], [[(1, 3)], []], [[[9], [10, 11]], [[12, 13]]])
+SHORT_FIRST = ([[1, 2, 3], [4, 5, 6, 7, 8]], [[(0, 2)], [(1, 4)]], [[[9, 10], [11]], [[12], [13, 14]]])
+
+
+@pytest.mark.parametrize("prompts, spans, completions", [EVEN, SHORT_FIRST], ids=["one-length", "short-first"])
+def test_the_grouped_kernel_equals_transformers_masks_with_prompts_of_one_length_or_a_short_first(
+        prompts, spans, completions):
+    lay, q, k, v = inputs(spans, prompts, completions)
+    assert (lay.prompt_valid is None) == (prompts is EVEN[0])
+    out = _grouped(q, k, v, lay)
+    want = reference(q, k, v, hf_allowed(None, spans, prompts, completions), SCALE)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-6)
 
 
 def test_the_rule_is_caught_when_broken():

@@ -238,3 +238,17 @@ def test_only_the_main_rank_says_what_it_read_of_a_checkpoint(built, tmp_path, m
                         read.append((name, bool(say))) or real(ckpt, name, say))
     assert checkpoint.restore(run, _with(cfg, resume="auto")).step == 1
     assert read == [(checkpoint.STATE, rank == 0), (f"rank_{rank}", False)]
+
+
+def test_a_finished_run_resumed_with_a_changed_schedule_says_nothing_takes_effect(built, tmp_path, capsys):
+    """At max_steps nothing trains: a changed schedule is not announced as in effect from the next step."""
+    run, cfg = built
+    cfg = _with(cfg, output_dir=str(tmp_path))
+    checkpoint.save_checkpoint(run, LoopState(step=cfg.trainer.max_steps), cfg)
+    checkpoint.restore(run, _with(cfg, resume="auto", warmup_steps=2))
+    err = capsys.readouterr().err
+    assert f"(step {cfg.trainer.max_steps})" in err and "changed since the checkpoint" not in err
+    other = _with(cfg, output_dir=str(tmp_path / "b"))
+    checkpoint.save_checkpoint(run, LoopState(step=cfg.trainer.max_steps - 1), other)
+    checkpoint.restore(run, _with(other, resume="auto", warmup_steps=2))
+    assert f"in effect from step {cfg.trainer.max_steps}: trainer.warmup_steps 4 -> 2" in capsys.readouterr().err
