@@ -121,6 +121,8 @@ def test_flex_kernel_honours_the_blocks():
     torch.testing.assert_close(out.double(), reference(q, k, v, hf_allowed(None), SCALE), rtol=0, atol=2e-6)
 
 
-def test_a_span_outside_its_prompt_is_refused():
-    with pytest.raises(ValueError, match=r"group 1: bidirectional span \[3, 5\) is not inside its prompt of 4"):
-        build_layout(PROMPTS, COMPLETIONS, "cpu", bidirectional=[[], [(3, 5)], []])
+@pytest.mark.parametrize("span", [(3, 5), (2, 2), (-1, 2)])
+def test_a_span_outside_its_prompt_or_empty_is_refused(span):
+    with pytest.raises(ValueError, match=rf"group 1: bidirectional span \[{span[0]}, {span[1]}\) is not inside its "
+                                         "prompt of 4"):
+        build_layout(PROMPTS, COMPLETIONS, "cpu", bidirectional=[[], [span], []])
