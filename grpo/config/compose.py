@@ -103,12 +103,13 @@ def apply_precedence(raw: DictConfig, overrides: list[str], choices: dict, compo
                 out[g] = plain[g]
     rec = _recipe_values(recipe)
     for key in sorted(open_dict_keys()):
-        section, leaf = key.split(".")  # every free-form dict is a section's key
-        if not isinstance(out.get(section), DictConfig):
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(out, parent)
+        if not isinstance(node, DictConfig):
             continue
-        base = _dict_base(key, parsed, choices, None if section in named else rec)
+        base = _dict_base(key, parsed, choices, None if key.partition(".")[0] in named else rec)
         if base is not None:
-            out[section][leaf] = _apply_overrides(base, key, parsed)  # the whole dict: no key-by-key merge
+            node[leaf] = _apply_overrides(base, key, parsed)  # the whole dict: no key-by-key merge
     return out
 
 
