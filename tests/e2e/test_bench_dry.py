@@ -240,16 +240,16 @@ def test_bench_async_quick_measures_every_variant(tmp_path):
 
 
 def test_bench_async_curve_trains_both_lags_and_plots_them(tmp_path):
-    """bench_async.py --curve (docs/benchmarks.md: the learning curves K=0 vs K=1), scaled to the smoke recipe's
-    3 steps: both runs train every step, K=1 on a lag (its metrics say so), and the figure is written."""
+    """bench_async.py --curve (docs/benchmarks.md: the learning curves K=0 vs K=1), scaled to the smoke recipe
+    at 2 steps: both runs train every step, K=1 on a lag (its metrics say so), and the figure is written."""
     png = tmp_path / "curve.png"
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_async.py"), "--curve", str(png), "--recipe",
-                        "smoke", "--override", "trainer.max_steps=3", "--override", "data.num_eval=0"],
+                        "smoke", "--override", "trainer.max_steps=2", "--override", "data.num_eval=0"],
                        capture_output=True, text=True, cwd=ROOT, timeout=600,
                        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert p.returncode == 0, p.stderr[-2000:]
     runs = {r["K"]: r for r in map(json.loads, p.stdout.splitlines())}
-    assert sorted(runs) == [0, 1] and all(len(r["rewards"]) == 3 and r["total_s"] > 0 for r in runs.values())
+    assert sorted(runs) == [0, 1] and all(len(r["rewards"]) == 2 and r["total_s"] > 0 for r in runs.values())
     assert runs[1]["staleness_max"] == 1 and runs[0]["staleness_max"] == 0
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 

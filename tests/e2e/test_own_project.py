@@ -61,7 +61,9 @@ def installed(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
-    p = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
+    # --no-compile: pip's byte-compiling of every module installed was a third of the install; the runs below
+    # compile the modules they import, once (user_env lets them write the bytecode)
+    p = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile",
                         f"torch=={torch.__version__.split('+')[0]}", str(build_wheel(tmp))],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -70,7 +72,8 @@ def installed(tmp_path_factory) -> Path:
 
 def user_env() -> dict:
     """The environment of a user's shell: nothing of this checkout or of its venv."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "GRPO_RECIPE_PATH")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "GRPO_RECIPE_PATH", "PYTHONDONTWRITEBYTECODE")}
     return {**env, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 
 
