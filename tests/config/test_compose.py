@@ -582,3 +582,23 @@ def test_a_reward_typo_lists_the_rewards_of_this_run_not_the_defaults():
         C.compose(["recipe=smoke", "reward=countdown", "reward.functions.acuracy.weight=2"])
     assert str(e.value).startswith("reward.functions has no 'acuracy' (did you mean 'accuracy'?); this run's rewards: "
                                    "accuracy, format, tags; ")
+
+
+def test_precedence_replaces_a_free_form_dict_below_a_section_whole(monkeypatch):
+    """A free-form dict two levels below its section (none is today: the rule must not depend on that): replaced at
+    its parent node by the recipe's whole dict, then the command line's keys; a group the command line names drops
+    the recipe's dict there as for a dict one level down."""
+    from omegaconf import OmegaConf
+
+    monkeypatch.setattr(C, "open_dict_keys", lambda: {"reward.deep.opts"})
+    monkeypatch.setattr(C, "_recipe_values", lambda recipe: OmegaConf.create({"reward": {"deep": {"opts": {"a": 1}}}}))
+    raw = OmegaConf.create({"reward": {"deep": {"opts": {"a": 1, "b": 2}}}})  # Hydra's key-by-key merge
+    out = C.apply_precedence(raw, ["reward.deep.opts.c=3"], {"recipe": "r"}, None)
+    assert OmegaConf.to_container(out.reward) == {"deep": {"opts": {"a": 1, "c": 3}}}
+
+    def compose_fn(overrides):  # the named group's section, its command-line keys composed in
+        return OmegaConf.create({"reward": {"deep": {"opts": {"b": 2, "c": 3}}}})
+
+    out = C.apply_precedence(raw, ["reward=math", "reward.deep.opts.c=3"], {"recipe": "r", "reward": "math"},
+                             compose_fn)
+    assert OmegaConf.to_container(out.reward) == {"deep": {"opts": {"b": 2, "c": 3}}}
