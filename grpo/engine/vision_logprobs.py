@@ -135,7 +135,7 @@ def _embeddings(vlm, core, prompts, layout) -> tuple[torch.Tensor, dict]:
     every prompt's image features in its image tokens, and the language model's extra inputs: Qwen3-VL's deepstack
     features (the tower's intermediate features, added to the image tokens' hidden states after the first language
     layers) with the mask of their slots."""
-    slots = image_slots(layout, prompts, vlm.config.image_token_id)
+    slots = image_slots(layout, vlm.config.image_token_id)
     ids = layout.input_ids.index_put((torch.zeros_like(slots), slots), torch.zeros_like(slots))  # overwritten below
     embeds = core.get_input_embeddings()(ids)  # (an image id past the vocabulary, as Gemma 3's may be, embeds as 0)
     with_images = [p for p in prompts if p.n_images]
@@ -150,7 +150,7 @@ def _embeddings(vlm, core, prompts, layout) -> tuple[torch.Tensor, dict]:
     return embeds.index_put((torch.zeros_like(slots), slots), feats.to(embeds.dtype)), extra
 
 
-def image_slots(layout, prompts, image_token_id: int) -> torch.Tensor:
+def image_slots(layout, image_token_id: int) -> torch.Tensor:
     """The packed row's indices of the prompts' image tokens, in order (a completion's image token is text)."""
     in_prompt = layout.segment == layout.prompt_segment
     return torch.nonzero(in_prompt & (layout.input_ids[0] == image_token_id)).squeeze(-1)

@@ -221,9 +221,9 @@ def assert_close(got, want):
 def test_image_slots_are_the_prompts_image_tokens_in_the_packed_row_never_a_completions():
     layout = build_layout([[1, 9, 9, 2], [9, 3]], [[[9, 4], [5]], [[9]]], "cpu")
     assert layout.input_ids[0].tolist() == [1, 9, 9, 2, 9, 4, 5, 9, 3, 9]
-    got = vl.image_slots(layout, None, 9)
+    got = vl.image_slots(layout, 9)
     assert got.tolist() == [1, 2, 7] and got.dtype == torch.long
-    one = vl.image_slots(build_layout([[1, 9]], [[[9]]], "cpu"), None, 9)
+    one = vl.image_slots(build_layout([[1, 9]], [[[9]]], "cpu"), 9)
     assert one.shape == (1,) and one.tolist() == [1]
 
 
@@ -330,7 +330,7 @@ def test_the_language_model_is_handed_the_packed_row_its_positions_and_our_atten
     assert layout.calls == 1 and layout.blocks is None  # Qwen: causal throughout
     assert torch.equal(seen["positions"], vl.packed_positions(m.model, QWEN, COMPS, image))
     row = layout.input_ids[0]
-    slots = vl.image_slots(layout, QWEN, image)
+    slots = vl.image_slots(layout, image)
     assert len(slots) == 4 + 5 and (row == image).sum() == 9 + 2  # two sampled image tokens stay text
     feats = m.model.visual.proj(torch.cat([p.pixel_values for p in QWEN[:2]])).float()
     want = text.embed(row.masked_fill(row == image, 0))
@@ -419,6 +419,19 @@ def test_a_family_without_token_kinds_is_not_handed_any_and_its_language_model_i
         assert_close(got, reference(m, GEMMA[:1], [[[3, 4]]])[0])
 
 
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2_vl"])
+def test_a_micro_batch_of_text_prompts_hands_the_standard_forward_no_image_inputs(kind, monkeypatch):
+    m = model(kind)
+    prompts = prompts_of(m)[2:]
+    family = vf.family_of(m)
+    asked = []
+    monkeypatch.setitem(vf.FAMILIES, kind, dataclasses.replace(
+        family, image_inputs=lambda ps: asked.append(ps) or family.image_inputs(ps)))
+    got = vl.vision_token_logprobs(m, prompts, COMPS[2:], shared_prefix=False)
+    assert asked == [] and m.model.calls[0].keys() == {"ids", "mask", "use_cache", family.kinds_kwarg}
+    assert_close(got, reference(m, prompts, COMPS[2:])[0])
+
+
 # --------------------------------------------------------------------------------------------- micro-batches
 @pytest.mark.parametrize("shared", [True, False])
 def test_micro_batches_give_the_same_log_probs(shared):
@@ -436,6 +449,20 @@ def test_micro_batches_give_the_same_log_probs(shared):
     assert_close(got, want)
     forwards = sum(any(r for g, sl in mb for r in COMPS[g][sl]) for mb in plan)  # none for an empty one
     assert len(text.seen) == forwards and len(m.model.calls) == (0 if shared else forwards)
+
+
+def test_the_standard_layout_cuts_micro_batches_by_its_own_token_count(monkeypatch):
+    """Every row carries its prompt there: the budget counts P + S_i per completion, not P once per group."""
+    m, budget = model("qwen2_vl"), 18
+    lens = [len(p) for p in QWEN], [[len(r) for r in cs] for cs in COMPS]
+    want = [[COMPS[g][sl] for g, sl in mb] for mb in plan_micro_batches(*lens, budget, shared_prefix=False)]
+    assert want != [[COMPS[g][sl] for g, sl in mb] for mb in plan_micro_batches(*lens, budget)]
+    handed, standard = [], vl._forward_standard
+    monkeypatch.setattr(vl, "_forward_standard", lambda vlm, core, prompts, comps, *rest: handed.append(comps)
+                        or standard(vlm, core, prompts, comps, *rest))
+    with torch.no_grad():
+        vl.vision_token_logprobs(m, QWEN, COMPS, shared_prefix=False, max_tokens_per_micro_batch=budget)
+    assert handed == want
 
 
 # --------------------------------------------------------------------------------------------- the image side
