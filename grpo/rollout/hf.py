@@ -22,7 +22,6 @@ from grpo.rollout.base import Sampling, cut_at_eos, eos_ids
 from grpo.rollout.turn_cache import TurnCache, batched, layer_tensors, plain_layers
 
 
-@torch.no_grad()
 def generate(model, tokenizer, prompt_ids: list[list[int]], sampling: Sampling, *, group_size: int = 1,
              batch_size: int = 8, desc: str = "rollout", progress: bool = True, share_prompt: bool = True,
              min_new_tokens: int = 0, suffixes: list[list[list[int]]] | None = None, context: Callable | None = None,
@@ -62,7 +61,8 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], sampling: Sampling, 
         return regroup([g[0] for g in ids], suffixes), regroup([g[0] for g in cut], suffixes)
     if not sampling.greedy:
         warn_truncated_sampling(sampling.top_p, sampling.top_k)
-    with context() if context is not None else contextlib.nullcontext({}) as extra:
+    # no_grad not as a decorator: mutmut (`make mutate`) does not mutate a decorated function
+    with torch.no_grad(), context() if context is not None else contextlib.nullcontext({}) as extra:
         return _generate(unwrap_model(model, peft=False), tokenizer, prompt_ids, sampling, group_size=group_size,
                          batch_size=batch_size, desc=desc, progress=progress, extra=extra, share_prompt=share_prompt,
                          min_new_tokens=min_new_tokens, suffixes=suffixes,
