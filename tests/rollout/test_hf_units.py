@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import DynamicCache, GenerationConfig, LlamaConfig
+from transformers import DynamicCache, GenerationConfig, LlamaConfig, MistralConfig
 
 import grpo.rollout.hf as hf
 from grpo.engine.decode_attention import DECODE_ATTN_NAME, DECODE_KWARG, SharedPrefixKV
@@ -28,15 +28,15 @@ def default_rule(tokens, positions):
 
 
 class Scripted(torch.nn.Module):
-    """A causal LM stand-in: next token = ``rule(token, position)`` (logit 10; ALT gets 5, the rest 0). Each forward
+    """A causal LM stand-in: next token = ``rule(token, position)`` (logit 100; ALT gets 50, the rest 0). Each forward
     is recorded, and writes one K/V column per input token into the cache (key = the token id, value = its
     position), as an attention layer does."""
 
-    def __init__(self, rule=default_rule, eos=EOS, layers=1):
+    def __init__(self, rule=default_rule, eos=EOS, layers=1, config=LlamaConfig):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.config = LlamaConfig(num_hidden_layers=layers, hidden_size=8, num_attention_heads=2,
-                                  num_key_value_heads=1, vocab_size=V)
+        self.config = config(num_hidden_layers=layers, hidden_size=8, num_attention_heads=2, num_key_value_heads=1,
+                             vocab_size=V)
         self.generation_config = GenerationConfig(eos_token_id=eos)
         self.rule, self.calls = rule, []
 
@@ -53,8 +53,8 @@ class Scripted(torch.nn.Module):
                 cache.update(input_ids[:, None, :, None].float(), pos[:, None, :, None].float(), layer)
         nxt = self.rule(input_ids, pos)
         logits = torch.zeros(B, T, V)
-        logits[..., ALT] = 5.0
-        logits.scatter_(-1, nxt[..., None], 10.0)
+        logits[..., ALT] = 50.0  # far apart: sampling at temperature 1 draws the rule's token (e^-50 else)
+        logits.scatter_(-1, nxt[..., None], 100.0)
         return SimpleNamespace(logits=logits)
 
 
@@ -65,6 +65,40 @@ class OldStyle(Scripted):
                 past_key_values=None, **kwargs):
         return super().forward(input_ids, attention_mask, position_ids, use_cache, logits_to_keep,
                                cache=past_key_values, **kwargs)
+
+
+class PromptLearning(Scripted):
+    """A prompt-learning PEFT wrapper (prefix / prompt tuning): its own forward must run (its virtual tokens), so
+    unwrapping it is refused (grpo/engine/unwrap.py)."""
+
+    peft_config = {"default": SimpleNamespace(is_prompt_learning=True)}
+    active_peft_config = peft_config["default"]
+
+    def get_base_model(self):
+        return self
+
+
+class Bar:
+    """A stand-in for tqdm, recording what it is made with and told."""
+
+    made: list = []
+
+    def __init__(self, **kw):
+        self.kw, self.updates, self.closed = kw, [], False
+        Bar.made.append(self)
+
+    def update(self, n):
+        self.updates.append(n)
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def bars(monkeypatch):
+    monkeypatch.setattr(hf, "tqdm", Bar)
+    monkeypatch.setattr(Bar, "made", [])
+    return Bar.made
 
 
 def tokenizer(pad=0, eos=None):
@@ -217,6 +251,10 @@ def test_decode_against_a_shared_prompt_switches_attention_and_checks_every_laye
     assert len(model.calls) == 3 and out.shape == (2, 3)
     assert all(c.mask is sentinel and c.kwargs[DECODE_KWARG] is shared for c in model.calls)
     assert [c.pos for c in model.calls] == [[[2], [2]], [[3], [3]], [[4], [4]]]
+    checked.clear()
+    hf.decode(model, torch.tensor([3, 3]), torch.ones(2, 3, dtype=torch.long), DynamicCache(config=model.config),
+              hf.greedy_pick, max_new_tokens=1, eos=[EOS], pad_id=0, shared=shared)
+    assert checked == [(7, model, DECODE_ATTN_NAME)]  # after the first step's forward, whatever the length
 
 
 # --------------------------------------------------------------------------------------------- generate
@@ -302,8 +340,8 @@ def test_a_truncated_distribution_warns_once_per_process(monkeypatch):
         warnings.simplefilter("error")
         hf.warn_truncated_sampling(0.5, 3)
     monkeypatch.setattr(hf, "_warned_truncated", False)
-    with pytest.warns(GRPOWarning, match="top_k=5"):
-        hf.warn_truncated_sampling(1.0, 5)
+    with pytest.warns(GRPOWarning, match="top_k=1"):
+        hf.warn_truncated_sampling(1.0, 1)
     monkeypatch.setattr(hf, "_warned_truncated", False)
     with pytest.warns(GRPOWarning) as seen:
         run(Scripted(), [[5, 6]], Sampling(2, top_k=4))
@@ -531,7 +569,7 @@ def reference_draw(logits, u, temperature, top_k, top_p):
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 3, 1.0), (1.0, 0, 0.6),
-                                                     (0.8, 4, 0.5), (1.0, 8, 1.0), (1.0, 9, 1.0)])
+                                                     (0.8, 4, 0.5), (1.0, 8, 1.0), (1.0, 9, 1.0), (1.0, 1, 1.0)])
 def test_sample_tokens_is_the_inverse_cdf_of_the_warped_softmax(temperature, top_k, top_p):
     logits = torch.randn(400, 8, generator=torch.Generator().manual_seed(1)) * 2
     got = hf.sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -547,6 +585,9 @@ def test_sample_tokens_never_returns_a_token_past_the_mass(monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=torch.float64))
     logits = torch.tensor([[0.0, 1.0, -math.inf, -math.inf], [2.0, -math.inf, 0.0, 1.0]])
     assert hf.sample_tokens(logits).tolist() == [1, 3]
+    # a token of 2e-9 mass after one that holds all of float32's: still drawn where the draw lands on it (top_p=1
+    # restricts nothing)
+    assert hf.sample_tokens(torch.tensor([[0.0, -20.0]])).tolist() == [1]
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.zeros(shape, dtype=torch.float64))
     assert hf.sample_tokens(torch.tensor([[-math.inf, 1.0, 0.0]])).tolist() == [1]
 
@@ -561,3 +602,134 @@ def test_sample_tokens_refuses_logits_that_are_not_finite(bad):
 
 def test_greedy_pick_is_the_argmax_of_each_row():
     assert hf.greedy_pick(torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]])).tolist() == [1, 0]
+
+
+# --------------------------------------------------------------------------------------------- more of generate
+def test_generate_defaults_to_one_sample_per_prompt_in_batches_of_eight_with_a_rollout_bar(bars):
+    model = Scripted()
+    comps, _ = hf.generate(model, tokenizer(), [[5, 6, 7]] * 9, Sampling(2))
+    assert [len(g) for g in comps] == [1] * 9
+    assert [len(c.ids) for c in model.calls if len(c.ids[0]) == 2] == [8, 1]
+    (bar,) = bars
+    assert bar.kw == {"total": 9, "desc": "rollout", "unit": "seq", "leave": False, "disable": False}
+    assert bar.updates == [8, 1] and bar.closed
+
+
+def test_the_bar_counts_every_sample_or_every_suffix(bars):
+    run(Scripted(), [[5, 6], [7, 8]], Sampling(2), group_size=3, batch_size=1, desc="eval", progress=False)
+    run(Scripted(), [[5, 6], [7, 8]], Sampling(2, greedy=True), group_size=3)
+    run(Scripted(), [[5, 6], [7, 8]], Sampling(2), suffixes=[[[1], [2], [3]], [[4]]], group_size=7)
+    assert [b.kw["total"] for b in bars] == [6, 2, 4] and [b.updates for b in bars] == [[3, 3], [2], [4]]
+    assert bars[0].kw["desc"] == "eval" and bars[0].kw["disable"] is True
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_the_whole_context_fallback_keeps_every_setting_of_the_call(progress, bars, monkeypatch):
+    monkeypatch.setattr(hf, "has_recurrent_layers", lambda m: True)
+    events = []
+
+    @contextlib.contextmanager
+    def context():
+        events.append("enter")
+        yield {}
+
+    model = Scripted(rule=lambda t, p: torch.full_like(t, EOS))
+    comps, _ = hf.generate(model, tokenizer(), [[5, 6], [7, 3]], Sampling(3), suffixes=[[[8], [9]], [[4]]],
+                           batch_size=1, desc="turn 2", progress=progress, min_new_tokens=1, context=context)
+    assert events == ["enter"] and comps == [[[ALT, EOS], [ALT, EOS]], [[ALT, EOS]]]
+    assert [len(c.ids) for c in model.calls if len(c.ids[0]) > 1] == [1, 1, 1]  # batches of one context
+    assert [b.kw["desc"] for b in bars] == ["turn 2"] and bars[0].kw["disable"] is (not progress)
+
+
+def test_sampling_settings_reach_the_sampler(monkeypatch):
+    seen = []
+
+    def sampler(logits, **kw):
+        seen.append(kw)
+        return logits.argmax(-1)
+
+    monkeypatch.setattr(hf, "sample_tokens", sampler)
+    monkeypatch.setattr(hf, "_warned_truncated", True)  # said once already
+    run(Scripted(), [[5, 6]], Sampling(1, temperature=0.7, top_p=0.8, top_k=3))
+    assert seen == [{"temperature": 0.7, "top_p": 0.8, "top_k": 3}]
+
+
+def test_a_prompt_learning_peft_policy_samples_through_its_own_forward():
+    model = PromptLearning(rule=lambda t, p: torch.full_like(t, EOS))
+    comps, _ = run(model, [[5, 6]], Sampling(2))
+    assert comps == [[[EOS]]] and model.calls
+    comps, _ = run(model, [[5, 6]], Sampling(2), suffixes=[[[7], [8]]])
+    assert comps == [[[EOS], [EOS]]]
+
+
+def test_a_synced_empty_suffix_still_runs_its_discarded_forward():
+    """ZeRO-3: a row whose context adds nothing prefills one token, which every rank must still run."""
+
+    @contextlib.contextmanager
+    def context():
+        yield {"synced_gpus": lambda mine_left: False}
+
+    for ctx, want in ((context, [True, False, True]), (None, [True, True])):
+        model = Scripted(rule=lambda t, p: torch.full_like(t, EOS))
+        run(model, [[5, 6]], Sampling(2), suffixes=[[[]]], context=ctx)
+        assert [c.use_cache for c in model.calls] == want
+
+
+def test_a_group_of_one_decodes_from_its_own_prefill(monkeypatch):
+    asked = []
+    monkeypatch.setattr(hf, "_cascade_ok", lambda model, n: asked.append(n) or False)
+    run(Scripted(), [[5, 6, 7]], Sampling(4), group_size=1)
+    assert asked == []
+
+
+def test_a_later_turn_keeps_min_new_tokens(bars):
+    model = Scripted(rule=lambda t, p: torch.where(p >= 2, EOS, 5))
+    turns = TurnCache()
+    run(model, [[2, 3]], Sampling(4), turns=turns)
+    comps, _ = run(model, [[2, 3]], Sampling(4), turns=turns, suffixes=[[[5, EOS, 7]]], min_new_tokens=1)
+    assert comps == [[[ALT, EOS]]] and bars[-1].updates == [1]
+
+
+def test_the_cache_follows_the_models_config():
+    """A sliding-window model's prefill and its rows' own cache keep their window (the layers transformers makes
+    from the config)."""
+    model = Scripted(config=lambda **kw: MistralConfig(sliding_window=2, **kw))
+    ids, mask = hf._left_padded([[5, 6, 7, 8]], 0, "cpu")
+    cache = hf.prefill(model, ids, mask)
+    assert type(cache.layers[0]).__name__ == "DynamicSlidingWindowLayer"
+    forked = hf._forked(cache, torch.tensor([0, 0]))
+    assert forked.layers[0].keys.shape[0] == 2
+
+
+def recurrent_layer(n_prompts):
+    """A prefilled cache layer with recurrent state (a Mamba / GatedDeltaNet layer's): state i is prompt i's."""
+    return SimpleNamespace(conv_states={0: torch.arange(float(n_prompts))[:, None]},
+                           recurrent_states={0: torch.arange(float(n_prompts))[:, None] * 10},
+                           is_conv_states_initialized={0: True}, is_recurrent_states_initialized={0: True},
+                           has_previous_state={0: True}, conv_kernel_size={0: 4}, device="cpu", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("cascade", [True, False])
+def test_each_row_gets_its_prompts_recurrent_state(cascade, monkeypatch):
+    monkeypatch.setattr(hf, "shared_decode_unsupported", lambda model, n: None if cascade else "no")
+    model = Scripted()
+    cache = DynamicCache(config=model.config)
+    cache.layers[0] = recurrent_layer(2)
+    shared, out = hf._share_or_fork(model, cache, torch.ones(2, 3, dtype=torch.long), 2, 9)
+    assert (shared is not None) == cascade and (out is cache) != cascade
+    assert out.layers[0].conv_states[0][:, 0].tolist() == [0, 0, 1, 1]
+    assert out.layers[0].recurrent_states[0][:, 0].tolist() == [0, 0, 10, 10]
+
+
+def test_sample_tokens_defaults_to_the_plain_softmax():
+    logits = torch.randn(300, 6, generator=torch.Generator().manual_seed(2))
+    got = hf.sample_tokens(logits, generator=torch.Generator().manual_seed(3))
+    u = torch.rand(300, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(3))[:, 0].tolist()
+    assert sum(a != b for a, b in zip(got.tolist(), reference_draw(logits, u, 1.0, 0, 1.0))) <= 1
+
+
+def test_top_p_drops_a_token_whose_more_likely_ones_reach_it_exactly():
+    """Four equally likely tokens, top_p = 0.5: the two most likely (by the sort) reach 0.5; the third's more likely
+    tokens already hold 0.5, so it is dropped."""
+    draws = hf.sample_tokens(torch.zeros(4000, 4), top_p=0.5, generator=torch.Generator().manual_seed(0))
+    assert len(set(draws.tolist())) == 2
