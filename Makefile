@@ -61,7 +61,7 @@ test-vllm: setup-vllm
 lint: setup
 	$(VENV)/bin/ruff check grpo tests scripts
 
-# Mutation testing of the core modules (docs/testing.md; not in CI). mutmut (the `mutate` extra) mutates the modules
+# Mutation testing of every CPU module (docs/testing.md; not in CI). mutmut (the `mutate` extra) mutates the modules
 # of pyproject.toml's [tool.mutmut] only_mutate (the one list to edit when a module moves), runs each mutant against
 # the tests of that section's test files that reached the mutated function, and writes mutants/report.md: the score
 # and every survivor's diff. Fails when the score is below MUTATE_MIN_SCORE or a survivor is neither killed nor listed
