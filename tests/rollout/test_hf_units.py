@@ -114,6 +114,14 @@ def mask_of(call):
     return call.mask.tolist()
 
 
+def decode_rows(model, last, width=2, **kw):
+    """``hf.decode`` of rows whose ``width`` prompt tokens hold no padding (last: each row's last one), from an empty
+    cache, greedy, EOS the stand-in's unless ``eos`` says otherwise."""
+    kw = {"eos": [EOS], "pad_id": 0, **kw}
+    return hf.decode(model, torch.tensor(last), torch.ones(len(last), width, dtype=torch.long),
+                     DynamicCache(config=model.config), hf.greedy_pick, **kw)
+
+
 # --------------------------------------------------------------------------------------------- prefill
 def test_prefill_runs_every_token_but_the_last_at_its_left_padded_position():
     model = Scripted()
@@ -171,33 +179,28 @@ def test_decode_feeds_each_sample_at_the_next_position_with_a_growing_mask():
 def test_rows_pad_after_their_eos_and_the_loop_stops_when_every_row_has():
     """Row 0 says EOS at its first step, row 1 at its second; the loop stops there, not at max_new_tokens."""
     model = Scripted(rule=lambda t, p: torch.where(p >= torch.tensor([[2], [3]])[: len(t)], EOS, 5))
-    out = hf.decode(model, torch.tensor([3, 4]), torch.ones(2, 3, dtype=torch.long), DynamicCache(config=model.config),
-                    hf.greedy_pick, max_new_tokens=6, eos=[EOS], pad_id=29)
+    out = decode_rows(model, [3, 4], width=3, max_new_tokens=6, pad_id=29)
     assert out.tolist() == [[EOS, 29], [5, EOS]] and len(model.calls) == 2
 
 
 def test_the_loop_runs_max_new_tokens_when_no_row_stops():
     model = Scripted()
-    out = hf.decode(model, torch.tensor([3]), torch.ones(1, 2, dtype=torch.long), DynamicCache(config=model.config),
-                    hf.greedy_pick, max_new_tokens=4, eos=[EOS], pad_id=0)
+    out = decode_rows(model, [3], max_new_tokens=4)
     assert out.shape == (1, 4) and len(model.calls) == 4 and EOS not in out.tolist()[0]
 
 
 def test_every_eos_id_stops_a_row():
     model = Scripted(rule=lambda t, p: torch.full_like(t, 30))
-    out = hf.decode(model, torch.tensor([3]), torch.ones(1, 2, dtype=torch.long), DynamicCache(config=model.config),
-                    hf.greedy_pick, max_new_tokens=4, eos=[EOS, 30], pad_id=0)
+    out = decode_rows(model, [3], max_new_tokens=4, eos=[EOS, 30])
     assert out.tolist() == [[30]]
 
 
 def test_min_new_tokens_forbids_eos_for_that_many_steps_only():
     model = Scripted(rule=lambda t, p: torch.full_like(t, EOS))
-    out = hf.decode(model, torch.tensor([3]), torch.ones(1, 2, dtype=torch.long), DynamicCache(config=model.config),
-                    hf.greedy_pick, max_new_tokens=5, eos=[EOS], pad_id=0, min_new_tokens=2)
+    out = decode_rows(model, [3], max_new_tokens=5, min_new_tokens=2)
     assert out.tolist() == [[ALT, ALT, EOS]]
     model = Scripted(rule=lambda t, p: torch.full_like(t, EOS))
-    out = hf.decode(model, torch.tensor([3]), torch.ones(1, 2, dtype=torch.long), DynamicCache(config=model.config),
-                    hf.greedy_pick, max_new_tokens=5, eos=[EOS, 30], pad_id=0, min_new_tokens=1)
+    out = decode_rows(model, [3], max_new_tokens=5, eos=[EOS, 30], min_new_tokens=1)
     assert out.tolist() == [[ALT, EOS]]
 
 
@@ -210,8 +213,7 @@ def test_a_synced_decode_steps_on_until_no_rank_is_still_decoding():
         return len(asked) < 3  # another rank decodes for two more steps
 
     model = Scripted(rule=lambda t, p: torch.full_like(t, EOS))
-    out = hf.decode(model, torch.tensor([3]), torch.ones(1, 2, dtype=torch.long), DynamicCache(config=model.config),
-                    hf.greedy_pick, max_new_tokens=6, eos=[EOS], pad_id=0, synced=any_rank)
+    out = decode_rows(model, [3], max_new_tokens=6, synced=any_rank)
     assert asked == [False, False, False] and len(model.calls) == 3
     assert out.tolist() == [[EOS, 0, 0]]
 
@@ -245,15 +247,13 @@ def test_decode_against_a_shared_prompt_switches_attention_and_checks_every_laye
     monkeypatch.setattr(hf, "placeholder_mask", lambda device: sentinel)
     model = Scripted()
     shared = SharedPrefixKV(keys=[], values=[], valid=torch.ones(1, 2, dtype=torch.bool), group=2, calls=7)
-    out = hf.decode(model, torch.tensor([3, 3]), torch.ones(2, 3, dtype=torch.long), DynamicCache(config=model.config),
-                    hf.greedy_pick, max_new_tokens=3, eos=[EOS], pad_id=0, shared=shared)
+    out = decode_rows(model, [3, 3], width=3, max_new_tokens=3, shared=shared)
     assert entered == [(model, DECODE_ATTN_NAME, shared), "exit"] and checked == [(7, model, DECODE_ATTN_NAME)]
     assert len(model.calls) == 3 and out.shape == (2, 3)
     assert all(c.mask is sentinel and c.kwargs[DECODE_KWARG] is shared for c in model.calls)
     assert [c.pos for c in model.calls] == [[[2], [2]], [[3], [3]], [[4], [4]]]
     checked.clear()
-    hf.decode(model, torch.tensor([3, 3]), torch.ones(2, 3, dtype=torch.long), DynamicCache(config=model.config),
-              hf.greedy_pick, max_new_tokens=1, eos=[EOS], pad_id=0, shared=shared)
+    decode_rows(model, [3, 3], width=3, max_new_tokens=1, shared=shared)
     assert checked == [(7, model, DECODE_ATTN_NAME)]  # after the first step's forward, whatever the length
 
 
@@ -403,11 +403,7 @@ def test_a_later_turn_prefills_only_what_follows_the_kept_tokens():
 def test_kept_rows_after_a_shared_prompt_hold_the_prompt_then_their_own_tokens(monkeypatch):
     monkeypatch.setattr(hf, "_cascade_ok", lambda model, n: True)
 
-    @contextlib.contextmanager
-    def switched(model, name, state=None):
-        yield
-
-    monkeypatch.setattr(hf, "switched_attention", switched)
+    monkeypatch.setattr(hf, "switched_attention", lambda model, name, state=None: contextlib.nullcontext())
     monkeypatch.setattr(hf, "check_every_layer", lambda calls, model, name: None)
     model = Scripted(rule=lambda t, p: torch.where(p >= 3, EOS, 5))
     turns = TurnCache()
